@@ -1,0 +1,1 @@
+// Empty: carries the precompiled header that other targets reuse.
