@@ -1,0 +1,46 @@
+#include "components/optimizer.h"
+
+#include <torch/torch.h>
+
+#include "config/errors.h"
+
+namespace ctitan {
+
+std::unique_ptr<torch::optim::Optimizer> build_optimizer(std::vector<torch::Tensor> params,
+                                                         const OptimizerSpec& s) {
+  if (s.name == "AdamW") {
+    auto o = torch::optim::AdamWOptions(s.lr).betas({s.beta1, s.beta2}).eps(s.eps).weight_decay(
+        s.weight_decay);
+    return std::make_unique<torch::optim::AdamW>(std::move(params), o);
+  }
+  if (s.name == "Adam") {
+    auto o = torch::optim::AdamOptions(s.lr).betas({s.beta1, s.beta2}).eps(s.eps).weight_decay(
+        s.weight_decay);
+    return std::make_unique<torch::optim::Adam>(std::move(params), o);
+  }
+  throw UserError("config error: optimizer.name = \"" + s.name + "\" is not one of: AdamW, Adam");
+}
+
+void set_learning_rate(torch::optim::Optimizer& opt, double lr) {
+  for (auto& group : opt.param_groups()) group.options().set_lr(lr);
+}
+
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm) {
+  torch::NoGradGuard no_grad;
+  // Sum of squares in fp64 so the norm does not depend on how the sum is split (shards).
+  auto total = torch::zeros({}, torch::kFloat64);
+  for (const auto& p : params) {
+    const auto& g = p.grad();
+    if (g.defined()) total += g.to(torch::kFloat64).pow(2).sum();
+  }
+  const double norm = std::sqrt(total.item<double>());
+  if (max_norm > 0 && std::isfinite(norm)) {
+    const double coef = max_norm / (norm + 1e-6);
+    if (coef < 1.0)
+      for (const auto& p : params)
+        if (p.grad().defined()) p.grad().mul_(coef);
+  }
+  return norm;
+}
+
+}  // namespace ctitan

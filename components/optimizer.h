@@ -1,0 +1,30 @@
+// Optimizer construction (AdamW / Adam with torchtitan's hyper-parameter names) and
+// the small operations the training loop needs on it.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/optim/optimizer.h>
+
+namespace ctitan {
+
+struct OptimizerSpec {
+  std::string name = "AdamW";  // AdamW | Adam
+  double lr = 8e-4;
+  double beta1 = 0.9, beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;  // decoupled for AdamW, L2 for Adam (as torch.optim)
+};
+
+// params: the tensors this rank updates (with FSDP: its local shards only).
+std::unique_ptr<torch::optim::Optimizer> build_optimizer(std::vector<torch::Tensor> params,
+                                                         const OptimizerSpec& spec);
+
+void set_learning_rate(torch::optim::Optimizer& opt, double lr);
+
+// Global L2 norm of the gradients of `params`, then scales them so the norm is at most
+// max_norm (max_norm <= 0: measure only). Returns the norm before clipping.
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
+
+}  // namespace ctitan

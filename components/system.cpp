@@ -1,0 +1,80 @@
+#include "components/system.h"
+
+#include <dlfcn.h>
+
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+namespace ctitan {
+
+BlasInfo detect_blas() {
+  BlasInfo info;
+  void* sym = dlsym(RTLD_DEFAULT, "sgemm_");
+  Dl_info dl{};
+  if (sym && dladdr(sym, &dl) && dl.dli_fname) {
+    char resolved[PATH_MAX];
+    info.library = realpath(dl.dli_fname, resolved) ? resolved : dl.dli_fname;
+  }
+  // Debian installs netlib's reference BLAS as .../x86_64-linux-gnu/blas/libblas.so.3;
+  // OpenBLAS, BLIS and MKL live in their own folders (openblas-pthread/, blis-.../).
+  info.is_reference = info.library.find("/blas/libblas.so") != std::string::npos;
+  return info;
+}
+
+BlasInfo check_blas_and_warn() {
+  BlasInfo info = detect_blas();
+  if (info.is_reference) {
+    spdlog::warn(
+        "BLAS: fp32 matmuls go through the reference BLAS ({}), ~60x slower than OpenBLAS. "
+        "HINT: apt-get install libopenblas0-pthread (or: update-alternatives --config "
+        "libblas.so.3-x86_64-linux-gnu)",
+        info.library);
+  } else {
+    spdlog::info("BLAS: {}", info.library.empty() ? "(no sgemm_ symbol: LibTorch's own)" : info.library);
+  }
+  return info;
+}
+
+static double read_status_kib(const char* field) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  const std::string key = std::string(field) + ":";
+  while (std::getline(f, line)) {
+    if (line.rfind(key, 0) == 0) {
+      std::istringstream is(line.substr(key.size()));
+      double kib = 0;
+      is >> kib;
+      return kib;
+    }
+  }
+  return 0.0;
+}
+
+double peak_rss_gib() { return read_status_kib("VmHWM") / (1024.0 * 1024.0); }
+double current_rss_gib() { return read_status_kib("VmRSS") / (1024.0 * 1024.0); }
+
+double measure_matmul_peak_flops(const std::string& dtype) {
+  torch::NoGradGuard no_grad;
+  const auto st = dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat32;
+  const int64_t n = 1024;
+  auto a = torch::randn({n, n}).to(st);
+  auto b = torch::randn({n, n}).to(st);
+  auto c = torch::matmul(a, b);  // warm-up (thread pool, oneDNN kernels)
+  double best = 0.0;
+  for (int rep = 0; rep < 4; ++rep) {
+    auto t0 = std::chrono::steady_clock::now();
+    c = torch::matmul(a, b);
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, 2.0 * n * n * n / s);
+  }
+  return best;
+}
+
+}  // namespace ctitan

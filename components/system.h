@@ -1,0 +1,28 @@
+// Facts about the process and the machine that training reports or depends on.
+#pragma once
+#include <string>
+
+namespace ctitan {
+
+struct BlasInfo {
+  std::string library;     // resolved path of the library that provides sgemm_
+  bool is_reference = false;  // netlib's reference BLAS: ~60x slower fp32 matmul
+};
+
+// Finds which BLAS LibTorch's fp32 matmuls go through (Debian's LibTorch calls the
+// system libblas.so.3, an update-alternatives link).
+BlasInfo detect_blas();
+
+// Logs a warning with the fix when the reference BLAS is active. Returns the info.
+BlasInfo check_blas_and_warn();
+
+// Peak resident set size of this process so far, in GiB (VmHWM).
+double peak_rss_gib();
+// Current resident set size, in GiB (VmRSS).
+double current_rss_gib();
+
+// Measures the dense matmul throughput of this process's threads (FLOP/s) with a few
+// square matmuls of the given dtype ("float32" or "bfloat16"); takes ~0.2-0.5 s.
+double measure_matmul_peak_flops(const std::string& dtype);
+
+}  // namespace ctitan

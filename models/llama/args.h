@@ -1,0 +1,67 @@
+// Llama 3 model arguments, flavors and analytic sizes (plain C++: no LibTorch, so config
+// code and the FLOP/MFU accounting can use them without pulling torch headers).
+//
+// Mirrors torchtitan v0.2.x torchtitan/models/llama3/{model/args.py,__init__.py}.
+// Dimension legend: D = dim, L = n_layers, H = n_heads, KV = n_kv_heads, hd = D / H,
+// F = ffn_hidden_dim(args), V = vocab_size, T = sequence length.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "models/rope_args.h"
+
+namespace ctitan::llama {
+
+struct TransformerModelArgs {
+  int64_t dim = 4096;
+  int64_t n_layers = 32;
+  int64_t n_heads = 32;
+  std::optional<int64_t> n_kv_heads;  // unset: n_heads (plain multi-head attention)
+  // torchtitan's default (the Llama 3 tiktoken vocabulary); the 8B/70B/405B flavors rely on
+  // it, debugmodel sets 2048. A tokenizer with another vocabulary overrides it.
+  int64_t vocab_size = 128256;
+  int64_t multiple_of = 256;  // SwiGLU hidden size is rounded up to a multiple of this
+  std::optional<double> ffn_dim_multiplier;
+  double norm_eps = 1e-5;
+  double rope_theta = 10000;
+  // Llama 3.1 frequency scaling; torchtitan v0.2.x enables it for all llama3 flavors.
+  std::optional<RoPEScalingArgs> rope_scaling = RoPEScalingArgs{};
+  // Length of the RoPE table; torchtitan sets it to training.seq_len (update_from_config).
+  int64_t max_seq_len = 131072;
+  // true: block i inits its output projections with std 0.02/sqrt(2(i+1));
+  // false: every block uses 0.02/sqrt(2L).
+  bool depth_init = true;
+
+  int64_t kv_heads() const { return n_kv_heads ? *n_kv_heads : n_heads; }
+  int64_t head_dim() const { return dim / n_heads; }
+};
+
+// Flavors exactly as torchtitan v0.2.x: debugmodel, 8B, 70B, 405B.
+// Unknown name -> ctitan::UserError
+//   unknown model.flavor "x" for llama3; valid: debugmodel, 8B, 70B, 405B
+TransformerModelArgs llama3_flavor(const std::string& flavor);
+std::vector<std::string> llama3_flavor_names();
+
+// Throws ctitan::UserError naming the offending values (e.g. dim not divisible by n_heads).
+void validate(const TransformerModelArgs& args);
+
+// torchtitan FeedForward sizing: h = 4D; h = int(2h/3); h = int(multiplier*h) if set;
+// round h up to a multiple of multiple_of.
+int64_t ffn_hidden_dim(const TransformerModelArgs& args);
+
+struct ParamCounts {
+  int64_t total = 0;      // every parameter of the Transformer
+  int64_t embedding = 0;  // tok_embeddings only (torchtitan counts nn.Embedding children only;
+                          // the untied output projection is a non-embedding parameter)
+};
+// Computed from the shapes, without allocating anything.
+ParamCounts count_params(const TransformerModelArgs& args);
+
+// torchtitan get_dense_model_nparams_and_flops: 6 (N - N_embedding) + 12 L H hd T
+// (6 per parameter for forward+backward matmuls; 12 L H hd T for the two attention matmuls,
+// causal sparsity not discounted).
+double flops_per_token(const TransformerModelArgs& args, int64_t seq_len);
+
+}  // namespace ctitan::llama

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The README's test command: installs what is missing, builds everything, runs every test.
+#   ./scripts/test.sh                 # all tests
+#   ./scripts/test.sh -R config       # extra arguments go to ctest
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+ctitan_ensure_deps
+start=$(date +%s)
+ctitan_build
+ctitan_log "build took $(( $(date +%s) - start )) s"
+cd "$CTITAN_BUILD_DIR"
+ctest --output-on-failure --timeout 900 "$@"
