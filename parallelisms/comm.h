@@ -1,0 +1,94 @@
+// Process groups and the collectives FSDP needs, with timeouts that become errors.
+//
+// LibTorch 1.13's Gloo backend has no reduce_scatter and no flat (_allgather_base)
+// all-gather. Here:
+//  - all_gather_flat: the list form of allgather whose outputs are views into one
+//    [N, S] buffer, so callers see one contiguous tensor;
+//  - reduce_scatter_sum: alltoall_base (rank r sends chunk j of its input to rank j) and a
+//    local sum of the N received chunks. Each rank sends and receives (N-1)/N of the
+//    buffer, the traffic of a ring reduce-scatter — an all-reduce would move twice that.
+#pragma once
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "parallelisms/launch_env.h"
+
+namespace ctitan {
+
+// What error messages say about where the job was: set by the training loop.
+struct CommContext {
+  static void set_step(int64_t step);
+  static int64_t step();
+  // Every wait() gives up after this long (comm.init_timeout_seconds until the first
+  // step finishes, comm.train_timeout_seconds after).
+  static void set_timeout(std::chrono::milliseconds t);
+  static std::chrono::milliseconds timeout();
+};
+
+// An issued collective; wait() blocks (up to the CommContext timeout) and then runs the
+// local post-processing (the sum of a reduce-scatter, say). Errors name the collective,
+// the group, the step and the rank.
+class PendingCollective {
+ public:
+  PendingCollective() = default;
+  PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish,
+                    std::string what, std::string where);
+  void wait();
+  bool pending() const { return static_cast<bool>(work_) || static_cast<bool>(finish_); }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::function<void()> finish_;
+  std::string what_, where_;
+};
+
+class Comm {
+ public:
+  Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::string name, int64_t global_rank);
+  int64_t rank() const { return rank_; }
+  int64_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+
+  // input [S] → out [N·S] (rank r's input lands at [r·S, (r+1)·S)).
+  PendingCollective all_gather_flat(const at::Tensor& input, at::Tensor out, const std::string& tag);
+  // input [N·S] (same shape on every rank) → out [S]: out = Σ_ranks input[rank·S:(rank+1)·S].
+  PendingCollective reduce_scatter_sum(const at::Tensor& input, at::Tensor out, const std::string& tag);
+  // In place, sum over the group.
+  PendingCollective all_reduce_sum(at::Tensor t, const std::string& tag);
+  void broadcast(at::Tensor t, int64_t root, const std::string& tag);
+  void barrier(const std::string& tag);
+
+  // A throwing wrapper used by the other collectives; public for tests and tools.
+  [[noreturn]] void fail(const std::string& what, const std::string& reason) const;
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  std::string name_;
+  int64_t global_rank_, rank_, size_;
+};
+
+// The world group plus the rendezvous store. Created once per process.
+struct Distributed {
+  LaunchEnv env;
+  c10::intrusive_ptr<c10d::Store> store;
+  std::shared_ptr<Comm> world;
+  // Creates a sub-group of `ranks` (global ranks, ascending) — every rank of the world
+  // must call it with the same arguments in the same order; returns nullptr on ranks
+  // outside the group.
+  std::shared_ptr<Comm> new_group(const std::vector<int64_t>& ranks, const std::string& name);
+
+ private:
+  int64_t group_counter_ = 0;
+};
+
+// TCPStore rendezvous at MASTER_ADDR:MASTER_PORT (rank 0 serves) + ProcessGroupGloo.
+// Throws RuntimeFailure naming the address when the rendezvous times out.
+std::unique_ptr<Distributed> init_distributed(const LaunchEnv& env,
+                                              std::chrono::milliseconds init_timeout);
+
+}  // namespace ctitan

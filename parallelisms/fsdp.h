@@ -1,0 +1,116 @@
+// Fully sharded data parallelism with FSDP2 semantics, applied from outside the model.
+//
+// Every parameter is sharded on dim 0 over the shard group: rank r holds rows
+// [r·c, (r+1)·c) with c = ceil(rows / N), zero-padded when rows is not a multiple of N.
+// The optimizer sees only these fp32 local shards ("master weights"). The model's own
+// parameter tensors become the *unsharded* parameters in the compute dtype; their
+// storage is allocated only while a unit runs (forward, and backward when freed after
+// forward) and released with at::native::resize_bytes_cpu, so autograd, which keeps
+// referring to the same tensors, sees the data again when backward re-gathers it.
+//
+// Per unit (tok_embeddings, each block, [norm, output]):
+//   forward  : wait for/issue its all-gather; prefetch the next unit's; run; free the
+//              unsharded parameters (parallelism.fsdp_reshard_after_forward).
+//   backward : an identity node on the unit's output fires before the unit's backward
+//              and re-gathers (prefetching the unit before it); gradient-accumulator
+//              hooks see when every parameter of the unit has its gradient, which is then
+//              reduce-scattered (reduce dtype, mean over the dp group; HSDP: all-reduce
+//              over the replicate group after) and the unsharded storage freed.
+//   finish_backward(): waits for the outstanding reduce-scatters and accumulates them
+//              into the shards' .grad (gradient accumulation adds micro-batches).
+#pragma once
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "models/unit_runner.h"
+#include "parallelisms/comm.h"
+
+namespace ctitan {
+
+struct FSDPOptions {
+  // default: free after forward except the last unit (it is needed again at once in
+  // backward), as torchtitan; always; never.
+  std::string reshard_after_forward = "default";
+  at::ScalarType param_dtype = at::kFloat;   // compute dtype of the unsharded parameters
+  at::ScalarType reduce_dtype = at::kFloat;  // dtype of the gradient reduction
+  bool prefetch = true;                      // issue the next unit's all-gather early
+};
+
+struct FSDPStats {
+  double comm_wait_s = 0;   // time blocked waiting on collectives (exposed communication)
+  int64_t all_gathers = 0;
+  int64_t reduce_scatters = 0;
+};
+
+class FSDP : public UnitRunner, public std::enable_shared_from_this<FSDP> {
+ public:
+  // units: the model's units in forward order. shard: the shard group (size N).
+  // replicate: the HSDP replicate group (nullptr or size 1: plain FSDP).
+  // Every rank must hold the same full values in the units' parameters (same seed):
+  // each keeps its own rows and the full tensors are freed.
+  FSDP(std::vector<ModelUnit> units, std::shared_ptr<Comm> shard, std::shared_ptr<Comm> replicate,
+       FSDPOptions options);
+  ~FSDP() override;
+
+  at::Tensor run(const std::string& unit, const UnitFn& fn, const at::Tensor& input) override;
+
+  // Local fp32 shards, [c, ...] each (padded rows included), for the optimizer.
+  std::vector<at::Tensor> sharded_parameters() const;
+  // FQN → local shard, and the global shape of each parameter.
+  const std::vector<std::string>& fqns() const { return fqns_; }
+  at::Tensor local_shard(const std::string& fqn) const;
+  std::vector<int64_t> global_shape(const std::string& fqn) const;
+  // Rows of the global parameter this rank holds: [begin, end) (end - begin may be < c).
+  std::pair<int64_t, int64_t> local_rows(const std::string& fqn) const;
+
+  // Waits for the outstanding gradient reductions; call after each backward.
+  void finish_backward();
+  // Sum of squared local shard gradients (fp64), to be all-reduced for the global norm.
+  double local_grad_sq_norm() const;
+
+  // Full fp32 parameters (a collective: every rank calls it), for tests and export.
+  std::map<std::string, at::Tensor> gather_full_parameters();
+  // Bytes of this rank's sharded parameters and gradients.
+  int64_t sharded_param_bytes() const;
+  int64_t sharded_grad_bytes() const;
+
+  FSDPStats& stats() { return stats_; }
+  int64_t shard_size() const { return shard_->size(); }
+
+  // Internal, used by the autograd nodes.
+  void pre_backward(size_t unit);
+  void on_param_grad(size_t unit);
+
+ private:
+  struct Param;
+  struct Unit;
+  enum class State { Sharded, Gathering, Unsharded };
+
+  void start_gather(Unit& u);
+  void finish_gather(Unit& u);
+  void ensure_unsharded(Unit& u);
+  void reshard(Unit& u);
+  void reduce_grads(Unit& u);
+  void wait(PendingCollective& p);
+  size_t index_of(const std::string& unit) const;
+  const Param& param(const std::string& fqn) const;
+
+  std::vector<std::unique_ptr<Unit>> units_;
+  std::map<std::string, size_t> unit_index_;
+  std::vector<std::string> fqns_;
+  std::shared_ptr<Comm> shard_, replicate_;
+  FSDPOptions opt_;
+  FSDPStats stats_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keep hooks alive
+  bool in_backward_ = false;
+};
+
+// Builds the units' FSDP runner with the options of the training config.
+FSDPOptions fsdp_options(const std::string& reshard_after_forward, const std::string& param_dtype,
+                         const std::string& reduce_dtype);
+
+}  // namespace ctitan

@@ -1,0 +1,99 @@
+#include "parallelisms/launch_env.h"
+
+#include <cstdlib>
+
+#include "config/errors.h"
+
+extern char** environ;
+
+namespace ctitan {
+namespace {
+
+using Env = std::map<std::string, std::string>;
+
+const std::string* find(const Env& env, const std::string& key) {
+  auto it = env.find(key);
+  return it == env.end() || it->second.empty() ? nullptr : &it->second;
+}
+
+int64_t as_int(const Env& env, const std::string& key, int64_t min_value) {
+  const std::string* v = find(env, key);
+  if (!v) throw UserError("launch: environment variable " + key + " is not set");
+  char* end = nullptr;
+  const long long x = std::strtoll(v->c_str(), &end, 10);
+  if (end == v->c_str() || *end != '\0' || x < min_value)
+    throw UserError("launch: " + key + "=" + *v + " is not an integer >= " +
+                    std::to_string(min_value));
+  return x;
+}
+
+}  // namespace
+
+std::map<std::string, std::string> environment_map() {
+  Env env;
+  for (char** e = environ; e && *e; ++e) {
+    const std::string kv(*e);
+    const auto eq = kv.find('=');
+    if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return env;
+}
+
+LaunchEnv detect_launch_env(const Env& env) {
+  LaunchEnv le;
+  if (find(env, "RANK") || find(env, "WORLD_SIZE")) {
+    // torchrun, torchrun --no-python, scripts/run_train.sh.
+    le.launcher = "torchrun";
+    le.rank = as_int(env, "RANK", 0);
+    le.world_size = as_int(env, "WORLD_SIZE", 1);
+    le.local_rank = find(env, "LOCAL_RANK") ? as_int(env, "LOCAL_RANK", 0) : le.rank;
+    le.local_world_size =
+        find(env, "LOCAL_WORLD_SIZE") ? as_int(env, "LOCAL_WORLD_SIZE", 1) : le.world_size;
+  } else if (find(env, "OMPI_COMM_WORLD_RANK")) {
+    le.launcher = "mpirun";
+    le.rank = as_int(env, "OMPI_COMM_WORLD_RANK", 0);
+    le.world_size = as_int(env, "OMPI_COMM_WORLD_SIZE", 1);
+    le.local_rank = as_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0);
+    le.local_world_size = find(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+                              ? as_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1)
+                              : le.world_size;
+  } else if (find(env, "SLURM_PROCID")) {
+    le.launcher = "srun";
+    le.rank = as_int(env, "SLURM_PROCID", 0);
+    le.world_size = as_int(env, "SLURM_NTASKS", 1);
+    le.local_rank = find(env, "SLURM_LOCALID") ? as_int(env, "SLURM_LOCALID", 0) : 0;
+    le.local_world_size = find(env, "SLURM_NTASKS_PER_NODE")
+                              ? as_int(env, "SLURM_NTASKS_PER_NODE", 1)
+                              : le.world_size;
+  } else {
+    return le;  // no launcher: a single process
+  }
+  if (le.rank >= le.world_size)
+    throw UserError("launch: rank " + std::to_string(le.rank) + " (" + le.launcher +
+                    ") is not below the world size " + std::to_string(le.world_size));
+  if (le.local_rank >= le.local_world_size)
+    throw UserError("launch: local rank " + std::to_string(le.local_rank) +
+                    " is not below the local world size " + std::to_string(le.local_world_size));
+
+  if (const std::string* a = find(env, "MASTER_ADDR")) {
+    le.master_addr = *a;
+  } else if (le.world_size > le.local_world_size) {
+    // Several nodes and nobody said where rank 0 listens.
+    throw UserError("launch: " + le.launcher + " with " + std::to_string(le.world_size) +
+                    " ranks on several nodes needs MASTER_ADDR (the address of rank 0's node)");
+  }
+  if (find(env, "MASTER_PORT")) {
+    const int64_t p = as_int(env, "MASTER_PORT", 1);
+    if (p > 65535) throw UserError("launch: MASTER_PORT=" + std::to_string(p) + " is not a TCP port");
+    le.master_port = static_cast<int>(p);
+  } else if (le.launcher != "torchrun") {
+    // mpirun/srun: derive a port from the job id so that concurrent jobs rarely collide.
+    const std::string* job = find(env, "SLURM_JOB_ID");
+    le.master_port = 29500 + (job ? static_cast<int>(std::strtol(job->c_str(), nullptr, 10) % 1000) : 0);
+  } else {
+    throw UserError("launch: RANK is set but MASTER_PORT is not");
+  }
+  return le;
+}
+
+}  // namespace ctitan

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Trains with ctitan, torchrun-style. With no arguments: installs what is missing, builds,
+# fetches the Moby-Dick corpus, trains its tokenizer once, and trains the Llama debug model.
+#
+#   ./scripts/run_train.sh                                   # debug model, one process
+#   CONFIG_FILE=train_configs/debug_model.toml ./scripts/run_train.sh --training.steps 50
+#   NPROC=4 ./scripts/run_train.sh                           # 4 ranks on this node
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 NPROC=8 ./scripts/run_train.sh
+#
+# Environment: NPROC (or NGPU, as torchtitan's script) ranks per node, NNODES, NODE_RANK,
+# MASTER_ADDR, MASTER_PORT (a free port when unset), CONFIG_FILE, CTITAN_DATA_DIR,
+# CTITAN_BUILD_DIR. Extra arguments are passed to every rank as config overrides.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+cd "$CTITAN_ROOT"
+
+CONFIG_FILE="${CONFIG_FILE:-train_configs/debug_model.toml}"
+NPROC="${NPROC:-${NGPU:-1}}"
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+
+ctitan_ensure_deps
+ctitan_build train ctitan_spm_shim >&2
+TRAIN_BIN="$CTITAN_BUILD_DIR/train"
+
+# Default corpus and tokenizer (no-ops when present).
+if [[ ! -s "$CTITAN_DATA_DIR/moby_dick/moby_dick.txt" ]]; then
+  "$CTITAN_ROOT/scripts/fetch_data.sh" moby_dick
+fi
+DEFAULT_TOKENIZER="$CTITAN_DATA_DIR/tokenizers/moby_dick_2048.model"
+if [[ ! -s "$DEFAULT_TOKENIZER" ]]; then
+  "$CTITAN_ROOT/scripts/train_tokenizer.sh" "$CTITAN_DATA_DIR/moby_dick/moby_dick.txt" \
+    "$DEFAULT_TOKENIZER" 2048
+fi
+
+if [[ -z "${MASTER_PORT:-}" ]]; then
+  MASTER_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])' 2>/dev/null \
+    || echo $((20000 + RANDOM % 20000)))
+fi
+WORLD_SIZE=$((NPROC * NNODES))
+export MASTER_ADDR MASTER_PORT WORLD_SIZE
+export LOCAL_WORLD_SIZE="$NPROC"
+
+if ((WORLD_SIZE == 1)); then
+  export RANK=0 LOCAL_RANK=0
+  exec "$TRAIN_BIN" --job.config_file "$CONFIG_FILE" "$@"
+fi
+
+# Several ranks: start them, prefix their output, and when one exits non-zero stop the
+# others within seconds and exit with its code, naming it.
+declare -A RANK_OF
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  sleep 2
+  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
+}
+trap 'cleanup; exit 130' INT TERM
+for ((local_rank = 0; local_rank < NPROC; local_rank++)); do
+  rank=$((NODE_RANK * NPROC + local_rank))
+  (
+    export RANK=$rank LOCAL_RANK=$local_rank
+    exec "$TRAIN_BIN" --job.config_file "$CONFIG_FILE" "$@"
+  ) > >(sed -u "s/^/[rank$rank] /") 2> >(sed -u "s/^/[rank$rank] /" >&2) &
+  pids+=($!)
+  RANK_OF[$!]=$rank
+done
+status=0
+remaining=${#pids[@]}
+live=("${pids[@]}")
+while ((remaining > 0)); do
+  finished=""
+  if wait -n -p finished "${live[@]}"; then
+    code=0
+  else
+    code=$?
+  fi
+  remaining=$((remaining - 1))
+  live=()
+  for p in "${pids[@]}"; do [[ "$p" != "$finished" ]] && live+=("$p"); done
+  if ((code != 0)); then
+    echo "[launcher] rank ${RANK_OF[$finished]:-?} exited with code $code; stopping the other ranks" >&2
+    status=$code
+    cleanup
+    break
+  fi
+done
+wait 2>/dev/null || true
+exit "$status"

@@ -1,0 +1,231 @@
+// Launch environment, ParallelDims, and the collectives built on Gloo — the latter with
+// real ranks (processes) over TCP, checked against all-reduce results.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <thread>
+
+#include "config/errors.h"
+#include "parallelisms/comm.h"
+#include "parallelisms/launch_env.h"
+#include "parallelisms/parallel_dims.h"
+#include "tests/multiprocess.h"
+
+using namespace ctitan;
+using ctitan::testing::all_ok;
+using ctitan::testing::spawn_ranks;
+
+// ---------------------------------------------------------------- launch environment
+TEST(LaunchEnv, NoLauncherIsOneProcess) {
+  auto e = detect_launch_env({});
+  EXPECT_EQ(e.world_size, 1);
+  EXPECT_EQ(e.rank, 0);
+  EXPECT_EQ(e.launcher, "none");
+}
+
+TEST(LaunchEnv, Torchrun) {
+  auto e = detect_launch_env({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
+                              {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.1.2.3"},
+                              {"MASTER_PORT", "29999"}});
+  EXPECT_EQ(e.launcher, "torchrun");
+  EXPECT_EQ(e.rank, 3);
+  EXPECT_EQ(e.world_size, 8);
+  EXPECT_EQ(e.local_rank, 1);
+  EXPECT_EQ(e.local_world_size, 2);
+  EXPECT_EQ(e.master_addr, "10.1.2.3");
+  EXPECT_EQ(e.master_port, 29999);
+}
+
+TEST(LaunchEnv, MpirunAndSrun) {
+  auto m = detect_launch_env({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                              {"OMPI_COMM_WORLD_LOCAL_RANK", "2"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}});
+  EXPECT_EQ(m.launcher, "mpirun");
+  EXPECT_EQ(m.rank, 2);
+  EXPECT_EQ(m.world_size, 4);
+  EXPECT_EQ(m.master_addr, "127.0.0.1");  // one node: loopback
+  auto s = detect_launch_env({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
+                              {"SLURM_NTASKS_PER_NODE", "4"}, {"MASTER_ADDR", "node01"},
+                              {"SLURM_JOB_ID", "1234"}});
+  EXPECT_EQ(s.launcher, "srun");
+  EXPECT_EQ(s.rank, 5);
+  EXPECT_EQ(s.local_rank, 1);
+  EXPECT_EQ(s.master_addr, "node01");
+  EXPECT_EQ(s.master_port, 29500 + 234);
+}
+
+TEST(LaunchEnv, Errors) {
+  try {
+    detect_launch_env({{"RANK", "4"}, {"WORLD_SIZE", "4"}, {"MASTER_PORT", "1"}});
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(), "launch: rank 4 (torchrun) is not below the world size 4");
+  }
+  try {
+    detect_launch_env({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "8"}, {"SLURM_NTASKS_PER_NODE", "4"}});
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(),
+                 "launch: srun with 8 ranks on several nodes needs MASTER_ADDR (the address of rank 0's node)");
+  }
+  try {
+    detect_launch_env({{"RANK", "x"}, {"WORLD_SIZE", "2"}});
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(), "launch: RANK=x is not an integer >= 0");
+  }
+}
+
+// ---------------------------------------------------------------- ParallelDims
+TEST(ParallelDims, ShardTakesTheRest) {
+  auto d = ParallelDims::build(2, -1, 1, 1, 1, 8);
+  EXPECT_EQ(d.dp_shard, 4);
+  EXPECT_EQ(d.dp(), 8);
+  EXPECT_EQ(d.shard_group(5), (std::vector<int64_t>{4, 5, 6, 7}));
+  EXPECT_EQ(d.replicate_group(5), (std::vector<int64_t>{1, 5}));
+}
+
+TEST(ParallelDims, ProductMustEqualWorld) {
+  try {
+    ParallelDims::build(1, 3, 1, 1, 1, 4);
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(), "parallelism: dp_replicate (1) · dp_shard (3) · cp (1) · tp (1) · pp (1) = 3 ≠ WORLD_SIZE (4)");
+  }
+  try {
+    ParallelDims::build(1, -1, 1, 2, 1, 4);
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(), "not supported yet: parallelism.tensor_parallel_degree = 2 (ctitan supports: 1)");
+  }
+}
+
+// ---------------------------------------------------------------- collectives (real ranks)
+namespace {
+std::unique_ptr<Distributed> init_from_env(int timeout_s = 30) {
+  auto env = detect_launch_env(environment_map());
+  return init_distributed(env, std::chrono::seconds(timeout_s));
+}
+}  // namespace
+
+// Every rank r contributes a distinct tensor; reduce-scatter must equal the rank's chunk of
+// an all-reduce of the same tensors, and all-gather the concatenation of all of them.
+CTITAN_CHILD(collectives) {
+  auto d = init_from_env();
+  auto& w = *d->world;
+  const int64_t N = w.size(), r = w.rank();
+  for (int64_t S : {1, 7, 1000}) {
+    torch::manual_seed(100 + r);
+    auto input = torch::randn({N * S});
+    auto reference = input.clone();
+    w.all_reduce_sum(reference, "ref").wait();
+    auto out = torch::empty({S});
+    w.reduce_scatter_sum(input, out, "rs").wait();
+    auto expected = reference.narrow(0, r * S, S);
+    if (!torch::allclose(out, expected, 1e-5, 1e-6)) {
+      std::cerr << "reduce_scatter mismatch S=" << S << "\n";
+      return 1;
+    }
+    auto local = torch::full({S}, static_cast<float>(r + 1)) + torch::arange(S).to(torch::kFloat);
+    auto gathered = torch::empty({N * S});
+    w.all_gather_flat(local, gathered, "ag").wait();
+    for (int64_t q = 0; q < N; ++q) {
+      auto want = torch::full({S}, static_cast<float>(q + 1)) + torch::arange(S).to(torch::kFloat);
+      if (!torch::equal(gathered.narrow(0, q * S, S), want)) {
+        std::cerr << "all_gather mismatch S=" << S << " q=" << q << "\n";
+        return 2;
+      }
+    }
+  }
+  // bf16 all-gather (FSDP gathers in the compute dtype).
+  auto lb = torch::full({5}, static_cast<float>(r)).to(torch::kBFloat16);
+  auto gb = torch::empty({N * 5}, torch::kBFloat16);
+  w.all_gather_flat(lb, gb, "ag_bf16").wait();
+  if (gb.to(torch::kFloat).view({N, 5}).select(1, 0).sum().item<float>() != N * (N - 1) / 2.0f) return 3;
+  // Sub-groups (HSDP layout 2 × N/2).
+  if (N % 2 == 0) {
+    auto dims = ParallelDims::build(2, -1, 1, 1, 1, N);
+    std::shared_ptr<Comm> shard, rep;
+    for (int64_t g = 0; g < 2; ++g) {
+      auto s = d->new_group(dims.shard_group(g * dims.dp_shard), "shard" + std::to_string(g));
+      if (s) shard = s;
+    }
+    for (int64_t g = 0; g < dims.dp_shard; ++g) {
+      auto s = d->new_group(dims.replicate_group(g), "rep" + std::to_string(g));
+      if (s) rep = s;
+    }
+    auto t = torch::full({1}, static_cast<float>(r));
+    shard->all_reduce_sum(t, "shard").wait();
+    const int64_t base = dims.replicate_index(r) * dims.dp_shard;
+    float want = 0;
+    for (int64_t q = base; q < base + dims.dp_shard; ++q) want += q;
+    if (t.item<float>() != want) return 4;
+  }
+  w.barrier("end");
+  return 0;
+}
+
+TEST(Collectives, MatchAllReduceOn4Ranks) { EXPECT_TRUE(all_ok(spawn_ranks("collectives", 4))); }
+TEST(Collectives, MatchAllReduceOn3Ranks) { EXPECT_TRUE(all_ok(spawn_ranks("collectives", 3))); }
+
+// Rank 1 dies before the collective: the others must fail with a message naming the
+// collective instead of hanging.
+CTITAN_CHILD(dead_rank) {
+  auto d = init_from_env();
+  CommContext::set_timeout(std::chrono::seconds(5));
+  CommContext::set_step(7);
+  if (d->world->rank() == 1) std::_Exit(3);
+  auto t = torch::ones({1000});
+  auto out = torch::empty({4000});
+  try {
+    d->world->all_gather_flat(t, out, "layers.3").wait();
+  } catch (const RuntimeFailure& e) {
+    std::cerr << "ERROR: " << e.what() << std::endl;
+    return 1;
+  }
+  return 0;
+}
+
+TEST(Collectives, DeadRankIsAnErrorNotAHang) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto rs = spawn_ranks("dead_rank", 4, {}, 60);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(s, 40.0);
+  EXPECT_EQ(rs[1].exit_code, 3);
+  for (int r : {0, 2, 3}) {
+    EXPECT_FALSE(rs[r].timed_out);
+    EXPECT_EQ(rs[r].exit_code, 1) << rs[r].output;
+    EXPECT_NE(rs[r].output.find("all_gather(layers.3) failed at step 7"), std::string::npos) << rs[r].output;
+    EXPECT_NE(rs[r].output.find("rank " + std::to_string(r)), std::string::npos) << rs[r].output;
+  }
+}
+
+// Rank 1 lives on but never enters the collective: the others time out with an error.
+CTITAN_CHILD(stuck_rank) {
+  auto d = init_from_env();
+  CommContext::set_timeout(std::chrono::seconds(3));
+  CommContext::set_step(11);
+  if (d->world->rank() == 1) {
+    std::this_thread::sleep_for(std::chrono::seconds(6));
+    return 0;
+  }
+  auto t = torch::ones({4});
+  try {
+    d->world->all_reduce_sum(t, "grad_norm").wait();
+  } catch (const RuntimeFailure& e) {
+    std::cerr << "ERROR: " << e.what() << std::endl;
+    return 1;
+  }
+  return 0;
+}
+
+TEST(Collectives, StuckRankTimesOutWithAnError) {
+  auto rs = spawn_ranks("stuck_rank", 3, {}, 60);
+  for (int r : {0, 2}) {
+    EXPECT_EQ(rs[r].exit_code, 1) << rs[r].output;
+    EXPECT_NE(rs[r].output.find("all_reduce(grad_norm) failed at step 11: timed out after 3 s"),
+              std::string::npos)
+        << rs[r].output;
+  }
+}
+
+CTITAN_MULTIPROCESS_MAIN()
