@@ -13,6 +13,7 @@
 
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
@@ -26,9 +27,19 @@
 #include "datasets/tokenizer.h"
 #include "models/llama/args.h"
 #include "models/llama/model.h"
+#include "parallelisms/comm.h"
+#include "parallelisms/fsdp.h"
+#include "parallelisms/launch_env.h"
+#include "parallelisms/parallel_dims.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
+using ctitan::llama::count_params;
+using ctitan::llama::flops_per_token;
+using ctitan::llama::llama3_flavor;
+using ctitan::llama::ParamCounts;
+using ctitan::llama::Transformer;
+using ctitan::llama::TransformerModelArgs;
 
 namespace ctitan {
 namespace {
@@ -39,21 +50,25 @@ double seconds_since(Clock::time_point t0) {
 
 // Console + <dump_folder>/logs/rank<r>.log. The file sink is added once the dump folder
 // may be written (after the config has been validated: bad input writes nothing).
-void init_logging(bool color) {
+void init_logging(bool color, int64_t rank) {
   std::shared_ptr<spdlog::sinks::sink> console;
   if (color)
     console = std::make_shared<spdlog::sinks::stderr_color_sink_mt>();
   else
     console = std::make_shared<spdlog::sinks::stderr_sink_mt>();
   auto logger = std::make_shared<spdlog::logger>("ctitan", console);
-  logger->set_pattern("[%H:%M:%S] [rank0] %^%l%$ %v");
+  logger->set_pattern("[%H:%M:%S] [rank" + std::to_string(rank) + "] %^%l%$ %v");
+  // Ranks other than 0 only report warnings and errors on the console (their file has all).
+  console->set_level(rank == 0 ? spdlog::level::info : spdlog::level::warn);
+  logger->set_level(spdlog::level::info);
   spdlog::set_default_logger(logger);
 }
 
-void add_log_file(const std::string& dump_folder) {
+void add_log_file(const std::string& dump_folder, int64_t rank) {
   fs::create_directories(dump_folder + "/logs");
-  auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(dump_folder + "/logs/rank0.log");
-  file->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [rank0] %l %v");
+  const std::string r = std::to_string(rank);
+  auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(dump_folder + "/logs/rank" + r + ".log");
+  file->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [rank" + r + "] %l %v");
   spdlog::default_logger()->sinks().push_back(file);
   spdlog::flush_every(std::chrono::seconds(5));
 }
@@ -134,6 +149,85 @@ void write_effective_config(const JobConfig& cfg) {
   spdlog::info("effective config written to {}", path);
 }
 
+// The process groups of a job: world, FSDP shard group, HSDP replicate group.
+struct Parallelism {
+  LaunchEnv env;
+  ParallelDims dims;
+  std::unique_ptr<Distributed> dist;  // null for one process
+  std::shared_ptr<Comm> shard, replicate;
+  int64_t dp_rank = 0;
+};
+
+Parallelism build_parallelism(const JobConfig& cfg) {
+  Parallelism p;
+  p.env = detect_launch_env(environment_map());
+  const auto& c = cfg.parallelism;
+  p.dims = ParallelDims::build(c.data_parallel_replicate_degree, c.data_parallel_shard_degree,
+                               c.context_parallel_degree, c.tensor_parallel_degree,
+                               c.pipeline_parallel_degree, p.env.world_size);
+  if (!p.env.distributed()) return p;
+  p.dist = init_distributed(p.env, std::chrono::seconds(cfg.comm.init_timeout_seconds));
+  // Every rank creates every group, in the same order (group creation is collective).
+  for (int64_t rep = 0; rep < p.dims.dp_replicate; ++rep) {
+    auto g = p.dist->new_group(p.dims.shard_group(rep * p.dims.dp_shard), "dp_shard" + std::to_string(rep));
+    if (g) p.shard = g;
+  }
+  for (int64_t sh = 0; sh < p.dims.dp_shard; ++sh) {
+    auto g = p.dist->new_group(p.dims.replicate_group(sh), "dp_replicate" + std::to_string(sh));
+    if (g) p.replicate = g;
+  }
+  p.dp_rank = p.env.rank;  // only data parallelism: the dp rank is the global rank
+  return p;
+}
+
+// Values every rank must agree on, decided by rank 0.
+uint64_t agree_on_seed(const Parallelism& par, uint64_t seed) {
+  if (!par.dist) return seed;
+  auto t = torch::tensor({static_cast<int64_t>(seed)}, torch::kInt64);
+  par.dist->world->broadcast(t, 0, "seed");
+  return static_cast<uint64_t>(t.item<int64_t>());
+}
+
+// Mean over ranks (sum / world) of a scalar, or the value itself on one process.
+double world_mean(const Parallelism& par, double v, const char* tag) {
+  if (!par.dist) return v;
+  auto t = torch::tensor({v}, torch::kFloat64);
+  par.dist->world->all_reduce_sum(t, tag).wait();
+  return t.item<double>() / static_cast<double>(par.env.world_size);
+}
+
+// Max over ranks of each value (per-rank peak memory, communication wait).
+std::vector<double> world_max(const Parallelism& par, std::vector<double> v) {
+  if (!par.dist) return v;
+  const int64_t n = static_cast<int64_t>(v.size()), W = par.env.world_size;
+  auto local = torch::tensor(v, torch::kFloat64);
+  auto all = torch::empty({W * n}, torch::kFloat64);
+  par.dist->world->all_gather_flat(local, all, "metrics").wait();
+  auto mx = std::get<0>(all.view({W, n}).max(0));
+  for (int64_t i = 0; i < n; ++i) v[i] = mx[i].item<double>();
+  return v;
+}
+
+// FSDP over the shard group (HSDP: plus the replicate group) whenever there is more than
+// one data-parallel rank. Applied from outside the model: it wraps the model's units.
+std::shared_ptr<FSDP> maybe_apply_fsdp(Transformer& model, const JobConfig& cfg, const Parallelism& par) {
+  if (par.dims.dp() <= 1) {
+    if (cfg.training.mixed_precision_param != "float32")
+      spdlog::info("training.mixed_precision_param = {} applies to FSDP units; one process trains in float32",
+                   cfg.training.mixed_precision_param);
+    return nullptr;
+  }
+  auto opts = fsdp_options(cfg.parallelism.fsdp_reshard_after_forward, cfg.training.mixed_precision_param,
+                           cfg.training.mixed_precision_reduce);
+  auto fsdp = std::make_shared<FSDP>(model->units(), par.shard, par.replicate, opts);
+  model->set_unit_wrapper(fsdp->wrapper());
+  spdlog::info("FSDP: {} units sharded over {} ranks (replicate {}), params {}, reduce {}, reshard_after_forward {}",
+               model->units().size(), par.dims.dp_shard, par.dims.dp_replicate,
+               cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce,
+               cfg.parallelism.fsdp_reshard_after_forward);
+  return fsdp;
+}
+
 int run(const std::vector<std::string>& argv) {
   // ---- config -----------------------------------------------------------------------
   ConfigLoadResult loaded = load_job_config(argv);
@@ -142,31 +236,36 @@ int run(const std::vector<std::string>& argv) {
     return 0;
   }
   const JobConfig cfg = loaded.config;
-  check_supported(cfg);
   if (cfg.job.print_config) {
     std::cout << job_config_to_toml(cfg);
     return 0;
   }
-  init_logging(!cfg.metrics.disable_color_printing && isatty(STDERR_FILENO));
+  check_supported(cfg);
 
-  // ---- environment (one process; FSDP ranks come with the distributed runtime) ---------
-  const int64_t dp_rank = 0, dp_world = 1;
+  // ---- distributed environment and process groups ----------------------------------------
+  const LaunchEnv launch = detect_launch_env(environment_map());
+  init_logging(!cfg.metrics.disable_color_printing && isatty(STDERR_FILENO), launch.rank);
+  Parallelism par = build_parallelism(cfg);
+  const int64_t dp_world = par.dims.dp();
   const int64_t accum = gradient_accumulation_steps(cfg, dp_world);
-  const uint64_t seed = pick_seed(cfg);
+  const uint64_t seed = agree_on_seed(par, pick_seed(cfg));
   if (cfg.debug.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);
 
   // ---- tokenizer and data (validated before anything is written) ----------------------
-  DataPipeline data = build_data(cfg, dp_rank, dp_world);
+  DataPipeline data = build_data(cfg, par.dp_rank, dp_world);
   const TransformerModelArgs margs = build_model_args(cfg, *data.tokenizer);
+  llama::validate(margs);
 
-  add_log_file(cfg.job.dump_folder);
-  write_effective_config(cfg);
+  add_log_file(cfg.job.dump_folder, launch.rank);
+  if (launch.rank == 0) write_effective_config(cfg);
   check_blas_and_warn();
-  spdlog::info("torch threads: {}; seed: {}{}", torch::get_num_threads(), seed,
-               cfg.debug.seed ? "" : " (random: set debug.seed to repeat this run)");
+  spdlog::info("launch: {} rank {} of {} (local {} of {}); torch threads: {}; seed: {}{}", launch.launcher,
+               launch.rank, launch.world_size, launch.local_rank, launch.local_world_size,
+               torch::get_num_threads(), seed, cfg.debug.seed ? "" : " (random: set debug.seed to repeat this run)");
 
-  // ---- model: build, then initialise (construction and init are separate so that a
-  // sharded or meta-device build can initialise only what it holds) --------------------
+  // ---- model: build, initialise, then shard. Construction and init are separate so a
+  // sharded build could initialise only what it holds; here every rank initialises the
+  // full model from the same seed and FSDP keeps each rank's rows. --------------------
   torch::manual_seed(seed);
   Transformer model(margs);
   model->init_weights();
@@ -176,33 +275,42 @@ int run(const std::vector<std::string>& argv) {
   spdlog::info("model: {} {} — {:.3f}M parameters ({:.3f}M non-embedding), {:.1f} MFLOP/token",
                cfg.model.name, cfg.model.flavor, counts.total / 1e6,
                (counts.total - counts.embedding) / 1e6, flops_per_tok / 1e6);
-  if (cfg.training.mixed_precision_param != "float32")
-    spdlog::info("training.mixed_precision_param = {} applies to FSDP units; one process trains in float32",
-                 cfg.training.mixed_precision_param);
+  std::shared_ptr<FSDP> fsdp = maybe_apply_fsdp(model, cfg, par);
 
-  // ---- optimizer and LR schedule -------------------------------------------------------
-  std::vector<torch::Tensor> params = model->parameters();
+  // ---- optimizer and LR schedule (on the local shards with FSDP) ---------------------
+  std::vector<torch::Tensor> params = fsdp ? fsdp->sharded_parameters() : model->parameters();
   auto optimizer = build_optimizer(params, optimizer_spec(cfg));
   LRScheduler lr_sched(cfg.optimizer.lr, lr_spec(cfg));
   spdlog::info("lr schedule: warmup {} / stable {} / decay {} ({}), min_lr_factor {}",
                lr_sched.warmup_steps(), lr_sched.stable_steps(), lr_sched.decay_steps(),
                cfg.lr_scheduler.decay_type, cfg.lr_scheduler.min_lr_factor);
+  std::function<double(double)> grad_sq_all_reduce;
+  if (fsdp)
+    grad_sq_all_reduce = [shard = par.shard](double v) {
+      auto t = torch::tensor({v}, torch::kFloat64);
+      shard->all_reduce_sum(t, "grad_norm").wait();
+      return t.item<double>();
+    };
 
   // ---- training loop --------------------------------------------------------------------
-  const double peak_flops = measure_matmul_peak_flops("float32");
-  spdlog::info("measured fp32 matmul peak: {:.1f} GFLOP/s (MFU reference)", peak_flops / 1e9);
-  MetricsLogger metrics(cfg.job.dump_folder, /*write=*/dp_rank == 0, cfg.training.steps);
+  const std::string peak_dtype = fsdp && cfg.training.mixed_precision_param == "bfloat16" ? "bfloat16" : "float32";
+  const double peak_flops = measure_matmul_peak_flops(peak_dtype);
+  spdlog::info("measured {} matmul peak: {:.1f} GFLOP/s per rank (MFU reference)", peak_dtype, peak_flops / 1e9);
+  MetricsLogger metrics(cfg.job.dump_folder, /*write=*/launch.rank == 0, cfg.training.steps);
   const int64_t B = cfg.training.local_batch_size, T = cfg.training.seq_len;
-  const double global_tokens = static_cast<double>(B * T * dp_world * accum);
+  // Each rank's loss is its token mean; FSDP averages gradients over the dp ranks, so the
+  // step follows the mean over every token of the global batch.
+  const double local_tokens = static_cast<double>(B * T * accum);
 
   const auto train_start = Clock::now();
   auto window_start = Clock::now();
-  double data_s = 0;
+  double data_s = 0, comm_mark = 0;
   int64_t window_tokens = 0;
-  spdlog::info("training {} steps: global batch {} × {} tokens ({} micro-batches of {})",
-               cfg.training.steps, B * dp_world * accum, T, accum, B);
+  spdlog::info("training {} steps: global batch {} × {} tokens ({} ranks × {} micro-batches of {})",
+               cfg.training.steps, B * dp_world * accum, T, dp_world, accum, B);
 
   for (int64_t step = 1; step <= cfg.training.steps; ++step) {
+    CommContext::set_step(step);
     set_learning_rate(*optimizer, lr_sched.current_lr());
     optimizer->zero_grad();
     double loss_sum = 0.0;
@@ -213,44 +321,50 @@ int run(const std::vector<std::string>& argv) {
       auto labels = torch::from_blob(batch.labels.data(), {B, T}, torch::kInt64).clone();  // [B, T]
       data_s += seconds_since(t_data);
 
-      auto logits = model->forward(inputs);  // [B, T, V]
-      // Sum of token losses over the global batch's token count: the mean over every
-      // token of the step, whatever the split into micro-batches and ranks.
+      auto logits = model->forward(inputs).to(torch::kFloat);  // [B, T, V]
       auto loss = torch::nn::functional::cross_entropy(
                       logits.view({B * T, -1}), labels.view({B * T}),
                       torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) /
-                  global_tokens;
+                  local_tokens;
       loss.backward();
+      if (fsdp) fsdp->finish_backward();
       loss_sum += loss.item<double>();
       window_tokens += B * T;
     }
-    if (!std::isfinite(loss_sum))
-      throw RuntimeFailure("step " + std::to_string(step) + ": loss is " + std::to_string(loss_sum) +
+    const double loss_mean = world_mean(par, loss_sum, "loss");
+    if (!std::isfinite(loss_mean))
+      throw RuntimeFailure("step " + std::to_string(step) + ": loss is " + std::to_string(loss_mean) +
                            "; stopping (HINT: lower optimizer.lr or training.max_norm)");
-    const double grad_norm = clip_grad_norm(params, cfg.training.max_norm);
+    const double grad_norm = clip_grad_norm(params, cfg.training.max_norm, grad_sq_all_reduce);
     const double lr = lr_sched.current_lr();
     optimizer->step();
     lr_sched.step();
+    if (step == 1) CommContext::set_timeout(std::chrono::seconds(cfg.comm.train_timeout_seconds));
 
     if (step == 1 || step % cfg.metrics.log_freq == 0 || step == cfg.training.steps) {
       const double dt = seconds_since(window_start);
+      const double comm_s = fsdp ? fsdp->stats().comm_wait_s - comm_mark : 0.0;
+      comm_mark = fsdp ? fsdp->stats().comm_wait_s : 0.0;
+      const auto maxes = world_max(par, {peak_rss_gib(), comm_s, data_s});
       StepMetrics m;
       m.step = step;
-      m.loss = loss_sum;
+      m.loss = loss_mean;
       m.grad_norm = grad_norm;
       m.lr = lr;
       m.tps = window_tokens / dt;
       m.tflops = m.tps * flops_per_tok / 1e12;
       m.mfu = 100.0 * m.tps * flops_per_tok / peak_flops;
-      m.memory_gib = peak_rss_gib();
-      m.data_loading_s = data_s;
+      m.memory_gib = maxes[0];
+      m.data_loading_s = maxes[2];
       m.elapsed_s = seconds_since(train_start);
+      if (fsdp) m.extra.emplace_back("comm_wait_s", maxes[1]);
       metrics.log(m);
       window_start = Clock::now();
       window_tokens = 0;
       data_s = 0;
     }
   }
+  if (par.dist) par.dist->world->barrier("end of training");
   spdlog::info("training done: {} steps in {}", cfg.training.steps,
                format_duration(seconds_since(train_start)));
   spdlog::default_logger()->flush();

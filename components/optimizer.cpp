@@ -25,7 +25,8 @@ void set_learning_rate(torch::optim::Optimizer& opt, double lr) {
   for (auto& group : opt.param_groups()) group.options().set_lr(lr);
 }
 
-double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm) {
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
+                      const std::function<double(double)>& all_reduce_sum) {
   torch::NoGradGuard no_grad;
   // Sum of squares in fp64 so the norm does not depend on how the sum is split (shards).
   auto total = torch::zeros({}, torch::kFloat64);
@@ -33,7 +34,9 @@ double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm)
     const auto& g = p.grad();
     if (g.defined()) total += g.to(torch::kFloat64).pow(2).sum();
   }
-  const double norm = std::sqrt(total.item<double>());
+  double sq = total.item<double>();
+  if (all_reduce_sum) sq = all_reduce_sum(sq);
+  const double norm = std::sqrt(sq);
   if (max_norm > 0 && std::isfinite(norm)) {
     const double coef = max_norm / (norm + 1e-6);
     if (coef < 1.0)

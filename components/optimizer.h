@@ -1,6 +1,7 @@
 // Optimizer construction (AdamW / Adam with torchtitan's hyper-parameter names) and
 // the small operations the training loop needs on it.
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,7 +25,10 @@ std::unique_ptr<torch::optim::Optimizer> build_optimizer(std::vector<torch::Tens
 void set_learning_rate(torch::optim::Optimizer& opt, double lr);
 
 // Global L2 norm of the gradients of `params`, then scales them so the norm is at most
-// max_norm (max_norm <= 0: measure only). Returns the norm before clipping.
-double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
+// max_norm (max_norm <= 0: measure only). Returns the norm before clipping. With sharded
+// parameters, all_reduce_sum adds the local sums of squares of every shard's rank so the
+// norm is the global one.
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
+                      const std::function<double(double)>& all_reduce_sum = nullptr);
 
 }  // namespace ctitan

@@ -46,7 +46,7 @@ struct FSDPStats {
   int64_t reduce_scatters = 0;
 };
 
-class FSDP : public UnitRunner, public std::enable_shared_from_this<FSDP> {
+class FSDP {
  public:
   // units: the model's units in forward order. shard: the shard group (size N).
   // replicate: the HSDP replicate group (nullptr or size 1: plain FSDP).
@@ -54,9 +54,15 @@ class FSDP : public UnitRunner, public std::enable_shared_from_this<FSDP> {
   // each keeps its own rows and the full tensors are freed.
   FSDP(std::vector<ModelUnit> units, std::shared_ptr<Comm> shard, std::shared_ptr<Comm> replicate,
        FSDPOptions options);
-  ~FSDP() override;
+  ~FSDP();
+  FSDP(const FSDP&) = delete;
+  FSDP& operator=(const FSDP&) = delete;
 
-  at::Tensor run(const std::string& unit, const UnitFn& fn, const at::Tensor& input) override;
+  // The model's UnitWrapper: install with model->set_unit_wrapper(fsdp->wrapper()).
+  at::Tensor run(const std::string& unit, const UnitFn& fn, const at::Tensor& input);
+  UnitWrapper wrapper() {
+    return [this](const std::string& u, const UnitFn& fn, const at::Tensor& x) { return run(u, fn, x); };
+  }
 
   // Local fp32 shards, [c, ...] each (padded rows included), for the optimizer.
   std::vector<at::Tensor> sharded_parameters() const;

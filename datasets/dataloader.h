@@ -1,0 +1,85 @@
+// DataLoader: packed next-token-prediction batches for one data-parallel rank.
+//
+// Packing follows torchtitan's HuggingFaceDataset:
+//   every document is encoded with BOS and EOS and appended to a token buffer; windows of
+//   seq_len+1 tokens are cut from the front of the buffer, consecutive windows do not
+//   overlap (the next window starts after the seq_len+1 tokens just consumed), nothing is
+//   padded, and tokens left over carry into the next window, across documents and epochs.
+//   A window x gives inputs = x[0:T] and labels = x[1:T+1] (T = seq_len).
+//   At the end of the data the reader starts over (epoch += 1) and a line is logged.
+// Per-rank split: rank r of W takes documents r, r+W, r+2W, ... of the global document
+// order (what datasets.split_dataset_by_node does for a stream whose shards don't divide
+// evenly): every rank reads the whole stream but tokenizes only its own documents, so the
+// ranks see disjoint documents and together the whole corpus.
+//
+// Documents are read and encoded lazily, one at a time, when the buffer runs short.
+//
+// state_dict() is a small JSON object that pins the exact position:
+//   {"format":"ctitan.dataloader","version":1,"dp_rank":r,"dp_world":W,"seq_len":T,
+//    "vocab_size":V,"epoch":e,"windows_produced":n,"next_document":g,"file_index":k,
+//    "file_name":"<basename>","file_offset":bytes,"file_line":lines,"buffer":[ids...]}
+// next_document is the global index of the next document of the stream (all ranks count
+// the same documents), so a later redistribution to another dp degree can see which
+// documents each rank has consumed: rank r has taken every d < next_document with
+// d % W == r, and "buffer" holds the tokens of those not yet emitted.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "datasets/text_source.h"
+#include "datasets/tokenizer.h"
+
+namespace ctitan {
+
+// One batch, row-major: inputs[b * seq + t], labels[b * seq + t] = next token.
+struct Batch {
+  std::vector<int64_t> inputs;  // [batch, seq]
+  std::vector<int64_t> labels;  // [batch, seq]
+  int64_t batch = 0;
+  int64_t seq = 0;
+};
+
+class DataLoader {
+ public:
+  // tokenizer must outlive the loader. name is used in logs (default: the source's
+  // file/folder name). UserError for bad sizes or ranks, or an unusable source.
+  DataLoader(const Tokenizer& tokenizer, std::string source_path, int64_t seq_len,
+             int64_t local_batch_size, int64_t dp_rank, int64_t dp_world,
+             std::string name = "");
+
+  Batch next();                       // local_batch_size windows
+  std::vector<int64_t> next_window();  // one window of seq_len+1 tokens
+
+  int64_t seq_len() const { return seq_len_; }
+  int64_t local_batch_size() const { return batch_size_; }
+  int64_t dp_rank() const { return dp_rank_; }
+  int64_t dp_world() const { return dp_world_; }
+  int64_t windows_produced() const { return windows_; }
+  int64_t epoch() const { return epoch_; }            // completed passes over the data
+  int64_t next_document() const { return reader_.position().next_document; }
+  int64_t buffered_tokens() const { return static_cast<int64_t>(buffer_.size() - head_); }
+  const std::string& name() const { return name_; }
+  const std::vector<std::string>& files() const { return reader_.files(); }
+
+  std::string state_dict() const;
+  // Restores a state_dict() of a loader over the same source, tokenizer vocabulary and
+  // (dp_rank, dp_world); the following batches are then identical to an uninterrupted
+  // run. UserError on corruption or mismatch; the loader is unchanged when it throws.
+  // seq_len may differ (windows are simply cut at the new length).
+  void load_state_dict(const std::string& state);
+
+ private:
+  void fill(size_t need);  // reads documents until `need` tokens are buffered
+
+  const Tokenizer* tokenizer_;
+  DocumentReader reader_;
+  std::string name_;
+  int64_t seq_len_, batch_size_, dp_rank_, dp_world_;
+  int64_t epoch_ = 0;
+  int64_t windows_ = 0;
+  std::vector<int64_t> buffer_;  // tokens not yet emitted start at head_
+  size_t head_ = 0;
+};
+
+}  // namespace ctitan

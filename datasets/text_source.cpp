@@ -1,0 +1,242 @@
+// Corpus location and lazy document reading; see text_source.h.
+#include "datasets/text_source.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+
+#include "config/errors.h"
+#include "datasets/json_lite.h"
+
+namespace ctitan {
+namespace fs = std::filesystem;
+namespace {
+
+bool has_ext(const std::string& path, const char* ext) {
+  return fs::path(path).extension() == ext;
+}
+
+bool is_source_file(const fs::path& p) {
+  const auto ext = p.extension();
+  return ext == ".txt" || ext == ".jsonl";
+}
+
+std::string known_list() {
+  std::string s;
+  for (const auto& n : known_datasets()) s += (s.empty() ? "" : ", ") + n;
+  return s;
+}
+
+bool blank(const std::string& line) {
+  return std::all_of(line.begin(), line.end(),
+                     [](char c) { return c == ' ' || c == '\t' || c == '\f' || c == '\v'; });
+}
+
+}  // namespace
+
+const std::vector<std::string>& known_datasets() {
+  static const std::vector<std::string> names = {"moby_dick", "sotu"};
+  return names;
+}
+
+std::string default_data_root(const std::string& repo_root) {
+  if (const char* env = std::getenv("CTITAN_DATA_DIR"); env != nullptr && *env != '\0') {
+    return env;
+  }
+  return repo_root + "/data";
+}
+
+std::string resolve_dataset_path(const std::string& dataset, const std::string& dataset_path,
+                                 const std::string& data_root) {
+  std::error_code ec;
+  if (!dataset_path.empty()) {
+    if (!fs::exists(dataset_path, ec)) {
+      throw UserError("training.dataset_path=" + dataset_path +
+                      " does not exist (expected a .txt/.jsonl file or a folder of them)");
+    }
+    return dataset_path;
+  }
+  std::string path, fetch_arg = dataset;
+  if (dataset == "moby_dick") {
+    path = data_root + "/moby_dick/moby_dick.txt";
+  } else if (dataset == "sotu") {
+    path = data_root + "/sotu";
+  } else {
+    throw UserError("training.dataset=" + (dataset.empty() ? std::string("\"\"") : dataset) +
+                    " is not a known corpus (known: " + known_list() +
+                    "); or set training.dataset_path to a .txt/.jsonl file or folder");
+  }
+  bool present = fs::exists(path, ec);
+  if (present && fs::is_directory(path, ec)) {
+    present = false;
+    for (const auto& e : fs::directory_iterator(path, ec)) {
+      if (e.is_regular_file(ec) && is_source_file(e.path())) {
+        present = true;
+        break;
+      }
+    }
+  }
+  if (!present) {
+    throw UserError("training.dataset=" + dataset + ": " + path +
+                    " not found; run scripts/fetch_data.sh " + fetch_arg +
+                    " (known corpora: " + known_list() + ") or set training.dataset_path");
+  }
+  return path;
+}
+
+std::vector<std::string> list_source_files(const std::string& source_path) {
+  std::error_code ec;
+  const fs::path p(source_path);
+  if (!fs::exists(p, ec)) throw UserError("dataset: " + source_path + " does not exist");
+  if (fs::is_directory(p, ec)) {
+    std::vector<std::string> files;
+    for (const auto& e : fs::directory_iterator(p, ec)) {
+      const auto name = e.path().filename().string();
+      if (!name.empty() && name[0] != '.' && e.is_regular_file(ec) && is_source_file(e.path())) {
+        files.push_back(e.path().string());
+      }
+    }
+    if (ec) throw UserError("dataset: cannot list " + source_path + ": " + ec.message());
+    if (files.empty()) {
+      throw UserError("dataset: folder " + source_path + " holds no .txt or .jsonl files");
+    }
+    // Byte order of the names, so every rank and every run agree on document order.
+    std::sort(files.begin(), files.end(), [](const std::string& a, const std::string& b) {
+      return fs::path(a).filename().string() < fs::path(b).filename().string();
+    });
+    return files;
+  }
+  if (!is_source_file(p)) {
+    throw UserError("dataset: " + source_path + " is neither a .txt/.jsonl file nor a folder");
+  }
+  return {source_path};
+}
+
+// ---------------------------------------------------------------------------
+// DocumentReader
+// ---------------------------------------------------------------------------
+
+DocumentReader::DocumentReader(const std::string& source_path)
+    : source_path_(source_path), files_(list_source_files(source_path)) {}
+
+void DocumentReader::seek(const SourcePosition& pos) {
+  // Validate first: a rejected position leaves the reader where it was.
+  if (pos.next_document < 0 || pos.line < 0 || pos.file > files_.size() ||
+      (pos.file == files_.size() && (pos.offset != 0 || pos.line != 0))) {
+    throw UserError("dataset: position (file " + std::to_string(pos.file) + ", document " +
+                    std::to_string(pos.next_document) + ") does not fit " + source_path_ +
+                    " (" + std::to_string(files_.size()) + " files)");
+  }
+  if (pos.file < files_.size()) {
+    std::error_code ec;
+    const auto size = fs::file_size(files_[pos.file], ec);
+    bool ok = !ec && pos.offset <= size;
+    if (ok && pos.offset > 0 && pos.offset < size) {
+      // A document starts at a line start: the byte before it must be a newline.
+      std::ifstream f(files_[pos.file], std::ios::binary);
+      f.seekg(static_cast<std::streamoff>(pos.offset - 1));
+      ok = f.get() == '\n';
+    }
+    if (!ok) {
+      throw UserError("dataset: byte offset " + std::to_string(pos.offset) + " of " +
+                      files_[pos.file] +
+                      " is not a line start (the file changed since the position was saved?)");
+    }
+  }
+  in_.close();
+  in_.clear();
+  open_ = false;
+  pos_ = pos;
+}
+
+bool DocumentReader::open_current() {
+  if (pos_.file >= files_.size()) return false;
+  if (!open_) {
+    in_.clear();
+    in_.open(files_[pos_.file], std::ios::binary);
+    if (!in_) throw RuntimeFailure("dataset: cannot open " + files_[pos_.file]);
+    if (pos_.offset > 0) in_.seekg(static_cast<std::streamoff>(pos_.offset));
+    open_ = true;
+  }
+  return true;
+}
+
+bool DocumentReader::read_line(std::string* line) {
+  const bool at_start = pos_.offset == 0;
+  if (!std::getline(in_, *line)) return false;
+  pos_.offset += line->size() + (in_.eof() ? 0 : 1);
+  pos_.line += 1;
+  if (at_start && line->compare(0, 3, "\xEF\xBB\xBF") == 0) line->erase(0, 3);
+  if (!line->empty() && line->back() == '\r') line->pop_back();
+  return true;
+}
+
+void DocumentReader::fail_line(const std::string& what) const {
+  throw UserError("dataset: " + files_[pos_.file] + ":" + std::to_string(pos_.line) + ": " +
+                  what);
+}
+
+bool DocumentReader::next_in_file(Document* doc) {
+  const bool jsonl = has_ext(files_[pos_.file], ".jsonl");
+  std::string line;
+  if (jsonl) {
+    while (read_line(&line)) {
+      if (blank(line)) continue;
+      json::Value v;
+      std::string err;
+      if (!json::parse(line, &v, &err)) fail_line("invalid JSON (" + err + ")");
+      if (v.type != json::Value::Type::Object) {
+        fail_line(std::string("expected a JSON object with a \"text\" field, not ") +
+                  json::type_name(v.type));
+      }
+      const json::Value* text = v.find("text");
+      if (text == nullptr) fail_line("record has no \"text\" field");
+      if (text->type != json::Value::Type::String) {
+        fail_line(std::string("\"text\" must be a string, not ") + json::type_name(text->type));
+      }
+      doc->text = text->text;
+      doc->line = pos_.line;
+      return true;
+    }
+    return false;
+  }
+  // Plain text: skip blank lines, then take lines up to the next blank line or EOF.
+  doc->text.clear();
+  bool in_paragraph = false;
+  while (read_line(&line)) {
+    if (blank(line)) {
+      if (in_paragraph) return true;
+      continue;
+    }
+    if (!in_paragraph) {
+      in_paragraph = true;
+      doc->line = pos_.line;
+    } else {
+      doc->text.push_back('\n');
+    }
+    doc->text += line;
+  }
+  return in_paragraph;
+}
+
+bool DocumentReader::next(Document* doc) {
+  while (open_current()) {
+    const int64_t index = pos_.next_document;
+    const size_t file = pos_.file;
+    if (next_in_file(doc)) {
+      doc->index = index;
+      doc->file = file;
+      pos_.next_document += 1;
+      return true;
+    }
+    if (in_.bad()) throw RuntimeFailure("dataset: read error in " + files_[pos_.file]);
+    in_.close();
+    open_ = false;
+    pos_.file += 1;
+    pos_.offset = 0;
+    pos_.line = 0;
+  }
+  return false;
+}
+
+}  // namespace ctitan

@@ -1,0 +1,87 @@
+// Text sources: where the corpus is, and reading it one document at a time.
+//
+// A source is a .txt or .jsonl file, or a folder of them (non-recursive; files taken in
+// byte order of their names; other extensions and dot-files ignored). Documents have a
+// global order: file by file, and in file order within each file.
+//   .jsonl  one JSON object per line with a string field "text" (C4's format); other
+//           fields are ignored; blank lines are skipped; any other line is a UserError
+//           naming file:line. The text is used exactly as decoded.
+//   .txt    one document per blank-line-separated paragraph: a maximal run of lines that
+//           are not empty/whitespace-only, joined with "\n". Chosen over "one document per
+//           file" because a book is a single file: Moby-Dick as one document would give
+//           every data-parallel rank the whole book (or nothing) instead of disjoint parts.
+// Line endings are normalised on read (CRLF counts as LF), and a UTF-8 byte-order mark
+// at the start of a file is dropped.
+//
+// Documents are read lazily; only the file list is built up front. A SourcePosition
+// (file, byte offset, document index) lets a reader resume exactly where another stopped.
+#pragma once
+#include <cstdint>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace ctitan {
+
+// Named corpora fetched by scripts/fetch_data.sh: {"moby_dick", "sotu"}.
+const std::vector<std::string>& known_datasets();
+
+// $CTITAN_DATA_DIR when set and non-empty, else <repo_root>/data.
+std::string default_data_root(const std::string& repo_root);
+
+// training.dataset_path when non-empty (must exist), else the named corpus under
+// data_root: moby_dick -> <data_root>/moby_dick/moby_dick.txt, sotu -> <data_root>/sotu/.
+// UserError for an unknown name or missing files, listing the known names and the fix.
+std::string resolve_dataset_path(const std::string& dataset, const std::string& dataset_path,
+                                 const std::string& data_root);
+
+// The .txt/.jsonl files of a source (a file or a folder), sorted. UserError when the path
+// does not exist, has another extension, or is a folder holding no such file.
+std::vector<std::string> list_source_files(const std::string& source_path);
+
+struct Document {
+  std::string text;
+  int64_t index = 0;  // global position in the corpus order (0-based)
+  size_t file = 0;    // index into DocumentReader::files()
+  int64_t line = 0;   // 1-based line of the file where the document starts
+};
+
+// Where the next document starts.
+struct SourcePosition {
+  int64_t next_document = 0;  // global index of the next document
+  size_t file = 0;            // index into files(); == files().size() at the end
+  uint64_t offset = 0;        // byte offset inside that file
+  int64_t line = 0;           // lines of that file consumed so far
+};
+
+class DocumentReader {
+ public:
+  explicit DocumentReader(const std::string& source_path);
+
+  const std::string& source_path() const { return source_path_; }
+  const std::vector<std::string>& files() const { return files_; }
+
+  // Reads the next document; false at the end of the last file (call rewind() to loop).
+  bool next(Document* doc);
+
+  SourcePosition position() const { return pos_; }
+  // Continues from a position taken from a reader of the same source. UserError when it
+  // cannot belong to these files (file index or offset out of range, offset not at a
+  // line start).
+  void seek(const SourcePosition& pos);
+  void rewind() { seek(SourcePosition{}); }
+
+ private:
+  bool open_current();  // opens files_[pos_.file] at pos_.offset; false past the last file
+  bool read_line(std::string* line);  // one line of the current file, '\n'/'\r' stripped
+  bool next_in_file(Document* doc);   // false when the current file has no more documents
+  [[noreturn]] void fail_line(const std::string& what) const;
+
+  std::string source_path_;
+  std::vector<std::string> files_;
+  SourcePosition pos_;
+  std::ifstream in_;
+  bool open_ = false;
+};
+
+}  // namespace ctitan

@@ -1,0 +1,171 @@
+#include "models/layers.h"
+
+#include <cmath>
+#include <limits>
+
+#include "models/init.h"
+
+namespace ctitan {
+
+namespace {
+constexpr double kPi = 3.141592653589793;  // Python's math.pi / torch.pi
+
+// Dtype the numerically sensitive parts (norm statistics, rotation, softmax) run in:
+// float32 for the 16-bit types, the input dtype otherwise.
+torch::ScalarType compute_dtype(const torch::Tensor& x) {
+  const auto t = x.scalar_type();
+  return (t == torch::kBFloat16 || t == torch::kHalf) ? torch::kFloat : t;
+}
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+LinearImpl::LinearImpl(int64_t in, int64_t out) : in_features(in), out_features(out) {
+  weight = register_parameter("weight", torch::empty({out, in}));
+}
+
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return torch::linear(x, weight); }
+
+EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim) {
+  weight = register_parameter("weight", torch::empty({num_embeddings, embedding_dim}));
+}
+
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& tokens) {
+  return torch::embedding(weight, tokens);
+}
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps_) : eps(eps_) {
+  weight = register_parameter("weight", torch::ones({dim}));
+}
+
+void RMSNormImpl::reset_parameters() {
+  torch::NoGradGuard no_grad;
+  weight.fill_(1.0);
+}
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  const auto xc = x.to(compute_dtype(x));
+  const auto inv_rms = torch::rsqrt(xc.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return (xc * inv_rms).to(x.scalar_type()) * weight;
+}
+
+// ---------------------------------------------------------------------------------------
+torch::Tensor precompute_freqs_cis(int64_t head_dim, int64_t end, double theta,
+                                   const std::optional<RoPEScalingArgs>& scaling) {
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "[models] RoPE head_dim must be even, got ",
+              head_dim);
+  TORCH_CHECK(end > 0, "[models] RoPE table length must be positive, got ", end);
+  torch::NoGradGuard no_grad;
+  // f_i = 1 / theta^(2i/hd), i < hd/2, in float32 as torchtitan computes it.
+  const auto exponents =
+      torch::arange(0, head_dim, 2, torch::kLong).to(torch::kFloat) / static_cast<double>(head_dim);
+  auto freqs = 1.0 / torch::pow(theta, exponents);
+  if (scaling) {
+    // Llama 3.1: wavelengths longer than orig/low_freq_factor are slowed by scaling_factor,
+    // those shorter than orig/high_freq_factor kept, the band between interpolated.
+    const auto& s = *scaling;
+    const double orig = static_cast<double>(s.original_max_position_embeddings);
+    const double low_freq_wavelen = orig / s.low_freq_factor;
+    const double high_freq_wavelen = orig / s.high_freq_factor;
+    const auto wavelen = (2.0 * kPi) / freqs;
+    const auto new_freqs =
+        torch::where(wavelen > low_freq_wavelen, freqs / s.scaling_factor, freqs);
+    const auto smooth =
+        (orig / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+    const auto in_band = (wavelen >= high_freq_wavelen).logical_and(wavelen <= low_freq_wavelen);
+    freqs = torch::where(in_band,
+                         (1 - smooth) * new_freqs / s.scaling_factor + smooth * new_freqs,
+                         new_freqs);
+  }
+  // angle[t, i] = t * f_i (float32 product, like torch.outer(t, freqs).float()).
+  const auto positions = torch::arange(end, torch::kLong).to(torch::kFloat);
+  const auto angles = torch::outer(positions, freqs);
+  return torch::stack({torch::cos(angles), torch::sin(angles)}, -1).contiguous();
+}
+
+torch::Tensor apply_rotary_emb(const torch::Tensor& x, const torch::Tensor& freqs_cis) {
+  TORCH_CHECK(x.dim() == 4, "[models] apply_rotary_emb expects x [B, T, h, hd], got ",
+              x.sizes());
+  const int64_t T = x.size(1), hd = x.size(3);
+  TORCH_CHECK(freqs_cis.dim() == 3 && freqs_cis.size(0) >= T && freqs_cis.size(1) * 2 == hd &&
+                  freqs_cis.size(2) == 2,
+              "[models] freqs_cis ", freqs_cis.sizes(), " does not fit x ", x.sizes());
+  const auto dt = compute_dtype(x);
+  // [T, 1, hd/2] so it broadcasts over batch and heads.
+  const auto table = freqs_cis.narrow(0, 0, T).to(dt);
+  const auto cos = table.select(-1, 0).unsqueeze(1);
+  const auto sin = table.select(-1, 1).unsqueeze(1);
+  // Pairs (0,1), (2,3), ...: view [B, T, h, hd/2, 2].
+  const auto pairs = x.to(dt).reshape({x.size(0), T, x.size(2), hd / 2, 2});
+  const auto a = pairs.select(-1, 0), b = pairs.select(-1, 1);
+  const auto out = torch::stack({a * cos - b * sin, a * sin + b * cos}, -1);
+  return out.flatten(3).to(x.scalar_type());
+}
+
+torch::Tensor repeat_kv(const torch::Tensor& x, int64_t n_rep) {
+  if (n_rep == 1) return x;
+  const int64_t B = x.size(0), T = x.size(1), KV = x.size(2), hd = x.size(3);
+  return x.unsqueeze(3).expand({B, T, KV, n_rep, hd}).reshape({B, T, KV * n_rep, hd});
+}
+
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v) {
+  const int64_t T = q.size(2), hd = q.size(3);
+  // [B, H, T, T]; entry (t, s) is query t against key s.
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  auto scores = torch::matmul(q * scale, k.transpose(-2, -1));
+  const auto future =
+      torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
+  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+  const auto probs = torch::softmax(scores, -1, compute_dtype(scores)).to(v.scalar_type());
+  return torch::matmul(probs, v);
+}
+
+// ---------------------------------------------------------------------------------------
+AttentionImpl::AttentionImpl(int64_t dim, int64_t n_heads_, int64_t n_kv_heads_)
+    : n_heads(n_heads_), n_kv_heads(n_kv_heads_), head_dim(dim / n_heads_) {
+  TORCH_CHECK(dim % n_heads == 0 && n_heads % n_kv_heads == 0,
+              "[models] Attention: dim=", dim, " n_heads=", n_heads, " n_kv_heads=", n_kv_heads);
+  wq = register_module("wq", Linear(dim, n_heads * head_dim));
+  wk = register_module("wk", Linear(dim, n_kv_heads * head_dim));
+  wv = register_module("wv", Linear(dim, n_kv_heads * head_dim));
+  wo = register_module("wo", Linear(n_heads * head_dim, dim));
+}
+
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& freqs_cis) {
+  const int64_t B = x.size(0), T = x.size(1);
+  // -1 heads: the local head count follows the projection sizes.
+  auto xq = wq(x).view({B, T, -1, head_dim});  // [B, T, H, hd]
+  auto xk = wk(x).view({B, T, -1, head_dim});  // [B, T, KV, hd]
+  auto xv = wv(x).view({B, T, -1, head_dim});  // [B, T, KV, hd]
+  xq = apply_rotary_emb(xq, freqs_cis);
+  xk = apply_rotary_emb(xk, freqs_cis);
+  const int64_t n_rep = n_heads / n_kv_heads;
+  const auto keys = repeat_kv(xk, n_rep).transpose(1, 2);    // [B, H, T, hd]
+  const auto values = repeat_kv(xv, n_rep).transpose(1, 2);  // [B, H, T, hd]
+  const auto out = causal_attention(xq.transpose(1, 2), keys, values);  // [B, H, T, hd]
+  return wo(out.transpose(1, 2).contiguous().view({B, T, -1}));
+}
+
+void AttentionImpl::init_weights(double init_std) {
+  for (auto* lin : {&wq, &wk, &wv}) trunc_normal_((*lin)->weight, 0.0, 0.02);
+  trunc_normal_(wo->weight, 0.0, init_std);
+}
+
+// ---------------------------------------------------------------------------------------
+FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t hidden_dim) {
+  w1 = register_module("w1", Linear(dim, hidden_dim));
+  w2 = register_module("w2", Linear(hidden_dim, dim));
+  w3 = register_module("w3", Linear(dim, hidden_dim));
+}
+
+torch::Tensor FeedForwardImpl::forward(const torch::Tensor& x) {
+  return w2(torch::silu(w1(x)) * w3(x));
+}
+
+void FeedForwardImpl::init_weights(double init_std) {
+  trunc_normal_(w1->weight, 0.0, 0.02);
+  trunc_normal_(w2->weight, 0.0, init_std);
+  trunc_normal_(w3->weight, 0.0, init_std);
+}
+
+}  // namespace ctitan

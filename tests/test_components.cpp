@@ -1,0 +1,104 @@
+// LR schedule values at chosen steps (worked out by hand from torchtitan's formula),
+// gradient clipping against a norm computed here, the metrics JSON line.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "components/lr_scheduler.h"
+#include "components/metrics.h"
+#include "components/optimizer.h"
+#include "components/system.h"
+
+using namespace ctitan;
+
+TEST(LRScheduler, WarmupStableLinearDecay) {
+  // steps 10, warmup 2, decay_ratio 0.8 → decay 8, stable 10 + 1 - 2 - 8 = 1.
+  LRScheduleSpec s;
+  s.training_steps = 10;
+  s.warmup_steps = 2;
+  s.decay_ratio = 0.8;
+  s.decay_type = "linear";
+  LRScheduler lr(8e-4, s);
+  EXPECT_EQ(lr.warmup_steps(), 2);
+  EXPECT_EQ(lr.decay_steps(), 8);
+  EXPECT_EQ(lr.stable_steps(), 1);
+  EXPECT_DOUBLE_EQ(lr.lr_for_step(1), 8e-4 * 0.5);    // (0+1)/2
+  EXPECT_DOUBLE_EQ(lr.lr_for_step(2), 8e-4);          // (1+1)/2
+  EXPECT_DOUBLE_EQ(lr.lr_for_step(3), 8e-4);          // stable
+  EXPECT_DOUBLE_EQ(lr.lr_for_step(4), 8e-4 * 0.875);  // progress (4-3)/8
+  EXPECT_DOUBLE_EQ(lr.lr_for_step(10), 8e-4 * 0.125); // progress 7/8: last step is not 0
+}
+
+TEST(LRScheduler, CosineAndSqrtWithMinFactor) {
+  LRScheduleSpec s;
+  s.training_steps = 100;
+  s.warmup_steps = 10;
+  s.decay_ratio = std::nullopt;  // decay over everything after warmup: 90 steps, stable 1
+  s.min_lr_factor = 0.1;
+  s.decay_type = "cosine";
+  LRScheduler c(1.0, s);
+  EXPECT_EQ(c.decay_steps(), 90);
+  EXPECT_EQ(c.stable_steps(), 1);
+  // position 55: progress (56 - 11) / 90 = 0.5 → cos term 0.5 → 0.1 + 0.9 * 0.5.
+  EXPECT_NEAR(c.factor(55), 0.55, 1e-12);
+  s.decay_type = "sqrt";
+  LRScheduler q(1.0, s);
+  EXPECT_NEAR(q.factor(32), 0.1 + 0.9 * (1 - std::sqrt(22.0 / 90)), 1e-12);
+}
+
+TEST(LRScheduler, WarmupLongerThanTrainingIsCapped) {
+  LRScheduleSpec s;
+  s.training_steps = 5;
+  s.warmup_steps = 50;
+  LRScheduler lr(1.0, s);
+  EXPECT_EQ(lr.warmup_steps(), 5);
+  EXPECT_EQ(lr.decay_steps(), 0);
+  EXPECT_DOUBLE_EQ(lr.lr_for_step(5), 1.0);
+}
+
+TEST(Optimizer, ClipGradNormMatchesManualNorm) {
+  auto a = torch::randn({3, 4}, torch::requires_grad());
+  auto b = torch::randn({5}, torch::requires_grad());
+  (a.pow(2).sum() * 3 + b.sum() * 2).backward();
+  const double manual = std::sqrt(a.grad().pow(2).sum().item<double>() + b.grad().pow(2).sum().item<double>());
+  auto ga = a.grad().clone();
+  const double n = clip_grad_norm({a, b}, manual / 2);
+  EXPECT_NEAR(n, manual, 1e-5 * manual);
+  const double after = std::sqrt(a.grad().pow(2).sum().item<double>() + b.grad().pow(2).sum().item<double>());
+  EXPECT_NEAR(after, manual / 2, 1e-4 * manual);
+  EXPECT_TRUE(torch::allclose(a.grad(), ga * (manual / 2) / (manual + 1e-6), 1e-5, 1e-6));
+}
+
+TEST(Optimizer, AdamWStepMatchesFormula) {
+  // One AdamW step from zero state: p ← p·(1 − lr·wd) − lr · m̂ / (sqrt(v̂) + eps), m̂ = g, v̂ = g².
+  auto p = torch::tensor({1.0f, -2.0f}, torch::requires_grad());
+  auto opt = build_optimizer({p}, OptimizerSpec{"AdamW", 0.1, 0.9, 0.95, 1e-8, 0.1});
+  p.mutable_grad() = torch::tensor({0.5f, -0.25f});
+  opt->step();
+  EXPECT_NEAR(p[0].item<float>(), 1.0 * (1 - 0.01) - 0.1 * 1.0, 1e-6);
+  EXPECT_NEAR(p[1].item<float>(), -2.0 * (1 - 0.01) + 0.1 * 1.0, 1e-6);
+  set_learning_rate(*opt, 0.5);
+  EXPECT_DOUBLE_EQ(opt->param_groups()[0].options().get_lr(), 0.5);
+}
+
+TEST(Metrics, JsonLineHasTheContractFields) {
+  StepMetrics m;
+  m.step = 3;
+  m.loss = 7.25;
+  m.extra = {{"load_balance_loss", 0.5}};
+  const std::string j = MetricsLogger::to_json(m);
+  for (const char* k : {"\"step\": 3", "\"loss\": 7.25", "\"grad_norm\"", "\"lr\"", "\"tps\"", "\"tflops\"",
+                        "\"mfu\"", "\"memory_gib\"", "\"data_loading_s\"", "\"elapsed_s\"",
+                        "\"load_balance_loss\": 0.5"})
+    EXPECT_NE(j.find(k), std::string::npos) << k << " in " << j;
+  EXPECT_EQ(format_duration(3725), "1h02m");
+  EXPECT_EQ(format_duration(185), "3m05s");
+}
+
+TEST(System, BlasIsDetectedAndMemoryIsRead) {
+  auto info = detect_blas();
+  EXPECT_FALSE(info.library.empty());  // Debian's LibTorch resolves sgemm_ from libblas.so.3
+  EXPECT_GT(peak_rss_gib(), 0.0);
+  EXPECT_GE(peak_rss_gib(), current_rss_gib() * 0.99);
+}

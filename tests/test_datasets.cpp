@@ -1,0 +1,671 @@
+// Tests of datasets/: the sentencepiece shim next to LibTorch, text sources (paragraphs,
+// JSONL), packing, per-rank split, re-looping and exact resume.
+//
+// Everything they need is made here: a corpus of a few KB written below and a tiny BPE
+// model (vocab 400) trained with Debian's spm_train into a temporary folder.
+#include <stdlib.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include "config/errors.h"
+#include "datasets/dataloader.h"
+#include "datasets/text_source.h"
+#include "datasets/tokenizer.h"
+
+namespace fs = std::filesystem;
+using ctitan::Batch;
+using ctitan::DataLoader;
+using ctitan::Document;
+using ctitan::DocumentReader;
+using ctitan::Tokenizer;
+using ctitan::UserError;
+
+namespace {
+
+// --------------------------------------------------------------------------------------
+// Fixture data: temp folder, corpus, tokenizer
+// --------------------------------------------------------------------------------------
+
+const std::vector<std::string>& paragraphs() {
+  static const std::vector<std::string> p = [] {
+    std::vector<std::string> v = {
+        "The harbour was quiet before dawn, and the boats rocked against the pier.",
+        "A sailor counted the barrels twice.\nThen he counted them a third time, because\n"
+        "the mate had asked him to, and the mate was never wrong about barrels.",
+        "Numbers matter: 12 casks, 7 oars, 3 lanterns and 1024 feet of rope.",
+        "Café owners in the port served naïve travellers strong coffee — très fort!",
+        "Some visitors wrote postcards in Japanese: 港の朝は静かです。",
+        "The whale 🐳 surfaced twice, spouted, and dived again out of sight.",
+        "Rain fell on the deck.  Two spaces here, and a tab\there, kept as written.",
+        "When the wind turned, every rope on the ship sang a different note.",
+        "Old maps showed islands that no one had ever found again.",
+        "The cook argued that soup, unlike the sea, should never be too salty.",
+    };
+    // A deterministic generator adds ~30 plain English paragraphs (an LCG picks words).
+    const std::vector<std::string> subj = {"the captain", "a young harpooner", "the old cook",
+                                           "the lookout", "a passenger", "the carpenter"};
+    const std::vector<std::string> verb = {"watched", "mended", "forgot", "remembered",
+                                           "carried", "painted", "described"};
+    const std::vector<std::string> obj = {"the grey horizon", "a broken oar", "the long voyage",
+                                          "the silver compass", "a letter from home",
+                                          "the frozen rigging", "every distant sail"};
+    uint32_t state = 12345;
+    auto pick = [&](const std::vector<std::string>& words) {
+      state = state * 1664525u + 1013904223u;
+      return words[(state >> 8) % words.size()];
+    };
+    for (int i = 0; i < 30; ++i) {
+      std::string para;
+      const int sentences = 2 + i % 4;
+      for (int s = 0; s < sentences; ++s) {
+        std::string sentence = pick(subj) + " " + pick(verb) + " " + pick(obj) + ".";
+        sentence[0] = static_cast<char>(std::toupper(sentence[0]));
+        para += (s ? (s % 3 == 0 ? "\n" : " ") : "") + sentence;
+      }
+      v.push_back(para);
+    }
+    return v;
+  }();
+  return p;
+}
+
+std::string write_file(const fs::path& path, const std::string& content) {
+  fs::create_directories(path.parent_path());
+  std::ofstream out(path, std::ios::binary);
+  out << content;
+  return path.string();
+}
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string join(const std::vector<std::string>& parts, const std::string& sep) {
+  std::string out;
+  for (size_t i = 0; i < parts.size(); ++i) out += (i ? sep : "") + parts[i];
+  return out;
+}
+
+// Escapes a string for JSON the simple way (test-side reference, independent of the lib).
+std::string json_str(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"') out += "\\\"";
+    else if (c == '\\') out += "\\\\";
+    else if (c == '\n') out += "\\n";
+    else if (c == '\t') out += "\\t";
+    else out += c;
+  }
+  return out + "\"";
+}
+
+class Env : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    std::string tmpl = (fs::temp_directory_path() / "ctitan_test_datasets_XXXXXX").string();
+    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
+    dir_ = tmpl;
+    const std::string corpus = write_file(dir_ / "train_corpus.txt", join(paragraphs(), "\n"));
+    model_ = (dir_ / "tok.model").string();
+    const std::string prefix = (dir_ / "tok").string();
+    const std::string cmd =
+        "spm_train --input=" + corpus + " --model_prefix=" + prefix +
+        " --model_type=bpe --vocab_size=400 --hard_vocab_limit=false --byte_fallback=true"
+        " --character_coverage=1.0 --normalization_rule_name=identity"
+        " --remove_extra_whitespaces=false --split_digits=true --allow_whitespace_only_pieces=true"
+        " --unk_id=0 --bos_id=1 --eos_id=2 --pad_id=-1 --num_threads=1 > " +
+        (dir_ / "spm_train.log").string() + " 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0)
+        << "spm_train failed (is Debian's `sentencepiece` installed?):\n"
+        << read_file(dir_ / "spm_train.log");
+  }
+  void TearDown() override {
+    std::error_code ec;
+    if (!dir_.empty()) fs::remove_all(dir_, ec);
+  }
+  static fs::path dir_;
+  static std::string model_;
+};
+fs::path Env::dir_;
+std::string Env::model_;
+::testing::Environment* const g_env = ::testing::AddGlobalTestEnvironment(new Env);
+
+const Tokenizer& tok() {
+  static std::unique_ptr<Tokenizer> t = Tokenizer::load(Env::model_);
+  return *t;
+}
+
+// Plain-text corpus: paragraphs separated by blank lines, split into `files` files.
+std::string make_txt_corpus(const std::string& name, size_t files) {
+  const fs::path root = Env::dir_ / name;
+  const auto& p = paragraphs();
+  const size_t per = (p.size() + files - 1) / files;
+  for (size_t f = 0; f < files; ++f) {
+    std::vector<std::string> chunk(p.begin() + std::min(p.size(), f * per),
+                                   p.begin() + std::min(p.size(), (f + 1) * per));
+    write_file(root / ("part_" + std::to_string(f) + ".txt"), join(chunk, "\n\n") + "\n");
+  }
+  return root.string();
+}
+
+// The documents of a source in order, read with the library's reader.
+std::vector<std::string> all_documents(const std::string& source) {
+  DocumentReader r(source);
+  std::vector<std::string> docs;
+  Document d;
+  while (r.next(&d)) docs.push_back(d.text);
+  return docs;
+}
+
+// Reference token stream of one rank for one epoch: docs r, r+W, ... as BOS + ids + EOS.
+std::vector<int64_t> reference_stream(const std::vector<std::string>& docs, int64_t rank,
+                                      int64_t world) {
+  std::vector<int64_t> s;
+  for (size_t i = static_cast<size_t>(rank); i < docs.size(); i += static_cast<size_t>(world)) {
+    s.push_back(tok().bos_id());
+    for (int32_t id : tok().encode(docs[i], false, false)) s.push_back(id);
+    s.push_back(tok().eos_id());
+  }
+  return s;
+}
+
+template <typename Fn>
+std::string user_error_text(Fn&& fn) {
+  try {
+    fn();
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "<no UserError thrown>";
+}
+
+// --------------------------------------------------------------------------------------
+// Tokenizer
+// --------------------------------------------------------------------------------------
+
+TEST(Tokenizer, RoundTripInAProcessRunningLibTorch) {
+  // LibTorch works before the shim is loaded...
+  const auto a = torch::arange(6, torch::kFloat32).reshape({2, 3});
+  const auto b = torch::arange(12, torch::kFloat32).reshape({3, 4});
+  const auto before = torch::matmul(a, b);
+  EXPECT_FLOAT_EQ(before[1][2].item<float>(), 3 * 2 + 4 * 6 + 5 * 10);  // row 1 . col 2
+
+  const std::vector<std::string> texts = {
+      "Hello world, the whale surfaced.",
+      "  leading spaces, double  spaces and trailing space ",
+      "line one\nline two\n\nafter a blank line\ttab",
+      "Café naïve — 港の朝は静かです。 🐳",
+      "Zebra-quagga xylophones: Ωμέγα, Привет, عربى",  // characters never seen in training
+      "",
+  };
+  for (const auto& t : texts) {
+    const auto ids = tok().encode(t, false, false);
+    for (int32_t id : ids) {
+      ASSERT_GE(id, 0);
+      ASSERT_LT(id, tok().vocab_size());
+    }
+    EXPECT_EQ(tok().decode(ids), t) << "round trip of: " << t;
+  }
+
+  // ...and after: same product, computed independently by hand.
+  const auto after = torch::matmul(a, b);
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      float ref = 0;
+      for (int k = 0; k < 3; ++k) ref += static_cast<float>((i * 3 + k) * (k * 4 + j));
+      EXPECT_FLOAT_EQ(after[i][j].item<float>(), ref);
+    }
+  }
+  EXPECT_TRUE(fs::exists(Tokenizer::shim_path()));
+}
+
+TEST(Tokenizer, SpecialIdsAndVocabComeFromTheModel) {
+  EXPECT_EQ(tok().unk_id(), 0);
+  EXPECT_EQ(tok().bos_id(), 1);
+  EXPECT_EQ(tok().eos_id(), 2);
+  EXPECT_EQ(tok().pad_id(), -1);
+  // spm_train writes one line per piece to <prefix>.vocab: an independent count.
+  std::ifstream vocab(Env::dir_ / "tok.vocab");
+  int64_t lines = 0;
+  for (std::string l; std::getline(vocab, l);) ++lines;
+  EXPECT_EQ(tok().vocab_size(), lines);
+  EXPECT_GT(lines, 259);  // 3 specials + 256 byte pieces + learned pieces
+
+  const std::string text = "The captain watched the grey horizon.";
+  const auto plain = tok().encode(text, false, false);
+  const auto framed = tok().encode(text, true, true);
+  ASSERT_EQ(framed.size(), plain.size() + 2);
+  EXPECT_EQ(framed.front(), 1);
+  EXPECT_EQ(framed.back(), 2);
+  EXPECT_TRUE(std::equal(plain.begin(), plain.end(), framed.begin() + 1));
+  EXPECT_EQ(std::count(plain.begin(), plain.end(), 1), 0);
+  EXPECT_EQ(std::count(plain.begin(), plain.end(), 2), 0);
+  EXPECT_EQ(tok().encode(text, true, false).front(), 1);
+  EXPECT_EQ(tok().encode(text, false, true).back(), 2);
+  EXPECT_EQ(tok().decode(framed), text);  // control ids decode to nothing
+  EXPECT_THROW(tok().decode({5, static_cast<int32_t>(tok().vocab_size())}), std::out_of_range);
+}
+
+TEST(Tokenizer, MissingOrCorruptModelIsAUserError) {
+  const std::string missing = (Env::dir_ / "no_such.model").string();
+  const std::string e1 = user_error_text([&] { Tokenizer::load(missing); });
+  EXPECT_EQ(e1.rfind("tokenizer: cannot load " + missing + ": ", 0), 0u) << e1;
+  EXPECT_NE(e1.find("No such file"), std::string::npos) << e1;
+
+  const std::string junk = write_file(Env::dir_ / "junk.model", "this is not a protobuf\x01\x02");
+  const std::string e2 = user_error_text([&] { Tokenizer::load(junk); });
+  EXPECT_EQ(e2.rfind("tokenizer: cannot load " + junk + ": ", 0), 0u) << e2;
+}
+
+TEST(Tokenizer, ResolvePath) {
+  using ctitan::resolve_tokenizer_path;
+  EXPECT_EQ(resolve_tokenizer_path(Env::model_, ""), Env::model_);
+  EXPECT_EQ(resolve_tokenizer_path(Env::model_, "/elsewhere"), Env::model_);  // explicit wins
+  const fs::path assets = Env::dir_ / "hf_assets";
+  fs::create_directories(assets);
+  fs::copy_file(Env::model_, assets / "tokenizer.model", fs::copy_options::overwrite_existing);
+  EXPECT_EQ(resolve_tokenizer_path("", assets.string()), (assets / "tokenizer.model").string());
+
+  const std::string none = user_error_text([] { resolve_tokenizer_path("", ""); });
+  EXPECT_NE(none.find("model.tokenizer_path"), std::string::npos) << none;
+  EXPECT_NE(none.find("model.hf_assets_path"), std::string::npos) << none;
+  const std::string empty_assets =
+      user_error_text([&] { resolve_tokenizer_path("", Env::dir_.string()); });
+  EXPECT_NE(empty_assets.find("model.hf_assets_path=" + Env::dir_.string()), std::string::npos);
+  EXPECT_NE(empty_assets.find("model.tokenizer_path"), std::string::npos) << empty_assets;
+  const std::string bad = user_error_text([] { resolve_tokenizer_path("/nope.model", ""); });
+  EXPECT_NE(bad.find("model.tokenizer_path=/nope.model"), std::string::npos) << bad;
+}
+
+TEST(Tokenizer, TrainTokenizerScriptIsDeterministic) {
+  // scripts/train_tokenizer.sh on a JSONL folder, twice: identical models that round-trip.
+  const fs::path corpus = Env::dir_ / "script_corpus";
+  const auto& p = paragraphs();
+  for (size_t f = 0; f < 2; ++f) {
+    std::string lines;
+    for (size_t i = f; i < p.size(); i += 2) lines += "{\"text\": " + json_str(p[i]) + "}\n";
+    write_file(corpus / ("s" + std::to_string(f) + ".jsonl"), lines);
+  }
+  const std::string script = std::string(CTITAN_SOURCE_DIR) + "/scripts/train_tokenizer.sh";
+  for (const char* name : {"a.model", "b.model"}) {
+    const std::string cmd = "bash " + script + " " + corpus.string() + " " +
+                            (Env::dir_ / "script_out" / name).string() + " 320 > " +
+                            (Env::dir_ / "script.log").string() + " 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << read_file(Env::dir_ / "script.log");
+  }
+  const std::string a = read_file(Env::dir_ / "script_out" / "a.model");
+  ASSERT_FALSE(a.empty());
+  EXPECT_EQ(a, read_file(Env::dir_ / "script_out" / "b.model"));
+  const auto t = Tokenizer::load((Env::dir_ / "script_out" / "a.model").string());
+  EXPECT_EQ(t->bos_id(), 1);
+  EXPECT_EQ(t->eos_id(), 2);
+  const std::string text = "Multi-line\n  text, 42 casks — and bytes: Привет 🐳";
+  EXPECT_EQ(t->decode(t->encode(text, true, true)), text);
+}
+
+// --------------------------------------------------------------------------------------
+// Text sources
+// --------------------------------------------------------------------------------------
+
+TEST(TextSource, PlainTextIsOneDocumentPerParagraph) {
+  const std::string path = write_file(Env::dir_ / "paras" / "p.txt",
+                                      "\xEF\xBB\xBF"
+                                      "\r\n\r\nFirst para line 1\r\nline 2\r\n"
+                                      "   \t \r\n"
+                                      "Second  para\n\n\n\n"
+                                      "  Third, indented\n"
+                                      "last line without newline");
+  DocumentReader r(path);
+  std::vector<Document> docs;
+  Document d;
+  while (r.next(&d)) docs.push_back(d);
+  ASSERT_EQ(docs.size(), 3u);
+  EXPECT_EQ(docs[0].text, "First para line 1\nline 2");
+  EXPECT_EQ(docs[0].line, 3);
+  EXPECT_EQ(docs[1].text, "Second  para");
+  EXPECT_EQ(docs[1].line, 6);
+  EXPECT_EQ(docs[2].text, "  Third, indented\nlast line without newline");
+  EXPECT_EQ(docs[2].line, 10);
+  for (size_t i = 0; i < docs.size(); ++i) EXPECT_EQ(docs[i].index, static_cast<int64_t>(i));
+  EXPECT_FALSE(r.next(&d));  // stays at the end
+  r.rewind();
+  ASSERT_TRUE(r.next(&d));
+  EXPECT_EQ(d.text, docs[0].text);
+}
+
+TEST(TextSource, JsonlRecordsWithEscapes) {
+  const std::string path = write_file(
+      Env::dir_ / "jsonl" / "a.jsonl",
+      "{\"id\": 1, \"text\": \"plain\"}\n"
+      "\n"
+      "{\"meta\": {\"tags\": [1, 2.5e3, true, null, {\"x\": \"}\"}]}, \"text\": "
+      "\"q\\\" b\\\\ s\\/ n\\n t\\t r\\r \\u00e9 \\u6e2f \\ud83d\\udc33 \\b\\f end\"}\r\n"
+      "  {\"text\": \"\", \"url\": \"http://x\"}  \n"
+      "{\"text\": \"raw UTF-8 stays: 港 🐳\"}");
+  const auto docs = all_documents(path);
+  ASSERT_EQ(docs.size(), 4u);
+  EXPECT_EQ(docs[0], "plain");
+  EXPECT_EQ(docs[1], "q\" b\\ s/ n\n t\t r\r \xC3\xA9 \xE6\xB8\xAF \xF0\x9F\x90\xB3 \b\f end");
+  EXPECT_EQ(docs[2], "");
+  EXPECT_EQ(docs[3], "raw UTF-8 stays: 港 🐳");
+}
+
+TEST(TextSource, BadJsonlLinesNameFileAndLine) {
+  struct Case {
+    std::string line, expect;
+  };
+  const std::vector<Case> cases = {
+      {"{\"title\": \"no text here\"}", "record has no \"text\" field"},
+      {"{\"text\": 42}", "\"text\" must be a string, not number"},
+      {"{\"text\": [\"a\"]}", "\"text\" must be a string, not array"},
+      {"[\"text\"]", "expected a JSON object with a \"text\" field, not array"},
+      {"{\"text\": \"unterminated}", "invalid JSON (unterminated string"},
+      {"{\"text\": \"a\"} trailing", "invalid JSON (unexpected trailing characters"},
+      {"{\"text\": \"lone \\ud800 surrogate\"}", "invalid JSON (high surrogate not followed"},
+      {"{\"text\": \"bad \\x escape\"}", "invalid JSON (invalid escape"},
+      {"{\"text\": \"tab\there\"}", "invalid JSON (raw control character"},
+      {"{\"text\": \"x\",}", "invalid JSON (expected a string key"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const std::string path = write_file(Env::dir_ / "badjsonl" / ("b" + std::to_string(i) + ".jsonl"),
+                                        "{\"text\": \"ok\"}\n\n" + cases[i].line + "\n");
+    const std::string err = user_error_text([&] { all_documents(path); });
+    EXPECT_EQ(err.rfind("dataset: " + path + ":3: " + cases[i].expect, 0), 0u)
+        << "line: " << cases[i].line << "\nerror: " << err;
+  }
+}
+
+TEST(TextSource, FolderListingAndErrors) {
+  const fs::path d = Env::dir_ / "mixed";
+  write_file(d / "b.jsonl", "{\"text\": \"from b\"}\n{\"text\": \"b again\"}\n");
+  write_file(d / "a.txt", "from a\n\nsecond of a\n");
+  write_file(d / "c.md", "ignored");
+  write_file(d / ".hidden.txt", "ignored");
+  write_file(d / "sub" / "deeper.txt", "ignored (not recursive)");
+  const auto files = ctitan::list_source_files(d.string());
+  ASSERT_EQ(files.size(), 2u);
+  EXPECT_EQ(fs::path(files[0]).filename(), "a.txt");
+  EXPECT_EQ(fs::path(files[1]).filename(), "b.jsonl");
+  EXPECT_EQ(all_documents(d.string()),
+            (std::vector<std::string>{"from a", "second of a", "from b", "b again"}));
+
+  fs::create_directories(Env::dir_ / "empty_dir");
+  write_file(Env::dir_ / "empty_dir" / "notes.md", "x");
+  const std::string e1 =
+      user_error_text([&] { ctitan::list_source_files((Env::dir_ / "empty_dir").string()); });
+  EXPECT_NE(e1.find("holds no .txt or .jsonl files"), std::string::npos) << e1;
+  const std::string e2 =
+      user_error_text([&] { ctitan::list_source_files((d / "c.md").string()); });
+  EXPECT_NE(e2.find("neither a .txt/.jsonl file nor a folder"), std::string::npos) << e2;
+  const std::string e3 = user_error_text([&] { ctitan::list_source_files("/no/such/path"); });
+  EXPECT_NE(e3.find("/no/such/path does not exist"), std::string::npos) << e3;
+}
+
+TEST(TextSource, ResolveDatasetPath) {
+  using ctitan::resolve_dataset_path;
+  const fs::path root = Env::dir_ / "data_root";
+  write_file(root / "moby_dick" / "moby_dick.txt", "Call me Ishmael.\n");
+  write_file(root / "sotu" / "1790_x.jsonl", "{\"text\": \"Fellow-Citizens\"}\n");
+  EXPECT_EQ(resolve_dataset_path("moby_dick", "", root.string()),
+            (root / "moby_dick" / "moby_dick.txt").string());
+  EXPECT_EQ(resolve_dataset_path("sotu", "", root.string()), (root / "sotu").string());
+  const std::string own = make_txt_corpus("own_corpus", 1);
+  EXPECT_EQ(resolve_dataset_path("moby_dick", own, "/nowhere"), own);  // dataset_path wins
+
+  const std::string unknown = user_error_text([&] { resolve_dataset_path("c4", "", root.string()); });
+  EXPECT_NE(unknown.find("training.dataset=c4 is not a known corpus (known: moby_dick, sotu)"),
+            std::string::npos) << unknown;
+  EXPECT_NE(unknown.find("training.dataset_path"), std::string::npos) << unknown;
+  const std::string missing =
+      user_error_text([&] { resolve_dataset_path("sotu", "", (Env::dir_ / "nodata").string()); });
+  EXPECT_NE(missing.find("run scripts/fetch_data.sh sotu"), std::string::npos) << missing;
+  EXPECT_NE(missing.find("moby_dick, sotu"), std::string::npos) << missing;
+  EXPECT_NE(missing.find("training.dataset_path"), std::string::npos) << missing;
+  const std::string bad_path = user_error_text([] { resolve_dataset_path("", "/no/x.txt", ""); });
+  EXPECT_NE(bad_path.find("training.dataset_path=/no/x.txt does not exist"), std::string::npos);
+
+  const char* prior = std::getenv("CTITAN_DATA_DIR");
+  const std::string saved = prior ? prior : "";
+  ::setenv("CTITAN_DATA_DIR", "/custom/data", 1);
+  EXPECT_EQ(ctitan::default_data_root("/repo"), "/custom/data");
+  ::unsetenv("CTITAN_DATA_DIR");
+  EXPECT_EQ(ctitan::default_data_root("/repo"), "/repo/data");
+  if (prior != nullptr) ::setenv("CTITAN_DATA_DIR", saved.c_str(), 1);
+}
+
+// --------------------------------------------------------------------------------------
+// Packing and the per-rank split
+// --------------------------------------------------------------------------------------
+
+TEST(DataLoader, WindowsArePackedLikeTorchtitanAndReloop) {
+  // Capture the log to see the re-loop line.
+  std::ostringstream log;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(log);
+  auto previous = spdlog::default_logger();
+  spdlog::set_default_logger(std::make_shared<spdlog::logger>("capture", sink));
+
+  const std::string src = make_txt_corpus("pack", 3);
+  const auto docs = all_documents(src);
+  ASSERT_EQ(docs, paragraphs());  // paragraph split reproduces the corpus
+  const auto stream = reference_stream(docs, 0, 1);
+  const int64_t T = 16, B = 4, L = T + 1;
+  DataLoader dl(tok(), src, T, B, 0, 1, "pack");
+
+  // 2.5 epochs worth of windows: window k must be tokens [kL, (k+1)L) of the stream
+  // repeated forever (leftovers carry across the epoch boundary, nothing is padded).
+  const int64_t batches = static_cast<int64_t>(stream.size()) * 5 / 2 / (B * L) + 1;
+  int64_t k = 0;
+  int64_t bos_seen = 0, eos_seen = 0;
+  for (int64_t step = 0; step < batches; ++step) {
+    const Batch b = dl.next();
+    ASSERT_EQ(b.batch, B);
+    ASSERT_EQ(b.seq, T);
+    ASSERT_EQ(b.inputs.size(), static_cast<size_t>(B * T));
+    ASSERT_EQ(b.labels.size(), static_cast<size_t>(B * T));
+    for (int64_t row = 0; row < B; ++row, ++k) {
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t expect_in = stream[(k * L + t) % stream.size()];
+        const int64_t expect_label = stream[(k * L + t + 1) % stream.size()];
+        ASSERT_EQ(b.inputs[row * T + t], expect_in) << "window " << k << " t " << t;
+        ASSERT_EQ(b.labels[row * T + t], expect_label) << "window " << k << " t " << t;
+        if (t + 1 < T) {
+          ASSERT_EQ(b.labels[row * T + t], b.inputs[row * T + t + 1]);
+        }
+        bos_seen += b.inputs[row * T + t] == tok().bos_id();
+        eos_seen += b.labels[row * T + t] == tok().eos_id();
+      }
+    }
+  }
+  EXPECT_EQ(dl.windows_produced(), k);
+  EXPECT_EQ(dl.epoch(), 2);
+  EXPECT_GE(bos_seen, static_cast<int64_t>(2 * docs.size()));  // every document starts with BOS
+  EXPECT_GE(eos_seen, static_cast<int64_t>(2 * docs.size()));
+  EXPECT_EQ(stream.front(), tok().bos_id());
+  EXPECT_EQ(stream.back(), tok().eos_id());
+
+  spdlog::set_default_logger(previous);
+  const std::string text = log.str();
+  EXPECT_NE(text.find("dataset pack exhausted on dp rank 0, re-looping (epoch 1)"),
+            std::string::npos) << text;
+  EXPECT_NE(text.find("dataset pack exhausted on dp rank 0, re-looping (epoch 2)"),
+            std::string::npos) << text;
+}
+
+TEST(DataLoader, RanksTakeDisjointDocumentsCoveringTheCorpus) {
+  const std::string src = make_txt_corpus("ranks", 2);
+  const auto docs = all_documents(src);
+  const int64_t W = 3, T = 8, L = T + 1;
+  std::map<std::string, int> seen;  // document text -> how many ranks decoded it
+  for (int64_t r = 0; r < W; ++r) {
+    const auto ref = reference_stream(docs, r, W);
+    DataLoader dl(tok(), src, T, 1, r, W);
+    std::vector<int64_t> got;
+    while (got.size() < ref.size()) {
+      const auto w = dl.next_window();
+      ASSERT_EQ(w.size(), static_cast<size_t>(L));
+      got.insert(got.end(), w.begin(), w.end());
+    }
+    // The rank's windows, concatenated, are exactly its token stream.
+    ASSERT_TRUE(std::equal(ref.begin(), ref.end(), got.begin())) << "rank " << r;
+    // Cut the stream at BOS/EOS and decode each document.
+    for (size_t i = 0; i < ref.size();) {
+      ASSERT_EQ(got[i], tok().bos_id());
+      size_t j = i + 1;
+      while (j < ref.size() && got[j] != tok().eos_id()) ++j;
+      ASSERT_LT(j, ref.size()) << "document without EOS on rank " << r;
+      seen[tok().decode(std::vector<int32_t>(got.begin() + i + 1, got.begin() + j))] += 1;
+      i = j + 1;
+    }
+  }
+  std::map<std::string, int> corpus;
+  for (const auto& d : docs) corpus[d] += 1;
+  EXPECT_EQ(seen, corpus);  // every document on exactly one rank, none invented
+}
+
+TEST(DataLoader, TooFewDocumentsForTheRanksIsAUserError) {
+  const std::string src = write_file(Env::dir_ / "tiny2" / "t.txt", "one\n\ntwo\n");
+  DataLoader ok(tok(), src, 4, 1, 1, 3);
+  EXPECT_EQ(ok.next_window().front(), tok().bos_id());
+  DataLoader starved(tok(), src, 4, 1, 2, 3, "tiny2");
+  const std::string e = user_error_text([&] { starved.next_window(); });
+  EXPECT_NE(e.find("dataset tiny2 has 2 documents, too few for dp degree 3: dp rank 2 gets none"),
+            std::string::npos) << e;
+  EXPECT_NE(user_error_text([&] { DataLoader(tok(), src, 4, 1, 3, 3); }).find("dp rank 3 is not in [0, 3)"),
+            std::string::npos);
+  EXPECT_NE(user_error_text([&] { DataLoader(tok(), src, 0, 1, 0, 1); }).find("seq_len=0"),
+            std::string::npos);
+}
+
+// --------------------------------------------------------------------------------------
+// State save / restore
+// --------------------------------------------------------------------------------------
+
+std::string make_jsonl_corpus(const std::string& name) {
+  const fs::path root = Env::dir_ / name;
+  const auto& p = paragraphs();
+  for (size_t f = 0; f < 4; ++f) {
+    std::string lines;
+    for (size_t i = f; i < p.size(); i += 4) lines += "{\"text\": " + json_str(p[i]) + ", \"n\": " + std::to_string(i) + "}\n";
+    write_file(root / ("shard_" + std::to_string(f) + ".jsonl"), lines);
+  }
+  return root.string();
+}
+
+void expect_same(const std::vector<Batch>& a, const std::vector<Batch>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].inputs, b[i].inputs) << "batch " << i;
+    EXPECT_EQ(a[i].labels, b[i].labels) << "batch " << i;
+  }
+}
+
+TEST(DataLoader, StateDictResumesExactly) {
+  // Both source kinds, W=2 rank 1, 7 batches then save, then 5 more. The window length is
+  // chosen from the rank's token count S so that the epoch boundary falls either after the
+  // save (7*3*L < S < 12*3*L) or before it (S < 7*3*L): the carried buffer and the
+  // re-loop both have to survive the restore.
+  for (const std::string& src :
+       {make_jsonl_corpus("resume_jsonl"), make_txt_corpus("resume_txt", 3)}) {
+    const int64_t S = static_cast<int64_t>(reference_stream(all_documents(src), 1, 2).size());
+    for (const int64_t L : {S / 27, S / 15}) {
+      const int64_t T = L - 1, B = 3;
+      SCOPED_TRACE(src + " seq_len " + std::to_string(T));
+      DataLoader a(tok(), src, T, B, 1, 2);
+      for (int i = 0; i < 7; ++i) a.next();
+      EXPECT_EQ(a.epoch(), L == S / 27 ? 0 : 1);
+      const std::string saved = a.state_dict();
+      std::vector<Batch> continued;
+      for (int i = 0; i < 5; ++i) continued.push_back(a.next());
+      EXPECT_EQ(a.epoch(), L == S / 27 ? 1 : 2);  // 36 windows: 1.33 or 2.4 epochs
+
+      DataLoader b(tok(), src, T, B, 1, 2);
+      b.next();  // some progress that the restore must discard
+      b.load_state_dict(saved);
+      EXPECT_EQ(b.state_dict(), saved);
+      std::vector<Batch> resumed;
+      for (int i = 0; i < 5; ++i) resumed.push_back(b.next());
+      expect_same(continued, resumed);
+      EXPECT_EQ(b.windows_produced(), a.windows_produced());
+      EXPECT_EQ(b.windows_produced(), 12 * B);
+      EXPECT_EQ(b.epoch(), a.epoch());
+      EXPECT_EQ(b.state_dict(), a.state_dict());
+    }
+  }
+}
+
+TEST(DataLoader, StateDictRecordsTheGlobalDocumentPosition) {
+  const std::string src = make_jsonl_corpus("position");
+  const auto docs = all_documents(src);
+  DataLoader dl(tok(), src, 16, 1, 1, 3);
+  dl.next();
+  // The last document consumed by rank 1 is the one just before next_document.
+  const int64_t next = dl.next_document();
+  EXPECT_EQ((next - 1) % 3, 1);
+  const std::string s = dl.state_dict();
+  EXPECT_NE(s.find("\"next_document\":" + std::to_string(next)), std::string::npos) << s;
+  EXPECT_NE(s.find("\"dp_rank\":1,\"dp_world\":3"), std::string::npos) << s;
+  EXPECT_NE(s.find("\"format\":\"ctitan.dataloader\",\"version\":1"), std::string::npos) << s;
+}
+
+TEST(DataLoader, CorruptOrMismatchedStateIsRejectedAndLeavesTheLoaderAlone) {
+  const std::string src = make_jsonl_corpus("corrupt");
+  DataLoader a(tok(), src, 16, 2, 0, 2);
+  for (int i = 0; i < 3; ++i) a.next();
+  const std::string good = a.state_dict();
+
+  DataLoader victim(tok(), src, 16, 2, 0, 2);
+  victim.next();
+  const std::string before = victim.state_dict();
+  auto replace = [&](const std::string& from, const std::string& to) {
+    std::string s = good;
+    const auto at = s.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return s.replace(at, from.size(), to);
+  };
+  struct Case {
+    std::string state, expect;
+  };
+  const std::string vocab = std::to_string(tok().vocab_size());
+  const std::vector<Case> cases = {
+      {good.substr(0, good.size() / 2), "is corrupt: invalid JSON"},
+      {"[]", "is corrupt: expected a JSON object"},
+      {replace("\"format\":\"ctitan.dataloader\"", "\"format\":\"other\""), "\"format\" is not"},
+      {replace("\"version\":1", "\"version\":9"), "has version 9; this build reads 1"},
+      {replace("\"dp_world\":2", "\"dp_world\":4"),
+       "was saved by dp rank 0 of 4, this is dp rank 0 of 2"},
+      {replace("\"vocab_size\":" + vocab, "\"vocab_size\":7"), "tokenizer of vocab_size 7"},
+      {replace("\"epoch\":", "\"epochs\":"), "is corrupt: missing \"epoch\""},
+      {replace("\"windows_produced\":", "\"windows_produced\":-"), "\"windows_produced\" is not an integer >= 0"},
+      {replace("\"buffer\":[", "\"buffer\":[" + vocab + ","), "\"buffer\" holds a value that is not a token id"},
+      {replace("\"file_name\":\"shard_", "\"file_name\":\"other_"), "(different corpus?)"},
+      {replace("\"file_offset\":", "\"file_offset\":1"), "is not a line start"},
+      {replace("\"file_index\":", "\"file_index\":9"), "does not fit"},
+  };
+  for (const auto& c : cases) {
+    const std::string e = user_error_text([&] { victim.load_state_dict(c.state); });
+    EXPECT_NE(e.find(c.expect), std::string::npos) << "expected: " << c.expect << "\ngot: " << e;
+    EXPECT_EQ(victim.state_dict(), before);
+  }
+  // Still usable, continuing from where it was.
+  DataLoader twin(tok(), src, 16, 2, 0, 2);
+  twin.next();
+  expect_same({victim.next()}, {twin.next()});
+}
+
+}  // namespace

@@ -1,0 +1,554 @@
+// Tests for models/: Llama 3 args and flavors, parameter names and counts, FLOPs, the
+// transformer block against an independent plain-ATen reference (forward and backward),
+// RoPE convention, causality, and torchtitan's initialisation.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "config/errors.h"
+#include "models/init.h"
+#include "models/layers.h"
+#include "models/llama/args.h"
+#include "models/llama/model.h"
+
+using namespace ctitan;
+using namespace ctitan::llama;
+
+namespace {
+
+TransformerModelArgs small_args() {
+  TransformerModelArgs a;
+  a.dim = 64;
+  a.n_layers = 2;
+  a.n_heads = 4;
+  a.n_kv_heads = 2;
+  a.vocab_size = 97;
+  a.multiple_of = 32;
+  a.rope_theta = 10000;
+  a.max_seq_len = 32;
+  return a;
+}
+
+double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>();
+}
+
+// ---- Independent reference of one block, plain ATen ops, written from the math. --------
+struct RefWeights {
+  torch::Tensor wq, wk, wv, wo, w1, w2, w3, attn_norm, ffn_norm;
+};
+
+torch::Tensor ref_rmsnorm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  return x / torch::sqrt((x * x).mean(-1, true) + eps) * w;
+}
+
+// x [B, T, h, hd]; rotate pair (2i, 2i+1) at position t by angle whose cos/sin are
+// cos[t, i], sin[t, i].
+torch::Tensor ref_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t T = x.size(1), hd = x.size(3);
+  std::vector<torch::Tensor> cols;
+  for (int64_t i = 0; i < hd / 2; ++i) {
+    const auto a = x.select(3, 2 * i), b = x.select(3, 2 * i + 1);  // [B, T, h]
+    const auto c = cos.select(1, i).view({1, T, 1}), s = sin.select(1, i).view({1, T, 1});
+    cols.push_back(a * c - b * s);
+    cols.push_back(a * s + b * c);
+  }
+  return torch::stack(cols, 3);
+}
+
+torch::Tensor ref_block(const torch::Tensor& x, const RefWeights& w, int64_t n_heads,
+                        int64_t n_kv_heads, double eps, const torch::Tensor& cos,
+                        const torch::Tensor& sin) {
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2), hd = D / n_heads;
+  const auto xn = ref_rmsnorm(x, w.attn_norm, eps);
+  auto q = torch::matmul(xn, w.wq.t()).view({B, T, n_heads, hd});
+  auto k = torch::matmul(xn, w.wk.t()).view({B, T, n_kv_heads, hd});
+  auto v = torch::matmul(xn, w.wv.t()).view({B, T, n_kv_heads, hd});
+  q = ref_rope(q, cos, sin);
+  k = ref_rope(k, cos, sin);
+  const int64_t group = n_heads / n_kv_heads;
+  std::vector<torch::Tensor> heads;
+  for (int64_t h = 0; h < n_heads; ++h) {
+    const int64_t kvh = h / group;  // consecutive query heads share one kv head
+    std::vector<torch::Tensor> rows;
+    for (int64_t t = 0; t < T; ++t) {
+      const auto qt = q.select(1, t).select(1, h);                 // [B, hd]
+      const auto ks = k.narrow(1, 0, t + 1).select(2, kvh);        // [B, t+1, hd]
+      const auto vs = v.narrow(1, 0, t + 1).select(2, kvh);        // [B, t+1, hd]
+      const auto scores = (ks * qt.unsqueeze(1)).sum(-1) / std::sqrt(double(hd));  // [B, t+1]
+      const auto e = torch::exp(scores - std::get<0>(scores.max(-1, true)));
+      const auto p = e / e.sum(-1, true);
+      rows.push_back((p.unsqueeze(-1) * vs).sum(1));  // [B, hd]
+    }
+    heads.push_back(torch::stack(rows, 1));  // [B, T, hd]
+  }
+  const auto attn = torch::stack(heads, 2).reshape({B, T, D});
+  const auto h1 = x + torch::matmul(attn, w.wo.t());
+  const auto hn = ref_rmsnorm(h1, w.ffn_norm, eps);
+  const auto a1 = torch::matmul(hn, w.w1.t());
+  const auto gate = a1 / (1 + torch::exp(-a1));  // silu
+  const auto ff = torch::matmul(gate * torch::matmul(hn, w.w3.t()), w.w2.t());
+  return h1 + ff;
+}
+
+void check_block_parity(torch::ScalarType dtype, double fwd_tol, double grad_tol) {
+  torch::manual_seed(1234);
+  TransformerModelArgs args = small_args();  // dim 64, 4 heads, 2 kv heads
+  const int64_t B = 2, T = 9;
+  TransformerBlock block(0, args);
+  block->to(dtype);
+  {
+    torch::NoGradGuard ng;
+    for (auto& p : block->parameters()) p.copy_(torch::randn(p.sizes(), dtype) * 0.2);
+    block->attention_norm->weight.copy_(1 + 0.3 * torch::randn({args.dim}, dtype));
+    block->ffn_norm->weight.copy_(1 + 0.3 * torch::randn({args.dim}, dtype));
+  }
+  const auto table = precompute_freqs_cis(args.head_dim(), args.max_seq_len, args.rope_theta,
+                                          args.rope_scaling);
+  const auto cos = table.narrow(0, 0, T).select(-1, 0).to(dtype);
+  const auto sin = table.narrow(0, 0, T).select(-1, 1).to(dtype);
+
+  const auto x0 = torch::randn({B, T, args.dim}, dtype);
+  const auto g = torch::randn({B, T, args.dim}, dtype);
+
+  auto x = x0.clone().requires_grad_(true);
+  const auto y = block->forward(x, table);
+  (y * g).sum().backward();
+
+  // Reference with its own leaf copies of every weight.
+  auto leaf = [](const torch::Tensor& t) { return t.detach().clone().requires_grad_(true); };
+  RefWeights w{leaf(block->attention->wq->weight), leaf(block->attention->wk->weight),
+               leaf(block->attention->wv->weight), leaf(block->attention->wo->weight),
+               leaf(block->feed_forward->w1->weight), leaf(block->feed_forward->w2->weight),
+               leaf(block->feed_forward->w3->weight), leaf(block->attention_norm->weight),
+               leaf(block->ffn_norm->weight)};
+  auto xr = x0.clone().requires_grad_(true);
+  const auto yr = ref_block(xr, w, args.n_heads, args.kv_heads(), args.norm_eps, cos, sin);
+  (yr * g).sum().backward();
+
+  ASSERT_EQ(y.sizes(), yr.sizes());
+  ASSERT_EQ(y.scalar_type(), dtype);
+  EXPECT_LT(max_abs_diff(y, yr), fwd_tol);
+  EXPECT_LT(max_abs_diff(x.grad(), xr.grad()), grad_tol) << "input grad";
+  const std::vector<std::pair<std::string, torch::Tensor>> pairs = {
+      {"attention.wq.weight", w.wq},      {"attention.wk.weight", w.wk},
+      {"attention.wv.weight", w.wv},      {"attention.wo.weight", w.wo},
+      {"feed_forward.w1.weight", w.w1},   {"feed_forward.w2.weight", w.w2},
+      {"feed_forward.w3.weight", w.w3},   {"attention_norm.weight", w.attn_norm},
+      {"ffn_norm.weight", w.ffn_norm}};
+  auto named = block->named_parameters();
+  ASSERT_EQ(named.size(), pairs.size());
+  for (const auto& [name, ref] : pairs) {
+    const auto& p = named[name];
+    ASSERT_TRUE(p.grad().defined()) << name;
+    const double scale = std::max(1.0, ref.grad().abs().max().item<double>());
+    EXPECT_LT(max_abs_diff(p.grad(), ref.grad()) / scale, grad_tol) << name;
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+TEST(LlamaArgs, FlavorsMatchTorchtitan) {
+  const auto names = llama3_flavor_names();
+  EXPECT_EQ(names, (std::vector<std::string>{"debugmodel", "8B", "70B", "405B"}));
+
+  const auto d = llama3_flavor("debugmodel");
+  EXPECT_EQ(d.dim, 256);
+  EXPECT_EQ(d.n_layers, 6);
+  EXPECT_EQ(d.n_heads, 16);
+  EXPECT_FALSE(d.n_kv_heads.has_value());
+  EXPECT_EQ(d.kv_heads(), 16);
+  EXPECT_EQ(d.vocab_size, 2048);
+  EXPECT_EQ(d.rope_theta, 500000);
+  EXPECT_EQ(d.multiple_of, 256);
+  EXPECT_TRUE(d.rope_scaling.has_value());
+
+  const auto b8 = llama3_flavor("8B");
+  EXPECT_EQ(b8.dim, 4096);
+  EXPECT_EQ(b8.n_layers, 32);
+  EXPECT_EQ(b8.n_heads, 32);
+  EXPECT_EQ(b8.kv_heads(), 8);
+  EXPECT_EQ(b8.multiple_of, 1024);
+  EXPECT_DOUBLE_EQ(*b8.ffn_dim_multiplier, 1.3);
+  EXPECT_EQ(b8.vocab_size, 128256);
+
+  const auto b70 = llama3_flavor("70B");
+  EXPECT_EQ(b70.dim, 8192);
+  EXPECT_EQ(b70.n_layers, 80);
+  EXPECT_EQ(b70.n_heads, 64);
+  const auto b405 = llama3_flavor("405B");
+  EXPECT_EQ(b405.dim, 16384);
+  EXPECT_EQ(b405.n_layers, 126);
+  EXPECT_EQ(b405.n_heads, 128);
+  EXPECT_DOUBLE_EQ(*b405.ffn_dim_multiplier, 1.2);
+}
+
+TEST(LlamaArgs, BadFlavorErrorText) {
+  try {
+    llama3_flavor("7B");
+    FAIL() << "expected UserError";
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(),
+                 "unknown model.flavor \"7B\" for llama3; valid: debugmodel, 8B, 70B, 405B");
+  }
+}
+
+TEST(LlamaArgs, ValidateNamesValues) {
+  auto a = small_args();
+  a.n_kv_heads = 3;
+  try {
+    validate(a);
+    FAIL() << "expected UserError";
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(), "[llama3] n_heads=4 is not a multiple of n_kv_heads=3");
+  }
+  a = small_args();
+  a.dim = 66;
+  EXPECT_THROW(validate(a), UserError);
+  EXPECT_THROW(Transformer{a}, UserError);
+  EXPECT_NO_THROW(validate(small_args()));
+}
+
+TEST(LlamaArgs, FfnHiddenDim) {
+  // 4*256=1024 -> int(2048/3)=682 -> round up to 256: 768
+  EXPECT_EQ(ffn_hidden_dim(llama3_flavor("debugmodel")), 768);
+  // 16384 -> 10922 -> int(1.3*10922)=14198 -> 14336
+  EXPECT_EQ(ffn_hidden_dim(llama3_flavor("8B")), 14336);
+  // 32768 -> 21845 -> 28398 -> 28672
+  EXPECT_EQ(ffn_hidden_dim(llama3_flavor("70B")), 28672);
+  // 65536 -> 43690 -> 52428 -> 53248
+  EXPECT_EQ(ffn_hidden_dim(llama3_flavor("405B")), 53248);
+  EXPECT_EQ(ffn_hidden_dim(small_args()), 192);  // 256 -> 170 -> 192
+}
+
+TEST(LlamaArgs, CountParamsLargeFlavors) {
+  // 8B: torchtitan logs 8,030,261,248 parameters (vocab 128256).
+  const auto c8 = count_params(llama3_flavor("8B"));
+  EXPECT_EQ(c8.total, 8030261248LL);
+  EXPECT_EQ(c8.embedding, 128256LL * 4096);
+  // By hand: per block 2*8192^2 + 2*8192*1024 + 3*8192*28672 + 2*8192, x80,
+  // + 2*128256*8192 + 8192.
+  const auto c70 = count_params(llama3_flavor("70B"));
+  EXPECT_EQ(c70.total, 70553706496LL);
+  EXPECT_NEAR(double(c70.total), 70.6e9, 0.005 * 70.6e9);
+  const auto c405 = count_params(llama3_flavor("405B"));
+  EXPECT_EQ(c405.total, 405853388800LL);
+  EXPECT_NEAR(double(c405.total), 405.9e9, 0.005 * 405.9e9);
+}
+
+TEST(LlamaArgs, FlopsPerTokenDebugmodel) {
+  const auto a = llama3_flavor("debugmodel");
+  // N = 6*(4*256*256 + 3*256*768 + 2*256) + 2*2048*256 + 256 = 6,163,712; N_emb = 524,288.
+  // 6*(N - N_emb) + 12*L*H*hd*T with L=6, H=16, hd=16, T=2048.
+  const double expected = 6.0 * (6163712.0 - 524288.0) + 12.0 * 6 * 16 * 16 * 2048;
+  EXPECT_EQ(count_params(a).total, 6163712);
+  EXPECT_DOUBLE_EQ(flops_per_token(a, 2048), expected);
+  EXPECT_DOUBLE_EQ(flops_per_token(a, 2048), 71585280.0);
+}
+
+// ---------------------------------------------------------------------------------------
+TEST(LlamaModel, ParameterNamesAndCountDebugmodel) {
+  auto a = llama3_flavor("debugmodel");
+  a.max_seq_len = 64;  // keeps the RoPE buffer small; no parameter depends on it
+  Transformer model(a);
+  std::vector<std::string> expected = {"tok_embeddings.weight"};
+  for (int i = 0; i < 6; ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    for (const char* n : {"attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                          "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
+                          "attention_norm", "ffn_norm"})
+      expected.push_back(p + n + ".weight");
+  }
+  expected.push_back("norm.weight");
+  expected.push_back("output.weight");
+
+  std::vector<std::string> names;
+  int64_t numel = 0;
+  for (const auto& item : model->named_parameters()) {
+    names.push_back(item.key());
+    numel += item.value().numel();
+  }
+  EXPECT_EQ(names, expected);
+  EXPECT_EQ(numel, count_params(a).total);
+  EXPECT_EQ(numel, 6163712);
+
+  const auto buffers = model->named_buffers();
+  ASSERT_EQ(buffers.size(), 1u);
+  EXPECT_EQ(buffers.begin()->key(), "freqs_cis");
+  EXPECT_EQ(buffers.begin()->value().sizes(), (std::vector<int64_t>{64, 8, 2}));
+
+  auto params = model->named_parameters();
+  EXPECT_EQ(params["layers.3.attention.wk.weight"].sizes(), (std::vector<int64_t>{256, 256}));
+  EXPECT_EQ(params["layers.3.feed_forward.w2.weight"].sizes(), (std::vector<int64_t>{256, 768}));
+  EXPECT_EQ(params["output.weight"].sizes(), (std::vector<int64_t>{2048, 256}));
+  EXPECT_EQ(model->n_layers(), 6);
+  EXPECT_EQ(model->layers()->size(), 6u);
+  EXPECT_EQ(model->block(5)->layer_id, 5);
+}
+
+TEST(LlamaModel, GqaShapes) {
+  Transformer model(small_args());
+  auto p = model->named_parameters();
+  EXPECT_EQ(p["layers.0.attention.wq.weight"].sizes(), (std::vector<int64_t>{64, 64}));
+  EXPECT_EQ(p["layers.0.attention.wk.weight"].sizes(), (std::vector<int64_t>{32, 64}));
+  EXPECT_EQ(p["layers.0.attention.wv.weight"].sizes(), (std::vector<int64_t>{32, 64}));
+  EXPECT_EQ(p["layers.0.attention.wo.weight"].sizes(), (std::vector<int64_t>{64, 64}));
+  int64_t numel = 0;
+  for (const auto& t : model->parameters()) numel += t.numel();
+  EXPECT_EQ(numel, count_params(small_args()).total);
+}
+
+TEST(LlamaModel, BlockMatchesReferenceFloat32) { check_block_parity(torch::kFloat, 1e-5, 1e-4); }
+
+TEST(LlamaModel, BlockMatchesReferenceFloat64) {
+  check_block_parity(torch::kDouble, 1e-12, 1e-11);
+}
+
+TEST(LlamaModel, BlockRunsInBfloat16) {
+  // Mixed precision feeds bf16 parameters and activations; the RoPE table stays float32.
+  torch::manual_seed(9);
+  auto args = small_args();
+  TransformerBlock block(1, args);
+  block->init_weights();
+  const auto table = precompute_freqs_cis(args.head_dim(), args.max_seq_len, args.rope_theta,
+                                          args.rope_scaling);
+  const auto x = torch::randn({2, 9, args.dim});
+  torch::NoGradGuard ng;
+  const auto y32 = block->forward(x, table);
+  block->to(torch::kBFloat16);
+  const auto y16 = block->forward(x.to(torch::kBFloat16), table);
+  EXPECT_EQ(y16.scalar_type(), torch::kBFloat16);
+  EXPECT_LT(max_abs_diff(y16, y32), 0.05 * y32.abs().max().item<double>());
+}
+
+// ---------------------------------------------------------------------------------------
+TEST(Rope, InterleavedPairsHandComputed) {
+  // head_dim 4, theta 100: pair 0 frequency 1, pair 1 frequency 100^(-2/4) = 0.1.
+  // No scaling: both wavelengths (2pi, 20pi) are far below the scaled band anyway.
+  const auto table = precompute_freqs_cis(4, 3, 100.0);
+  ASSERT_EQ(table.sizes(), (std::vector<int64_t>{3, 2, 2}));
+  // x at position 1, one head: dims (0,1) = (1, 0), dims (2,3) = (0, 1).
+  auto x = torch::zeros({1, 2, 1, 4});
+  x[0][1][0][0] = 1.0;
+  x[0][1][0][3] = 1.0;
+  x[0][0][0][1] = 2.0;  // position 0: identity rotation
+  const auto y = apply_rotary_emb(x, table);
+  // Pair (0,1) rotated by 1 rad: (cos 1, sin 1). Pair (2,3) = (0,1) rotated by 0.1 rad:
+  // (-sin 0.1, cos 0.1). A half-split convention would mix dims 0 and 2 instead.
+  EXPECT_NEAR(y[0][1][0][0].item<float>(), std::cos(1.0), 1e-6);
+  EXPECT_NEAR(y[0][1][0][1].item<float>(), std::sin(1.0), 1e-6);
+  EXPECT_NEAR(y[0][1][0][2].item<float>(), -std::sin(0.1), 1e-6);
+  EXPECT_NEAR(y[0][1][0][3].item<float>(), std::cos(0.1), 1e-6);
+  EXPECT_NEAR(y[0][0][0][0].item<float>(), 0.0, 1e-7);
+  EXPECT_NEAR(y[0][0][0][1].item<float>(), 2.0, 1e-7);
+}
+
+TEST(Rope, TableMatchesFormulaWithLlama31Scaling) {
+  // debugmodel geometry: hd 16, theta 5e5. Frequencies f_i = theta^(-2i/16) and their
+  // wavelengths 2pi/f_i; Llama 3.1 scaling (factor 8, low 1, high 4, original 8192) keeps
+  // wavelengths < 2048, divides those > 8192 by 8 and interpolates in between.
+  const int64_t hd = 16, T = 40;
+  const double theta = 500000;
+  const auto table = precompute_freqs_cis(hd, T, theta, RoPEScalingArgs{});
+  ASSERT_EQ(table.scalar_type(), torch::kFloat);
+  int kept = 0, scaled = 0, band = 0;
+  for (int64_t i = 0; i < hd / 2; ++i) {
+    const double f = std::pow(theta, -2.0 * i / hd);
+    const double wl = 2 * M_PI / f;
+    double g;
+    if (wl < 2048) {
+      g = f;
+      ++kept;
+    } else if (wl > 8192) {
+      g = f / 8;
+      ++scaled;
+    } else {
+      const double smooth = (8192 / wl - 1) / (4 - 1);
+      g = (1 - smooth) * f / 8 + smooth * f;
+      ++band;
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      EXPECT_NEAR(table[t][i][0].item<float>(), std::cos(t * g), 2e-5) << t << "," << i;
+      EXPECT_NEAR(table[t][i][1].item<float>(), std::sin(t * g), 2e-5) << t << "," << i;
+    }
+  }
+  // The scaling really is exercised by the debugmodel geometry.
+  EXPECT_EQ(kept, 4);
+  EXPECT_EQ(band, 1);
+  EXPECT_EQ(scaled, 3);
+  // Unscaled table differs exactly in the scaled pairs.
+  const auto plain = precompute_freqs_cis(hd, T, theta);
+  EXPECT_TRUE(torch::equal(plain.narrow(1, 0, 4), table.narrow(1, 0, 4)));
+  EXPECT_FALSE(torch::allclose(plain.narrow(1, 4, 4), table.narrow(1, 4, 4)));
+}
+
+// ---------------------------------------------------------------------------------------
+TEST(LlamaModel, ForwardShapeAndCausality) {
+  torch::manual_seed(0);
+  Transformer model(small_args());
+  model->init_weights();
+  const int64_t B = 2, T = 10, t_changed = 6;
+  auto tokens = torch::randint(0, 97, {B, T}, torch::kLong);
+  torch::NoGradGuard ng;
+  const auto logits = model->forward(tokens);
+  EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{B, T, 97}));
+  EXPECT_EQ(logits.scalar_type(), torch::kFloat);
+  auto tokens2 = tokens.clone();
+  tokens2.select(1, t_changed).add_(1).remainder_(97);
+  const auto logits2 = model->forward(tokens2);
+  EXPECT_LT(max_abs_diff(logits.narrow(1, 0, t_changed), logits2.narrow(1, 0, t_changed)), 1e-6);
+  for (int64_t t = t_changed; t < T; ++t)
+    EXPECT_GT(max_abs_diff(logits.select(1, t), logits2.select(1, t)), 1e-4) << t;
+  EXPECT_THROW(model->forward(torch::zeros({1, 33}, torch::kLong)), c10::Error);
+}
+
+TEST(LlamaModel, UnitWrapperSeesEveryUnitAndCanReplay) {
+  torch::manual_seed(3);
+  Transformer model(small_args());
+  model->init_weights();
+  const auto tokens = torch::randint(0, 97, {2, 7}, torch::kLong);
+  torch::NoGradGuard ng;
+  const auto plain = model->forward(tokens);
+
+  std::vector<std::string> units;
+  std::vector<UnitFn> fns;
+  std::vector<torch::Tensor> inputs, outputs;
+  model->set_unit_wrapper([&](const std::string& unit, const UnitFn& fn, const torch::Tensor& in) {
+    units.push_back(unit);
+    fns.push_back(fn);
+    inputs.push_back(in);
+    outputs.push_back(fn(in));
+    return outputs.back();
+  });
+  const auto wrapped = model->forward(tokens);
+  EXPECT_TRUE(torch::equal(plain, wrapped));
+  EXPECT_EQ(units, (std::vector<std::string>{"tok_embeddings", "layers.0", "layers.1", "output"}));
+  // Re-running a unit after forward returned (what activation checkpointing does).
+  for (size_t i = 0; i < fns.size(); ++i)
+    EXPECT_TRUE(torch::equal(fns[i](inputs[i]), outputs[i])) << units[i];
+  model->set_unit_wrapper(nullptr);
+  EXPECT_TRUE(torch::equal(plain, model->forward(tokens)));
+}
+
+// ---------------------------------------------------------------------------------------
+TEST(Init, SameSeedBitwiseEqual) {
+  auto a = llama3_flavor("debugmodel");
+  a.max_seq_len = 64;
+  Transformer m1(a), m2(a);
+  torch::manual_seed(42);
+  m1->init_weights();
+  torch::manual_seed(42);
+  m2->init_weights();
+  auto p2 = m2->named_parameters();
+  for (const auto& item : m1->named_parameters())
+    EXPECT_TRUE(torch::equal(item.value(), p2[item.key()])) << item.key();
+  torch::manual_seed(43);
+  m2->init_weights();
+  EXPECT_FALSE(torch::equal(m1->named_parameters()["layers.0.attention.wq.weight"],
+                            m2->named_parameters()["layers.0.attention.wq.weight"]));
+}
+
+TEST(Init, DrawOrderIsTorchtitans) {
+  // torchtitan draws: tok_embeddings normal; per layer wq, wk, wv, wo, w1, w2, w3 (norms
+  // take no randomness); output truncated normal. Replay that order into fresh tensors.
+  auto a = small_args();
+  a.n_layers = 3;
+  Transformer m(a);
+  torch::manual_seed(11);
+  m->init_weights();
+  torch::manual_seed(11);
+  auto p = m->named_parameters();
+  auto expect_next = [&](const std::string& name, auto draw) {
+    auto t = torch::empty_like(p[name]);
+    draw(t);
+    EXPECT_TRUE(torch::equal(t, p[name])) << name;
+  };
+  expect_next("tok_embeddings.weight", [](torch::Tensor& t) { t.normal_(0.0, 1.0); });
+  for (int i = 0; i < 3; ++i) {
+    const std::string l = "layers." + std::to_string(i) + ".";
+    const double init_std = 0.02 / std::sqrt(2.0 * (i + 1));
+    auto tn = [](double sd) { return [sd](torch::Tensor& t) { trunc_normal_(t, 0.0, sd); }; };
+    expect_next(l + "attention.wq.weight", tn(0.02));
+    expect_next(l + "attention.wk.weight", tn(0.02));
+    expect_next(l + "attention.wv.weight", tn(0.02));
+    expect_next(l + "attention.wo.weight", tn(init_std));
+    expect_next(l + "feed_forward.w1.weight", tn(0.02));
+    expect_next(l + "feed_forward.w2.weight", tn(init_std));
+    expect_next(l + "feed_forward.w3.weight", tn(init_std));
+  }
+  const double s = std::pow(64.0, -0.5);
+  expect_next("output.weight", [s](torch::Tensor& t) { trunc_normal_(t, 0.0, s, -3 * s, 3 * s); });
+}
+
+TEST(Init, StatisticsMatchTorchtitan) {
+  auto a = llama3_flavor("debugmodel");
+  a.max_seq_len = 64;
+  Transformer m(a);
+  {
+    torch::NoGradGuard ng;
+    for (auto& p : m->parameters()) p.fill_(7.0);  // init must overwrite everything
+  }
+  torch::manual_seed(0);
+  m->init_weights();
+  auto p = m->named_parameters();
+  auto stdev = [](const torch::Tensor& t) { return t.to(torch::kDouble).std().item<double>(); };
+
+  const auto emb = p["tok_embeddings.weight"];
+  EXPECT_NEAR(stdev(emb), 1.0, 0.01);
+  EXPECT_NEAR(emb.mean().item<double>(), 0.0, 0.01);
+  for (int i = 0; i < 6; ++i) {
+    const std::string l = "layers." + std::to_string(i) + ".";
+    const double init_std = 0.02 / std::sqrt(2.0 * (i + 1));
+    for (const char* n : {"attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"})
+      EXPECT_NEAR(stdev(p[l + n + ".weight"]), 0.02, 0.02 * 0.03) << l << n;
+    for (const char* n : {"attention.wo", "feed_forward.w2", "feed_forward.w3"})
+      EXPECT_NEAR(stdev(p[l + n + ".weight"]), init_std, init_std * 0.03) << l << n;
+    EXPECT_TRUE(torch::equal(p[l + "attention_norm.weight"], torch::ones({256})));
+    EXPECT_TRUE(torch::equal(p[l + "ffn_norm.weight"], torch::ones({256})));
+  }
+  EXPECT_TRUE(torch::equal(p["norm.weight"], torch::ones({256})));
+
+  // Output: N(0, 1/256) truncated at +-3 std. Std of a standard normal truncated at +-3:
+  // sqrt(1 - 2*3*phi(3) / (Phi(3) - Phi(-3))).
+  const double s = std::pow(256.0, -0.5);
+  const double phi3 = std::exp(-4.5) / std::sqrt(2 * M_PI);
+  const double mass = std::erf(3 / std::sqrt(2.0));
+  const double trunc_factor = std::sqrt(1 - 6 * phi3 / mass);
+  const auto out = p["output.weight"];
+  EXPECT_NEAR(stdev(out), s * trunc_factor, s * 0.01);
+  EXPECT_LE(out.abs().max().item<double>(), 3 * s);
+  EXPECT_GT(out.abs().max().item<double>(), 2.9 * s);  // the tail is populated up to the cut
+
+  // depth_init = false: every block uses 0.02/sqrt(2L).
+  a.depth_init = false;
+  Transformer flat(a);
+  flat->init_weights();
+  for (int i : {0, 5}) {
+    const double init_std = 0.02 / std::sqrt(12.0);
+    EXPECT_NEAR(flat->block(i)->weight_init_std, init_std, 1e-15);
+    EXPECT_NEAR(stdev(flat->block(i)->attention->wo->weight), init_std, init_std * 0.03);
+  }
+}
+
+TEST(Init, TruncNormalBoundsAndMean) {
+  // Absolute bounds [a, b] = [-0.5, 1.5] for N(0.2, 1): mean of the truncated normal is
+  // mu + sigma (phi(alpha) - phi(beta)) / (Phi(beta) - Phi(alpha)).
+  torch::manual_seed(5);
+  auto t = torch::empty({400000}, torch::kDouble);
+  trunc_normal_(t, 0.2, 1.0, -0.5, 1.5);
+  EXPECT_GE(t.min().item<double>(), -0.5);
+  EXPECT_LE(t.max().item<double>(), 1.5);
+  auto phi = [](double x) { return std::exp(-x * x / 2) / std::sqrt(2 * M_PI); };
+  auto Phi = [](double x) { return 0.5 * (1 + std::erf(x / std::sqrt(2.0))); };
+  const double alpha = -0.7, beta = 1.3;
+  const double mean = 0.2 + (phi(alpha) - phi(beta)) / (Phi(beta) - Phi(alpha));
+  EXPECT_NEAR(t.mean().item<double>(), mean, 0.004);
+  // Default bounds are absolute +-2: with std 0.02 nothing is cut, std stays 0.02.
+  auto w = torch::empty({200000});
+  trunc_normal_(w, 0.0, 0.02);
+  EXPECT_NEAR(w.to(torch::kDouble).std().item<double>(), 0.02, 0.0003);
+}
