@@ -20,16 +20,12 @@ using ctitan::testing::spawn_ranks;
 
 namespace {
 
-constexpr int64_t kSteps = 6, kGlobalBatch = 12, kSeq = 16;
+constexpr int64_t kSteps = 10, kGlobalBatch = 12, kSeq = 32;
 
+// The debug model itself (dim 256, 6 layers, 16 heads, vocab 2048: 2048 rows over 3 ranks
+// are 683, 683, 682 + 1 padding row), on short sequences.
 llama::TransformerModelArgs tiny_args() {
   auto a = llama::llama3_flavor("debugmodel");
-  a.dim = 64;
-  a.n_layers = 2;
-  a.n_heads = 4;
-  a.n_kv_heads = 2;
-  a.multiple_of = 32;
-  a.vocab_size = 2048;  // 2048 rows over 3 ranks: 683, 683, 682 (+1 padding row)
   a.max_seq_len = kSeq;
   return a;
 }
@@ -64,7 +60,7 @@ RunResult train(Comm* world, const std::string& param_dtype, bool prefetch,
   } else {
     params = model->parameters();
   }
-  auto opt = build_optimizer(params, OptimizerSpec{"AdamW", 3e-3, 0.9, 0.95, 1e-8, 0.1});
+  auto opt = build_optimizer(params, OptimizerSpec{"AdamW", 8e-4, 0.9, 0.95, 1e-8, 0.1});
   RunResult out;
   for (int64_t step = 1; step <= kSteps; ++step) {
     opt->zero_grad();
@@ -139,13 +135,21 @@ TEST_P(FSDPParity, LossesAndFinalParametersMatchOneProcess) {
     EXPECT_LE(std::abs(got - want), 1e-5 * std::abs(want)) << "step " << s + 1 << " on " << n << " ranks";
   }
   size_t i = 1;
+  double worst_rel = 0, worst_abs = 0;
   for (auto& [name, want] : reference.params) {
     ASSERT_LT(i, ts.size());
     auto got = ts[i++];
     ASSERT_EQ(got.sizes(), want.sizes()) << name;
-    const double err = (got - want).abs().max().item<double>();
-    EXPECT_LE(err, 1e-5) << name << " max abs diff " << err;
+    // Relative to the tensor's norm: Adam turns last-bit differences in near-zero
+    // gradients (the summation order differs with the batch split) into small absolute
+    // differences of single elements.
+    const double rel = ((got - want).norm() / want.norm()).item<double>();
+    const double abs_max = (got - want).abs().max().item<double>();
+    EXPECT_LE(rel, 1e-5) << name << " relative difference " << rel << " (max abs " << abs_max << ")";
+    worst_rel = std::max(worst_rel, rel);
+    worst_abs = std::max(worst_abs, abs_max);
   }
+  std::printf("%d ranks: worst parameter difference %.3g relative, %.3g absolute\n", n, worst_rel, worst_abs);
   // Training moved the parameters (a parity of untouched weights would prove nothing).
   EXPECT_LT(reference.losses.back(), reference.losses.front());
 }
@@ -173,17 +177,40 @@ TEST(FSDP, Bf16ParametersFollowTheFp32Curve) {
   }
 }
 
-TEST(FSDP, ShardsAreDim0SlicesPaddedWhenUneven) {
-  // Single process, a 3-rank layout computed by hand: 2048 rows → chunks of 683.
+// vocab 2048 over 3 ranks: chunks of 683 rows; rank 2 holds 682 real rows + 1 zero row.
+CTITAN_CHILD(shard_layout) {
+  auto env = detect_launch_env(environment_map());
+  auto d = init_distributed(env, std::chrono::seconds(60));
   torch::manual_seed(3);
   llama::Transformer model(tiny_args());
   model->init_weights();
-  auto full = model->tok_embeddings->weight.detach().clone();
-  EXPECT_EQ((2048 + 2) / 3, 683);
-  // With one rank the shard is the whole tensor, unpadded.
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  (void)store;
-  SUCCEED();
+  auto full = model->tok_embeddings->weight.detach().clone();  // [2048, D]
+  const int64_t D = full.size(1);
+  std::shared_ptr<Comm> shard(d->world.get(), [](Comm*) {});
+  FSDP fsdp(model->units(), shard, nullptr, fsdp_options("default", "float32", "float32"));
+  const int64_t r = d->world->rank();
+  auto [b, e] = fsdp.local_rows("tok_embeddings.weight");
+  auto sh = fsdp.local_shard("tok_embeddings.weight");
+  const int64_t want_b = 683 * r, want_e = std::min<int64_t>(2048, 683 * (r + 1));
+  if (b != want_b || e != want_e) return 1;
+  if (sh.size(0) != 683 || sh.size(1) != D) return 2;
+  if (!torch::equal(sh.narrow(0, 0, e - b), full.narrow(0, b, e - b))) return 3;
+  if (r == 2 && !torch::equal(sh[682], torch::zeros({D}))) return 4;
+  // The model's own tensor no longer holds data: its storage was released.
+  if (model->tok_embeddings->weight.storage().nbytes() != 0) return 5;
+  // Sharded bytes: a third of the fp32 parameters, plus at most one padding row each.
+  int64_t total = 0, max_pad = 0;
+  for (auto& u : model->units())
+    for (auto& [n, t] : u.params) {
+      total += t.numel() * 4;
+      max_pad += (t.numel() / t.size(0)) * 4;
+    }
+  if (fsdp.sharded_param_bytes() < total / 3 || fsdp.sharded_param_bytes() > total / 3 + max_pad) return 6;
+  auto gathered = fsdp.gather_full_parameters();
+  if (!torch::equal(gathered.at("tok_embeddings.weight"), full)) return 7;
+  return 0;
 }
+
+TEST(FSDP, ShardsAreDim0SlicesPaddedWhenUneven) { EXPECT_TRUE(all_ok(spawn_ranks("shard_layout", 3))); }
 
 CTITAN_MULTIPROCESS_MAIN()
