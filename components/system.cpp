@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
@@ -39,6 +40,20 @@ BlasInfo check_blas_and_warn() {
     spdlog::info("BLAS: {}", info.library.empty() ? "(no sgemm_ symbol: LibTorch's own)" : info.library);
   }
   return info;
+}
+
+int configure_threads(int64_t local_world_size) {
+  int n = 0;
+  if (const char* env = std::getenv("OMP_NUM_THREADS"); env && *env) n = std::atoi(env);
+  if (n <= 0) {
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    n = std::max(1, cores / static_cast<int>(std::max<int64_t>(1, local_world_size)));
+  }
+  torch::set_num_threads(n);
+  // OpenBLAS sizes its own pool at load time; keep it in step with LibTorch's.
+  using SetThreads = void (*)(int);
+  if (auto f = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(n);
+  return n;
 }
 
 static double read_status_kib(const char* field) {

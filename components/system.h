@@ -16,6 +16,11 @@ BlasInfo detect_blas();
 // Logs a warning with the fix when the reference BLAS is active. Returns the info.
 BlasInfo check_blas_and_warn();
 
+// Intra-op threads for this rank: $OMP_NUM_THREADS when set, else the cores of this node
+// divided by the ranks on it (so ranks do not oversubscribe the cores). Applies it to
+// LibTorch and to OpenBLAS (when that is the active BLAS) and returns it.
+int configure_threads(int64_t local_world_size);
+
 // Peak resident set size of this process so far, in GiB (VmHWM).
 double peak_rss_gib();
 // Current resident set size, in GiB (VmRSS).

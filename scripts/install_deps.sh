@@ -16,7 +16,7 @@ PACKAGES=(
   libgtest-dev
   libopenblas0-pthread  # the reference BLAS makes fp32 matmul ~60x slower
   npm                 # fetches the text corpora (npm packages)
-  python3-matplotlib  # scripts/plot_loss.py
+  python3 python3-matplotlib  # corpus extraction, scripts/plot_loss.py
 )
 if [[ "${1:-}" == "--bench" ]]; then PACKAGES+=(python3-torch); fi
 

@@ -1,0 +1,223 @@
+// End-to-end: the real `train` executable (and the launcher) on a corpus and tokenizer
+// built here. Loss falls, same seed → bitwise-equal losses, bad input → exit 2 with one
+// line and nothing written, a NaN stops the run, a failing rank stops the job.
+#include <gtest/gtest.h>
+
+#include <sys/stat.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <regex>
+#include <sstream>
+
+#include "tests/multiprocess.h"
+
+namespace fs = std::filesystem;
+using ctitan::testing::all_ok;
+using ctitan::testing::spawn_processes;
+
+namespace {
+
+const std::string kTrain = CTITAN_TRAIN_BIN;
+const std::string kSrc = CTITAN_SOURCE_DIR;
+
+struct Cmd {
+  int code;
+  std::string out;
+};
+
+Cmd sh(const std::string& cmd) {
+  std::string full = cmd + " 2>&1";
+  FILE* p = popen(full.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
+}
+
+// A small corpus of generated English-like paragraphs: a fixed grammar over a fixed
+// vocabulary, so there is structure to learn and the loss can fall within 20 steps.
+std::string make_corpus(const fs::path& dir) {
+  const char* subj[] = {"the whale", "the captain", "a sailor", "the harpooneer", "the mate", "the ship"};
+  const char* verb[] = {"watched", "followed", "feared", "sought", "sailed past", "remembered"};
+  const char* obj[] = {"the white sea", "a distant spout", "the old chart", "the long voyage",
+                       "the quiet harbour", "the heavy storm"};
+  const char* tail[] = {"at dawn.", "before the storm.", "in silence.", "for many days.", "with great care."};
+  std::mt19937 rng(1234);
+  fs::create_directories(dir);
+  const fs::path path = dir / "corpus.txt";
+  std::ofstream f(path);
+  for (int para = 0; para < 400; ++para) {
+    const int sentences = 2 + rng() % 4;
+    for (int s = 0; s < sentences; ++s)
+      f << (s ? " " : "") << subj[rng() % 6] << " " << verb[rng() % 6] << " " << obj[rng() % 6] << " "
+        << tail[rng() % 5];
+    f << "\n\n";
+  }
+  return path.string();
+}
+
+class TrainE2E : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    root_ = fs::temp_directory_path() / ("ctitan_e2e_" + std::to_string(getpid()));
+    corpus_ = make_corpus(root_ / "data");
+    tokenizer_ = (root_ / "tok.model").string();
+    auto r = sh(kSrc + "/scripts/train_tokenizer.sh " + corpus_ + " " + tokenizer_ + " 400");
+    ASSERT_EQ(r.code, 0) << r.out;
+  }
+  static void TearDownTestSuite() { fs::remove_all(root_); }
+
+  // Common arguments of a small, fast run of the debug model.
+  static std::string args(const std::string& dump, int steps) {
+    return " --job.config_file " + kSrc + "/train_configs/debug_model.toml --model.tokenizer_path " +
+           tokenizer_ + " --training.dataset_path " + corpus_ + " --job.dump_folder " + dump +
+           " --training.steps " + std::to_string(steps) +
+           " --training.seq_len 64 --training.local_batch_size 4 --metrics.log_freq 1"
+           " --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-3";
+  }
+
+  static std::vector<std::string> jsonl_field(const std::string& path, const std::string& field) {
+    std::ifstream f(path);
+    std::string line;
+    std::vector<std::string> out;
+    const std::regex re("\"" + field + "\": ([^,}]+)");
+    while (std::getline(f, line)) {
+      std::smatch m;
+      if (std::regex_search(line, m, re)) out.push_back(m[1]);
+    }
+    return out;
+  }
+
+  static fs::path root_;
+  static std::string corpus_, tokenizer_;
+};
+fs::path TrainE2E::root_;
+std::string TrainE2E::corpus_, TrainE2E::tokenizer_;
+
+TEST_F(TrainE2E, TwentyStepsLossFalls) {
+  const std::string dump = (root_ / "run20").string();
+  auto r = sh(kTrain + args(dump, 20));
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto losses = jsonl_field(dump + "/metrics.jsonl", "loss");
+  ASSERT_EQ(losses.size(), 20u);
+  const double first = std::stod(losses.front()), last = std::stod(losses.back());
+  EXPECT_LT(last, first - 1.0) << "first " << first << " last " << last;
+  // Contract outputs: effective config, per-rank log, every metrics field.
+  EXPECT_TRUE(fs::exists(dump + "/job_config.toml"));
+  EXPECT_TRUE(fs::exists(dump + "/logs/rank0.log"));
+  for (const char* k : {"grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "data_loading_s", "elapsed_s"})
+    EXPECT_EQ(jsonl_field(dump + "/metrics.jsonl", k).size(), 20u) << k;
+  // The effective config re-parses to the same run (seq_len override survived).
+  std::ifstream cfg(dump + "/job_config.toml");
+  std::stringstream ss;
+  ss << cfg.rdbuf();
+  EXPECT_NE(ss.str().find("seq_len = 64"), std::string::npos);
+}
+
+TEST_F(TrainE2E, SameSeedGivesBitwiseEqualLosses) {
+  std::vector<std::vector<std::string>> runs;
+  for (int i = 0; i < 2; ++i) {
+    const std::string dump = (root_ / ("seed" + std::to_string(i))).string();
+    auto r = sh(kTrain + args(dump, 5) + " --debug.seed 7");
+    ASSERT_EQ(r.code, 0) << r.out;
+    runs.push_back(jsonl_field(dump + "/metrics.jsonl", "loss"));
+  }
+  ASSERT_EQ(runs[0].size(), 5u);
+  EXPECT_EQ(runs[0], runs[1]);  // printed with 17 significant digits: bitwise equality
+  auto other = sh(kTrain + args((root_ / "seed_other").string(), 5) + " --debug.seed 8");
+  ASSERT_EQ(other.code, 0) << other.out;
+  EXPECT_NE(jsonl_field((root_ / "seed_other").string() + "/metrics.jsonl", "loss"), runs[0]);
+}
+
+TEST_F(TrainE2E, BadConfigExitsTwoWithOneLineAndWritesNothing) {
+  struct Case {
+    std::string extra, expect;
+  };
+  const std::vector<Case> cases = {
+      {" --training.seq_length 5", "config error: command line: unknown option --training.seq_length (did you mean --training.seq_len?)"},
+      {" --lr_scheduler.decay_type exp", "lr_scheduler.decay_type = \"exp\" is not one of: linear, sqrt, cosine"},
+      {" --training.steps 0", "training.steps = 0 is out of range (must be >= 1)"},
+      {" --training.global_batch_size 6", "training.global_batch_size=6 is not a multiple of local_batch_size (4) × dp (1)"},
+      {" --model.flavor 9B", "unknown model.flavor \"9B\" for llama3; valid: debugmodel, 8B, 70B, 405B"},
+      {" --activation_checkpoint.mode full", "not supported yet: activation_checkpoint.mode = \"full\""},
+  };
+  for (const auto& c : cases) {
+    const std::string dump = (root_ / "bad").string();
+    auto r = sh(kTrain + args(dump, 5) + c.extra);
+    EXPECT_EQ(r.code, 2) << c.extra << ": " << r.out;
+    EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.extra << ": " << r.out;
+    EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << c.extra << ": " << r.out;
+    EXPECT_FALSE(fs::exists(dump)) << c.extra;
+  }
+  auto missing = sh(kTrain + " --job.config_file /nonexistent/x.toml");
+  EXPECT_EQ(missing.code, 2);
+  EXPECT_NE(missing.out.find("/nonexistent/x.toml"), std::string::npos) << missing.out;
+  auto help = sh(kTrain + " --help");
+  EXPECT_EQ(help.code, 0);
+  EXPECT_NE(help.out.find("--training.seq_len"), std::string::npos);
+}
+
+TEST_F(TrainE2E, NonFiniteLossStopsNamingTheStep) {
+  const std::string dump = (root_ / "nan").string();
+  auto r = sh(kTrain + args(dump, 30) + " --optimizer.lr 1e9 --training.max_norm 0 --lr_scheduler.warmup_steps 0");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex("error: step [0-9]+: loss is (nan|inf|-nan)"))) << r.out;
+}
+
+TEST_F(TrainE2E, TwoRanksThroughTheLauncher) {
+  const std::string dump = (root_ / "two").string();
+  auto r = sh("NPROC=2 CTITAN_BUILD_DIR=" + fs::path(kTrain).parent_path().string() + " CONFIG_FILE=" + kSrc +
+              "/train_configs/debug_model.toml " + kSrc + "/scripts/run_train.sh" +
+              args(dump, 6).substr(args(dump, 6).find(" --model")) + " --debug.seed 3");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("[rank1]"), std::string::npos);
+  EXPECT_NE(r.out.find("FSDP:"), std::string::npos) << r.out;
+  EXPECT_EQ(jsonl_field(dump + "/metrics.jsonl", "loss").size(), 6u);  // rank 0 only writes
+  EXPECT_TRUE(fs::exists(dump + "/logs/rank1.log"));
+}
+
+// A rank that raises, or is killed, mid-step: the launcher stops the job, names the rank and
+// exits non-zero; the surviving rank reports the collective it was in (no hang).
+TEST_F(TrainE2E, FailingRankStopsTheJob) {
+  for (const std::string kind : {"raise", "kill"}) {
+    const std::string dump = (root_ / ("fault_" + kind)).string();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = sh("CTITAN_FAULT=" + kind + ":1:3 NPROC=2 CTITAN_BUILD_DIR=" +
+                fs::path(kTrain).parent_path().string() + " " + kSrc + "/scripts/run_train.sh" +
+                args(dump, 8).substr(args(dump, 8).find(" --model")) + " --comm.train_timeout_seconds 10");
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_NE(r.code, 0) << r.out;
+    EXPECT_LT(s, 60.0) << r.out;
+    EXPECT_NE(r.out.find("[launcher] rank 1 exited with code"), std::string::npos) << r.out;
+    if (kind == "raise") EXPECT_NE(r.out.find("injected fault"), std::string::npos) << r.out;
+  }
+}
+
+// Without the launcher: rank 1 killed mid-step; rank 0 must exit non-zero within
+// comm.train_timeout_seconds with a message naming the collective.
+TEST_F(TrainE2E, SurvivorNamesTheCollective) {
+  const std::string dump = (root_ / "survivor").string();
+  std::vector<std::string> argv = {kTrain};
+  std::istringstream is(args(dump, 8) + " --comm.train_timeout_seconds 10");
+  for (std::string a; is >> a;) argv.push_back(a);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto rs = spawn_processes(argv, 2, {{"CTITAN_FAULT", "kill:1:3"}}, 90);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(rs[1].exit_code, 128 + SIGKILL);
+  EXPECT_EQ(rs[0].exit_code, 1) << rs[0].output;
+  EXPECT_FALSE(rs[0].timed_out);
+  EXPECT_LT(s, 45.0);
+  EXPECT_TRUE(std::regex_search(rs[0].output, std::regex("rank 0 \\(group [a-z_0-9]+\\): all_(reduce|gather)\\([a-z_:.0-9]+\\) failed at step 3")))
+      << rs[0].output;
+}
+
+}  // namespace
+
+CTITAN_MULTIPROCESS_MAIN()
