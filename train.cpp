@@ -414,6 +414,9 @@ int main(int argc, char** argv) {
   } catch (const ctitan::UserError& e) {
     std::cerr << e.what() << std::endl;
     return 2;
+  } catch (const ctitan::CollectiveFailure& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 3;
   } catch (const ctitan::RuntimeFailure& e) {
     std::cerr << "error: " << e.what() << std::endl;
     return 1;

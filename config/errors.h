@@ -17,4 +17,10 @@ struct RuntimeFailure : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A collective failed or timed out: usually the consequence of another rank's failure.
+// main() exits 3 so a launcher can tell the cause (other codes) from the consequences.
+struct CollectiveFailure : RuntimeFailure {
+  using RuntimeFailure::RuntimeFailure;
+};
+
 }  // namespace ctitan

@@ -44,7 +44,7 @@ void PendingCollective::wait() {
       if (reason.find("timed out") != std::string::npos || reason.find("Timed out") != std::string::npos)
         reason = "timed out after " + std::to_string(CommContext::timeout().count() / 1000) +
                  " s (a rank died or took a different path): " + reason;
-      throw RuntimeFailure(where_ + ": " + what_ + " failed at step " +
+      throw CollectiveFailure(where_ + ": " + what_ + " failed at step " +
                            std::to_string(CommContext::step()) + ": " + reason);
     }
   }
@@ -60,7 +60,7 @@ Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::string name, int64_t 
       rank_(pg_->getRank()), size_(pg_->getSize()) {}
 
 void Comm::fail(const std::string& what, const std::string& reason) const {
-  throw RuntimeFailure("rank " + std::to_string(global_rank_) + ": " + what + " on group " +
+  throw CollectiveFailure("rank " + std::to_string(global_rank_) + ": " + what + " on group " +
                        name_ + " failed at step " + std::to_string(CommContext::step()) + ": " +
                        reason);
 }

@@ -66,25 +66,52 @@ for ((local_rank = 0; local_rank < NPROC; local_rank++)); do
   pids+=($!)
   RANK_OF[$!]=$rank
 done
-status=0
-remaining=${#pids[@]}
+# Exit codes of train: 0 ok, 2 bad config, 3 a collective failed (a peer died or timed
+# out: a consequence), anything else a failure of that rank itself (signals: 128 + n).
+declare -A CODE
 live=("${pids[@]}")
-while ((remaining > 0)); do
+failed=()
+while ((${#live[@]})); do
   finished=""
-  if wait -n -p finished "${live[@]}"; then
-    code=0
-  else
-    code=$?
-  fi
-  remaining=$((remaining - 1))
-  live=()
-  for p in "${pids[@]}"; do [[ "$p" != "$finished" ]] && live+=("$p"); done
+  if wait -n -p finished "${live[@]}"; then code=0; else code=$?; fi
+  [[ -n "$finished" ]] || break
+  CODE[$finished]=$code
+  rest=()
+  for p in "${live[@]}"; do [[ "$p" != "$finished" ]] && rest+=("$p"); done
+  live=("${rest[@]}")
   if ((code != 0)); then
-    echo "[launcher] rank ${RANK_OF[$finished]:-?} exited with code $code; stopping the other ranks" >&2
-    status=$code
-    cleanup
+    failed+=("$finished")
+    # The rank reported first is not always the one that failed first (its peers see
+    # the broken connection at once): give the others up to 3 s to exit, then decide.
+    for _ in $(seq 30); do
+      rest=()
+      for p in "${live[@]}"; do
+        if [[ "$(awk '{print $3}' "/proc/$p/stat" 2>/dev/null)" == "Z" || ! -e "/proc/$p" ]]; then
+          if wait "$p"; then CODE[$p]=0; else CODE[$p]=$?; failed+=("$p"); fi
+        else
+          rest+=("$p")
+        fi
+      done
+      live=("${rest[@]}")
+      ((${#live[@]})) || break
+      sleep 0.1
+    done
     break
   fi
 done
+if ((${#failed[@]} == 0)); then
+  wait 2>/dev/null || true
+  exit 0
+fi
+cause="${failed[0]}"
+for p in "${failed[@]}"; do
+  if [[ "${CODE[$p]}" != 3 ]]; then cause="$p"; break; fi
+done
+echo "[launcher] rank ${RANK_OF[$cause]} exited with code ${CODE[$cause]}; stopping the other ranks" >&2
+for p in "${failed[@]}"; do
+  [[ "$p" == "$cause" ]] && continue
+  echo "[launcher] rank ${RANK_OF[$p]} also exited with code ${CODE[$p]}" >&2
+done
+cleanup
 wait 2>/dev/null || true
-exit "$status"
+exit "${CODE[$cause]}"
