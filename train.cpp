@@ -3,6 +3,7 @@
 // Every stage is a build_* / maybe_* call; the details live in the component folders.
 //
 // Dimensions used in comments: B = local batch size, T = seq_len, V = vocab size.
+#include <malloc.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -238,6 +239,7 @@ std::shared_ptr<FSDP> maybe_apply_fsdp(Transformer& model, const JobConfig& cfg,
   }
   auto opts = fsdp_options(cfg.parallelism.fsdp_reshard_after_forward, cfg.training.mixed_precision_param,
                            cfg.training.mixed_precision_reduce);
+  opts.prefetch = cfg.parallelism.fsdp_prefetch;
   auto fsdp = std::make_shared<FSDP>(model->units(), par.shard, par.replicate, opts);
   model->set_unit_wrapper(fsdp->wrapper());
   spdlog::info("FSDP: {} units sharded over {} ranks (replicate {}), params {}, reduce {}, reshard_after_forward {}",
@@ -328,7 +330,7 @@ int run(const std::vector<std::string>& argv) {
 
   const auto train_start = Clock::now();
   auto window_start = Clock::now();
-  double data_s = 0, comm_mark = 0;
+  double data_s = 0, comm_mark = 0, state_gib = 0;
   int64_t window_tokens = 0;
   spdlog::info("training {} steps: global batch {} × {} tokens ({} ranks × {} micro-batches of {})",
                cfg.training.steps, B * dp_world * accum, T, dp_world, accum, B);
@@ -364,7 +366,13 @@ int run(const std::vector<std::string>& argv) {
     const double lr = lr_sched.current_lr();
     optimizer->step();
     lr_sched.step();
-    if (step == 1) CommContext::set_timeout(std::chrono::seconds(cfg.comm.train_timeout_seconds));
+    if (step == 1) {
+      CommContext::set_timeout(std::chrono::seconds(cfg.comm.train_timeout_seconds));
+      const TrainingStateBytes sb = training_state_bytes(*optimizer);
+      state_gib = sb.total() / double(1 << 30);
+      spdlog::info("training state on this rank: params {:.1f} MiB + grads {:.1f} MiB + optimizer {:.1f} MiB",
+                   sb.params / double(1 << 20), sb.grads / double(1 << 20), sb.optimizer / double(1 << 20));
+    }
 
     if (step == 1 || step % cfg.metrics.log_freq == 0 || step == cfg.training.steps) {
       const double dt = seconds_since(window_start);
@@ -383,6 +391,7 @@ int run(const std::vector<std::string>& argv) {
       m.data_loading_s = maxes[2];
       m.elapsed_s = seconds_since(train_start);
       if (fsdp) m.extra.emplace_back("comm_wait_s", maxes[1]);
+      m.extra.emplace_back("state_gib", state_gib);
       metrics.log(m);
       window_start = Clock::now();
       window_tokens = 0;
@@ -408,6 +417,10 @@ int main(int argc, char** argv) {
     setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
     execv("/proc/self/exe", argv);  // returns only on failure: then run as we are
   }
+  // Fixed mmap threshold: glibc otherwise raises it after large frees, so memory that
+  // FSDP releases (full parameters after sharding, unsharded units after use) would stay
+  // in the heap and in RSS instead of going back to the system.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
   std::vector<std::string> args(argv + 1, argv + argc);
   try {
     return ctitan::run(args);

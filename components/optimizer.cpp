@@ -25,6 +25,24 @@ void set_learning_rate(torch::optim::Optimizer& opt, double lr) {
   for (auto& group : opt.param_groups()) group.options().set_lr(lr);
 }
 
+TrainingStateBytes training_state_bytes(torch::optim::Optimizer& opt) {
+  TrainingStateBytes b;
+  auto bytes = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; };
+  for (auto& group : opt.param_groups())
+    for (auto& p : group.params()) {
+      b.params += bytes(p);
+      b.grads += bytes(p.grad());
+    }
+  for (auto& kv : opt.state()) {
+    if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(kv.second.get())) {
+      b.optimizer += bytes(s->exp_avg()) + bytes(s->exp_avg_sq()) + bytes(s->max_exp_avg_sq());
+    } else if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(kv.second.get())) {
+      b.optimizer += bytes(a->exp_avg()) + bytes(a->exp_avg_sq()) + bytes(a->max_exp_avg_sq());
+    }
+  }
+  return b;
+}
+
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
                       const std::function<double(double)>& all_reduce_sum) {
   torch::NoGradGuard no_grad;

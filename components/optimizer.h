@@ -24,6 +24,14 @@ std::unique_ptr<torch::optim::Optimizer> build_optimizer(std::vector<torch::Tens
 
 void set_learning_rate(torch::optim::Optimizer& opt, double lr);
 
+// Bytes this rank holds for training state: the optimizer's parameters (with FSDP the
+// local shards), their gradients, and the optimizer state (Adam's two moments).
+struct TrainingStateBytes {
+  int64_t params = 0, grads = 0, optimizer = 0;
+  int64_t total() const { return params + grads + optimizer; }
+};
+TrainingStateBytes training_state_bytes(torch::optim::Optimizer& opt);
+
 // Global L2 norm of the gradients of `params`, then scales them so the norm is at most
 // max_norm (max_norm <= 0: measure only). Returns the norm before clipping. With sharded
 // parameters, all_reduce_sum adds the local sums of squares of every shard's rank so the

@@ -318,6 +318,7 @@ struct Parallelism {
   int64_t data_parallel_replicate_degree;
   int64_t data_parallel_shard_degree;
   std::string fsdp_reshard_after_forward;
+  bool fsdp_prefetch;
   int64_t tensor_parallel_degree;
   bool disable_loss_parallel;
   bool enable_async_tensor_parallel;
@@ -341,13 +342,15 @@ struct Parallelism {
   template <class V>
   void visit_keys(V& v) {
     v(data_parallel_replicate_degree, "data_parallel_replicate_degree", 1,
-      "Ranks holding full replicas (DDP/HSDP); 1 = off", at_least(1).supported_only({"1"}));
+      "Ranks holding full replicas (DDP/HSDP); 1 = off", at_least(1));
     v(data_parallel_shard_degree, "data_parallel_shard_degree", -1,
       "Ranks sharding parameters (FSDP); -1 = all ranks left over by the other degrees",
-      at_least(1).or_value(-1).supported_only({"-1", "1"}));
+      at_least(1).or_value(-1));
     v(fsdp_reshard_after_forward, "fsdp_reshard_after_forward", "default",
       "Free gathered parameters after forward: default (all but the root), always, never",
       one_of({"default", "always", "never"}));
+    v(fsdp_prefetch, "fsdp_prefetch", true,
+      "(ctitan) Issue the next FSDP unit's all-gather while the current one computes");
     v(tensor_parallel_degree, "tensor_parallel_degree", 1, "Tensor parallelism degree; 1 = off",
       at_least(1).supported_only({"1"}));
     v(disable_loss_parallel, "disable_loss_parallel", false,

@@ -29,3 +29,15 @@ ctitan_build() {
     cmake --build "$CTITAN_BUILD_DIR" -j"$jobs"
   fi
 }
+
+# The default corpus (Moby-Dick) and its tokenizer, fetched / trained once.
+CTITAN_DEFAULT_TOKENIZER="$CTITAN_DATA_DIR/tokenizers/moby_dick_2048.model"
+ctitan_ensure_default_corpus() {
+  if [[ ! -s "$CTITAN_DATA_DIR/moby_dick/moby_dick.txt" ]]; then
+    "$CTITAN_ROOT/scripts/fetch_data.sh" moby_dick
+  fi
+  if [[ ! -s "$CTITAN_DEFAULT_TOKENIZER" ]]; then
+    "$CTITAN_ROOT/scripts/train_tokenizer.sh" "$CTITAN_DATA_DIR/moby_dick/moby_dick.txt" \
+      "$CTITAN_DEFAULT_TOKENIZER" 2048
+  fi
+}

@@ -25,14 +25,7 @@ ctitan_build train ctitan_spm_shim >&2
 TRAIN_BIN="$CTITAN_BUILD_DIR/train"
 
 # Default corpus and tokenizer (no-ops when present).
-if [[ ! -s "$CTITAN_DATA_DIR/moby_dick/moby_dick.txt" ]]; then
-  "$CTITAN_ROOT/scripts/fetch_data.sh" moby_dick
-fi
-DEFAULT_TOKENIZER="$CTITAN_DATA_DIR/tokenizers/moby_dick_2048.model"
-if [[ ! -s "$DEFAULT_TOKENIZER" ]]; then
-  "$CTITAN_ROOT/scripts/train_tokenizer.sh" "$CTITAN_DATA_DIR/moby_dick/moby_dick.txt" \
-    "$DEFAULT_TOKENIZER" 2048
-fi
+ctitan_ensure_default_corpus
 
 if [[ -z "${MASTER_PORT:-}" ]]; then
   MASTER_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])' 2>/dev/null \

@@ -31,12 +31,31 @@ TransformerModelArgs make_large(int64_t dim, int64_t n_layers, int64_t n_heads,
   return a;
 }
 
+// ctitan's CPU-sized flavors (not torchtitan's): "33M" is the model the performance
+// benchmark compares with PyTorch eager; "150M" is big enough that parameters, gradients
+// and optimizer state dominate memory (the FSDP memory benchmark). Vocabulary 8192; a
+// tokenizer with another vocabulary overrides it.
+TransformerModelArgs make_small(int64_t dim, int64_t n_layers, int64_t n_heads, int64_t n_kv_heads) {
+  TransformerModelArgs a;
+  a.dim = dim;
+  a.n_layers = n_layers;
+  a.n_heads = n_heads;
+  a.n_kv_heads = n_kv_heads;
+  a.vocab_size = 8192;
+  a.rope_theta = 500000;
+  return a;
+}
+
 }  // namespace
 
-std::vector<std::string> llama3_flavor_names() { return {"debugmodel", "8B", "70B", "405B"}; }
+std::vector<std::string> llama3_flavor_names() {
+  return {"debugmodel", "33M", "150M", "8B", "70B", "405B"};
+}
 
 TransformerModelArgs llama3_flavor(const std::string& flavor) {
   if (flavor == "debugmodel") return make_debugmodel();
+  if (flavor == "33M") return make_small(512, 8, 8, 4);
+  if (flavor == "150M") return make_small(1024, 12, 16, 8);
   if (flavor == "8B") return make_large(4096, 32, 32, 1.3, 1024);
   if (flavor == "70B") return make_large(8192, 80, 64, 1.3, 4096);
   if (flavor == "405B") return make_large(16384, 126, 128, 1.2, 4096);

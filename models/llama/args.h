@@ -38,9 +38,10 @@ struct TransformerModelArgs {
   int64_t head_dim() const { return dim / n_heads; }
 };
 
-// Flavors exactly as torchtitan v0.2.x: debugmodel, 8B, 70B, 405B.
+// Flavors exactly as torchtitan v0.2.x: debugmodel, 8B, 70B, 405B; plus ctitan's CPU-sized
+// 33M and 150M (benchmarks).
 // Unknown name -> ctitan::UserError
-//   unknown model.flavor "x" for llama3; valid: debugmodel, 8B, 70B, 405B
+//   unknown model.flavor "x" for llama3; valid: debugmodel, 33M, 150M, 8B, 70B, 405B
 TransformerModelArgs llama3_flavor(const std::string& flavor);
 std::vector<std::string> llama3_flavor_names();
 
