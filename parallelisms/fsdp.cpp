@@ -235,37 +235,49 @@ void FSDP::reduce_grads(Unit& u) {
     p.full.mutable_grad() = at::Tensor();  // the unsharded gradient is not kept
   }
   reshard(u);
+  // At most one reduction in flight besides this one: each holds two [N·S] buffers, and
+  // letting them pile up until the end of backward would hold two copies of the model.
+  while (!pending_reductions_.empty()) {
+    complete_reduction(*units_[pending_reductions_.front()]);
+    pending_reductions_.pop_front();
+  }
   u.rs_out = at::empty({u.S}, send.options());
   u.rs = shard_->reduce_scatter_sum(send, u.rs_out, u.name);
+  pending_reductions_.push_back(index_of(u.name));
   ++stats_.reduce_scatters;
+}
+
+// Completes one unit's gradient reduction: waits for its reduce-scatter (HSDP: then the
+// all-reduce over the replicate group), takes the mean over the dp ranks and accumulates
+// into the shards' .grad. Frees the unit's reduction buffers.
+void FSDP::complete_reduction(Unit& u) {
+  if (!u.reduced) return;
+  torch::NoGradGuard no_grad;
+  wait(u.rs);
+  if (replicate_ && replicate_->size() > 1) {
+    auto pending = replicate_->all_reduce_sum(u.rs_out, u.name);
+    wait(pending);
+  }
+  const double dp = static_cast<double>(shard_->size() * (replicate_ ? replicate_->size() : 1));
+  u.rs_out.div_(dp);  // mean over the data-parallel ranks
+  for (auto& p : u.params) {
+    auto g = u.rs_out.narrow(0, p.offset, p.shard_numel()).view(p.shard.sizes()).to(at::kFloat);
+    if (p.shard.grad().defined())
+      p.shard.mutable_grad().add_(g);
+    else
+      p.shard.mutable_grad() = g.clone();
+  }
+  u.rs_out = at::Tensor();
+  u.reduced = false;
+  u.grads_seen = 0;
 }
 
 void FSDP::finish_backward() {
   // Units some of whose parameters received no gradient (unused in this step).
   for (auto& up : units_)
     if (up->grads_seen > 0 && !up->reduced) reduce_grads(*up);
-  const double dp = static_cast<double>(shard_->size() * (replicate_ ? replicate_->size() : 1));
-  torch::NoGradGuard no_grad;
-  for (auto& up : units_) {
-    Unit& u = *up;
-    if (!u.reduced) continue;
-    wait(u.rs);
-    if (replicate_ && replicate_->size() > 1) {
-      auto pending = replicate_->all_reduce_sum(u.rs_out, u.name);
-      wait(pending);
-    }
-    u.rs_out.div_(dp);  // mean over the data-parallel ranks
-    for (auto& p : u.params) {
-      auto g = u.rs_out.narrow(0, p.offset, p.shard_numel()).view(p.shard.sizes()).to(at::kFloat);
-      if (p.shard.grad().defined())
-        p.shard.mutable_grad().add_(g);
-      else
-        p.shard.mutable_grad() = g.clone();
-    }
-    u.rs_out = at::Tensor();
-    u.reduced = false;
-    u.grads_seen = 0;
-  }
+  for (auto& up : units_) complete_reduction(*up);
+  pending_reductions_.clear();
   for (auto& up : units_) reshard(*up);
   in_backward_ = false;
 }

@@ -19,6 +19,7 @@
 //   finish_backward(): waits for the outstanding reduce-scatters and accumulates them
 //              into the shards' .grad (gradient accumulation adds micro-batches).
 #pragma once
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -101,6 +102,7 @@ class FSDP {
   void ensure_unsharded(Unit& u);
   void reshard(Unit& u);
   void reduce_grads(Unit& u);
+  void complete_reduction(Unit& u);
   void wait(PendingCollective& p);
   size_t index_of(const std::string& unit) const;
   const Param& param(const std::string& fqn) const;
@@ -113,6 +115,7 @@ class FSDP {
   FSDPStats stats_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keep hooks alive
   bool in_backward_ = false;
+  std::deque<size_t> pending_reductions_;  // units whose reduce-scatter is in flight
 };
 
 // Builds the units' FSDP runner with the options of the training config.
