@@ -12,6 +12,7 @@
 #include "models/llama/model.h"
 #include "parallelisms/comm.h"
 #include "parallelisms/fsdp.h"
+#include "parallelisms/parallel_dims.h"
 #include "tests/multiprocess.h"
 
 using namespace ctitan;
@@ -42,8 +43,9 @@ struct RunResult {
 };
 
 // world == nullptr: the reference (no FSDP, whole batch in one process).
+// replicate > 1: HSDP, `replicate` groups of N / replicate ranks each holding the shards.
 RunResult train(Comm* world, const std::string& param_dtype, bool prefetch,
-                const std::string& reshard) {
+                const std::string& reshard, Distributed* dist = nullptr, int64_t replicate = 1) {
   torch::manual_seed(7);
   llama::Transformer model(tiny_args());
   model->init_weights();
@@ -51,10 +53,17 @@ RunResult train(Comm* world, const std::string& param_dtype, bool prefetch,
   std::shared_ptr<FSDP> fsdp;
   std::vector<torch::Tensor> params;
   if (world) {
-    std::shared_ptr<Comm> shard(world, [](Comm*) {});
+    std::shared_ptr<Comm> shard(world, [](Comm*) {}), rep;
+    if (replicate > 1) {
+      auto dims = ParallelDims::build(replicate, -1, 1, 1, 1, N);
+      for (int64_t g = 0; g < replicate; ++g)
+        if (auto c = dist->new_group(dims.shard_group(g * dims.dp_shard), "shard" + std::to_string(g))) shard = c;
+      for (int64_t g = 0; g < dims.dp_shard; ++g)
+        if (auto c = dist->new_group(dims.replicate_group(g), "rep" + std::to_string(g))) rep = c;
+    }
     auto opts = fsdp_options(reshard, param_dtype, "float32");
     opts.prefetch = prefetch;
-    fsdp = std::make_shared<FSDP>(model->units(), shard, nullptr, opts);
+    fsdp = std::make_shared<FSDP>(model->units(), shard, rep, opts);
     model->set_unit_wrapper(fsdp->wrapper());
     params = fsdp->sharded_parameters();
   } else {
@@ -76,10 +85,16 @@ RunResult train(Comm* world, const std::string& param_dtype, bool prefetch,
       fsdp->finish_backward();
       world->all_reduce_sum(reported, "loss").wait();
       reported.div_(static_cast<double>(N));
-      reduce = [world](double v) {
+      // Sum of squares over the shard group only: replicas hold identical shards.
+      Comm* shard_group = fsdp->shard_size() == N ? world : nullptr;
+      reduce = [world, shard_group, replicate](double v) {
         auto t = torch::tensor({v}, torch::kFloat64);
-        world->all_reduce_sum(t, "grad_norm").wait();
-        return t.item<double>();
+        if (shard_group) {
+          shard_group->all_reduce_sum(t, "grad_norm").wait();
+          return t.item<double>();
+        }
+        world->all_reduce_sum(t, "grad_norm").wait();  // every replica adds the same value
+        return t.item<double>() / static_cast<double>(replicate);
       };
     }
     clip_grad_norm(params, 1.0, reduce);
@@ -87,7 +102,7 @@ RunResult train(Comm* world, const std::string& param_dtype, bool prefetch,
     out.losses.push_back(reported.item<double>());
   }
   if (world) {
-    out.params = fsdp->gather_full_parameters();
+    out.params = fsdp->gather_full_parameters();  // over the shard group
   } else {
     for (auto& kv : model->named_parameters()) out.params[kv.key()] = kv.value().detach().clone();
   }
@@ -109,16 +124,18 @@ CTITAN_CHILD(fsdp_train) {
   auto d = init_distributed(env, std::chrono::seconds(60));
   const std::string dtype = std::getenv("FSDP_DTYPE");
   const bool prefetch = std::string(std::getenv("FSDP_PREFETCH")) == "1";
-  auto res = train(d->world.get(), dtype, prefetch, std::getenv("FSDP_RESHARD"));
+  const char* rep = std::getenv("FSDP_REPLICATE");
+  auto res = train(d->world.get(), dtype, prefetch, std::getenv("FSDP_RESHARD"), d.get(),
+                   rep ? std::atoi(rep) : 1);
   if (d->world->rank() == 0) save_result(res, result_path());
   d->world->barrier("done");
   return 0;
 }
 
-class FSDPParity : public ::testing::TestWithParam<std::tuple<int, std::string, bool>> {};
+class FSDPParity : public ::testing::TestWithParam<std::tuple<int, std::string, bool, int>> {};
 
 TEST_P(FSDPParity, LossesAndFinalParametersMatchOneProcess) {
-  const auto [n, reshard, prefetch] = GetParam();
+  const auto [n, reshard, prefetch, replicate] = GetParam();
   static RunResult reference = train(nullptr, "float32", true, "default");
   const std::string out = "/tmp/ctitan_fsdp_" + std::to_string(getpid()) + ".pt";
   auto rs = spawn_ranks("fsdp_train", n,
@@ -155,10 +172,12 @@ TEST_P(FSDPParity, LossesAndFinalParametersMatchOneProcess) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, FSDPParity,
-                         ::testing::Values(std::make_tuple(1, "default", true),
-                                           std::make_tuple(2, "default", true),
-                                           std::make_tuple(3, "always", false),
-                                           std::make_tuple(4, "never", true)));
+                         ::testing::Values(std::make_tuple(1, "default", true, 1),
+                                           std::make_tuple(2, "default", true, 1),
+                                           std::make_tuple(3, "always", false, 1),
+                                           std::make_tuple(4, "never", true, 1),
+                                           // HSDP: 2 replicas × 2 shards
+                                           std::make_tuple(4, "default", true, 2)));
 
 TEST(FSDP, Bf16ParametersFollowTheFp32Curve) {
   static RunResult reference = train(nullptr, "float32", true, "default");

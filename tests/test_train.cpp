@@ -221,6 +221,22 @@ TEST_F(TrainE2E, SurvivorNamesTheCollective) {
       << rs[0].output;
 }
 
+// Rank 1 of 2 starts, rank 0 never does: the rendezvous gives up after
+// comm.init_timeout_seconds with an error naming the address, instead of waiting forever.
+TEST_F(TrainE2E, RendezvousTimesOut) {
+  const int port = ctitan::testing::free_port();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = sh("RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+              std::to_string(port) + " " + kTrain + args((root_ / "rdzv").string(), 3) +
+              " --comm.init_timeout_seconds 3");
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_LT(s, 30.0);
+  EXPECT_NE(r.out.find("rank 1: rendezvous at 127.0.0.1:" + std::to_string(port) + " failed within 3 s"),
+            std::string::npos)
+      << r.out;
+}
+
 }  // namespace
 
 CTITAN_MULTIPROCESS_MAIN()
