@@ -31,6 +31,7 @@
 #include "datasets/tokenizer.h"
 #include "models/llama/args.h"
 #include "models/llama/model.h"
+#include "parallelisms/activation_checkpoint.h"
 #include "parallelisms/comm.h"
 #include "parallelisms/fsdp.h"
 #include "parallelisms/launch_env.h"
@@ -249,6 +250,22 @@ std::shared_ptr<FSDP> maybe_apply_fsdp(Transformer& model, const JobConfig& cfg,
   return fsdp;
 }
 
+// Activation checkpointing of the blocks. torchtitan applies AC, then FSDP: the model's
+// wrapper runs FSDP(AC(block)) — FSDP's wrapper, when there is one, calls the unit function
+// AC made checkpointed, so a recompute re-uses the parameters FSDP gathered for backward.
+std::shared_ptr<ActivationCheckpoint> maybe_apply_ac(Transformer& model, const JobConfig& cfg, FSDP* fsdp) {
+  const auto& c = cfg.activation_checkpoint;
+  if (c.mode == "none") return nullptr;
+  const std::vector<ModelUnit> units = model->units();
+  auto ac = std::make_shared<ActivationCheckpoint>(ac_options(c), units);
+  model->set_unit_wrapper(compose(fsdp ? fsdp->wrapper() : UnitWrapper(),
+                                  [ac](const std::string& u, const UnitFn& fn) { return ac->wrap(u, fn); }));
+  spdlog::info("activation checkpointing: {}{} on {} of {} blocks (preserve_rng_state {}, determinism_check {})",
+               c.mode, c.mode == "selective" ? " " + c.selective_ac_option : "", ac->checkpointed_units(units),
+               model->n_layers(), c.preserve_rng_state, c.determinism_check);
+  return ac;
+}
+
 int run(const std::vector<std::string>& argv) {
   // ---- config -----------------------------------------------------------------------
   ConfigLoadResult loaded = load_job_config(argv);
@@ -302,6 +319,7 @@ int run(const std::vector<std::string>& argv) {
                cfg.model.name, cfg.model.flavor, counts.total / 1e6,
                (counts.total - counts.embedding) / 1e6, flops_per_tok / 1e6);
   std::shared_ptr<FSDP> fsdp = maybe_apply_fsdp(model, cfg, par);
+  std::shared_ptr<ActivationCheckpoint> ac = maybe_apply_ac(model, cfg, fsdp.get());
 
   // ---- optimizer and LR schedule (on the local shards with FSDP) ---------------------
   std::vector<torch::Tensor> params = fsdp ? fsdp->sharded_parameters() : model->parameters();

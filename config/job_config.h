@@ -469,7 +469,7 @@ struct ActivationCheckpoint {
   template <class V>
   void visit_keys(V& v) {
     v(mode, "mode", "selective", "Recompute activations in backward: none, selective, full",
-      one_of({"selective", "full", "memory_budget", "none"}).supported_only({"none"}));
+      one_of({"selective", "full", "memory_budget", "none"}).supported_only({"none", "full", "selective"}));
     v(selective_ac_option, "selective_ac_option", "2",
       "Selective AC: a positive integer n (every n-th block) or \"op\" (per-op policy)",
       rules().text(is_positive_int_or_op, "a positive integer or \"op\""));

@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "models/init.h"
+#include "models/recompute.h"
 
 namespace ctitan {
 
@@ -23,7 +24,9 @@ LinearImpl::LinearImpl(int64_t in, int64_t out) : in_features(in), out_features(
   weight = register_parameter("weight", torch::empty({out, in}));
 }
 
-torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return torch::linear(x, weight); }
+// Through recompute::linear: op-level selective activation checkpointing may keep and
+// reuse this matmul's output (a plain torch::linear otherwise).
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return recompute::linear(x, weight); }
 
 EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim) {
   weight = register_parameter("weight", torch::empty({num_embeddings, embedding_dim}));

@@ -514,10 +514,8 @@ TEST(ConfigTorchtitan, DebugModelTomlOfV02Parses) {
   // Keys the file does not set keep their defaults.
   EXPECT_EQ(c.comm.init_timeout_seconds, 300);
   EXPECT_FALSE(c.debug.seed.has_value());
-  // Its selective AC is a feature ctitan does not have yet.
-  EXPECT_EQ(
-      supported_error(c),
-      "not supported yet: activation_checkpoint.mode = \"selective\" (ctitan supports: \"none\")");
+  // Everything it sets is something ctitan runs (selective AC included).
+  EXPECT_EQ(supported_error(c), "no error");
 }
 
 TEST(ConfigTorchtitan, OlderSpellingsAreReadAsTheCurrentKeys) {
@@ -647,7 +645,7 @@ TEST(ConfigHelp, MentionsEveryKeyWithTypeDefaultAndChoices) {
             std::string::npos);
   EXPECT_NE(
       help.find("  --activation_checkpoint.mode  string = \"selective\"  [one of: selective, full, "
-                "memory_budget, none; ctitan supports: \"none\"]"),
+                "memory_budget, none; ctitan supports: \"none\", \"full\", \"selective\"]"),
       std::string::npos);
   EXPECT_NE(help.find("  --lr_scheduler.decay_ratio  float or None = None"), std::string::npos);
   EXPECT_NE(help.find("  checkpoint.enable_checkpoint -> checkpoint.enable\n"), std::string::npos);
@@ -674,12 +672,9 @@ TEST(ConfigSupported, FeaturesNotBuiltYetAreRefusedWithTheSupportedValues) {
             "not supported yet: parallelism.pipeline_parallel_degree = 2 (ctitan supports: 1)");
   EXPECT_EQ(refused([](JobConfig& c) { c.parallelism.context_parallel_degree = 4; }),
             "not supported yet: parallelism.context_parallel_degree = 4 (ctitan supports: 1)");
-  EXPECT_EQ(
-      refused([](JobConfig& c) { c.parallelism.data_parallel_shard_degree = 4; }),
-      "not supported yet: parallelism.data_parallel_shard_degree = 4 (ctitan supports: -1, 1)");
-  EXPECT_EQ(
-      refused([](JobConfig& c) { c.parallelism.data_parallel_replicate_degree = 2; }),
-      "not supported yet: parallelism.data_parallel_replicate_degree = 2 (ctitan supports: 1)");
+  // FSDP and HSDP degrees are built.
+  EXPECT_EQ(refused([](JobConfig& c) { c.parallelism.data_parallel_shard_degree = 4; }), "no error");
+  EXPECT_EQ(refused([](JobConfig& c) { c.parallelism.data_parallel_replicate_degree = 2; }), "no error");
   EXPECT_EQ(refused([](JobConfig& c) { c.compile.enable = true; }),
             "not supported yet: compile.enable = true (ctitan supports: false)");
   EXPECT_EQ(refused([](JobConfig& c) { c.model.converters = {"float8"}; }),
@@ -696,10 +691,10 @@ TEST(ConfigSupported, FeaturesNotBuiltYetAreRefusedWithTheSupportedValues) {
             "not supported yet: training.enable_cpu_offload = true (ctitan supports: false)");
   EXPECT_EQ(refused([](JobConfig& c) { c.optimizer.early_step_in_backward = true; }),
             "not supported yet: optimizer.early_step_in_backward = true (ctitan supports: false)");
-  EXPECT_EQ(refused([](JobConfig& c) { c.checkpoint.enable = true; }),
-            "not supported yet: checkpoint.enable = true (ctitan supports: false)");
-  EXPECT_EQ(refused([](JobConfig& c) { c.activation_checkpoint.mode = "full"; }),
-            "not supported yet: activation_checkpoint.mode = \"full\" (ctitan supports: \"none\")");
+  EXPECT_EQ(refused([](JobConfig& c) { c.activation_checkpoint.mode = "full"; }), "no error");
+  EXPECT_EQ(refused([](JobConfig& c) { c.activation_checkpoint.mode = "memory_budget"; }),
+            "not supported yet: activation_checkpoint.mode = \"memory_budget\" (ctitan supports: "
+            "\"none\", \"full\", \"selective\")");
   EXPECT_EQ(refused([](JobConfig& c) { c.lr_scheduler.total_steps = 100; }),
             "not supported yet: lr_scheduler.total_steps = 100 (ctitan supports: None)");
 }

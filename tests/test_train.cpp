@@ -146,7 +146,7 @@ TEST_F(TrainE2E, BadConfigExitsTwoWithOneLineAndWritesNothing) {
       {" --training.steps 0", "training.steps = 0 is out of range (must be >= 1)"},
       {" --training.global_batch_size 6", "training.global_batch_size=6 is not a multiple of local_batch_size (4) × dp (1)"},
       {" --model.flavor 9B", "unknown model.flavor \"9B\" for llama3; valid: debugmodel, 33M, 150M, 8B, 70B, 405B"},
-      {" --activation_checkpoint.mode full", "not supported yet: activation_checkpoint.mode = \"full\""},
+      {" --compile.enable", "not supported yet: compile.enable = true (ctitan supports: false)"},
   };
   for (const auto& c : cases) {
     const std::string dump = (root_ / "bad").string();
