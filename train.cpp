@@ -21,6 +21,8 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/train_adapters.h"
 #include "components/lr_scheduler.h"
 #include "components/metrics.h"
 #include "components/optimizer.h"
@@ -170,6 +172,20 @@ void maybe_inject_fault(int64_t rank, int64_t step) {
   throw RuntimeFailure("injected fault (CTITAN_FAULT=" + std::string(f) + ")");
 }
 
+// Test hook: CTITAN_TRACE_WINDOWS=<prefix> appends every window this rank trains on to
+// <prefix>.rank<r>, one line "<step> <token ids...>", so tests can check which data a run saw.
+void maybe_trace_batch(const Batch& b, int64_t rank, int64_t step) {
+  static const char* prefix = std::getenv("CTITAN_TRACE_WINDOWS");
+  if (!prefix || !*prefix) return;
+  static std::ofstream out(std::string(prefix) + ".rank" + std::to_string(rank), std::ios::app);
+  for (int64_t i = 0; i < b.batch; ++i) {
+    out << step;
+    for (int64_t t = 0; t < b.seq; ++t) out << ' ' << b.inputs[i * b.seq + t];
+    out << ' ' << b.labels[i * b.seq + b.seq - 1] << '\n';
+  }
+  out.flush();
+}
+
 // The process groups of a job: world, FSDP shard group, HSDP replicate group.
 struct Parallelism {
   LaunchEnv env;
@@ -229,6 +245,60 @@ std::vector<double> world_max(const Parallelism& par, std::vector<double> v) {
   return v;
 }
 
+// What torchtitan's trainer checkpoints of itself: the steps done and the tokens seen.
+struct TrainState {
+  int64_t step = 0;
+  int64_t ntokens_seen = 0;
+};
+
+// Every stateful component under its torchtitan name, and the manager that saves and
+// loads them (checkpoint/checkpoint.h states each one's reshard rule).
+struct Checkpointing {
+  std::unique_ptr<ModelState> model;
+  std::unique_ptr<OptimizerState> optimizer;
+  std::unique_ptr<ScalarsState> lr_scheduler, train_state;
+  std::unique_ptr<DataLoaderState> dataloader;
+  std::unique_ptr<RngState> rng;
+  std::unique_ptr<CheckpointManager> manager;
+};
+
+std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const Parallelism& par, Transformer& model,
+                                                   FSDP* fsdp, torch::optim::Optimizer& opt, LRScheduler& lr,
+                                                   DataPipeline& data, TrainState& ts, uint64_t seed) {
+  auto c = std::make_unique<Checkpointing>();
+  CheckpointOptions o = checkpoint_options(cfg);
+  o.dp_replicate = par.dims.dp_replicate;
+  o.dp_shard = par.dims.dp_shard;
+  c->manager = std::make_unique<CheckpointManager>(
+      o, par.dist ? checkpoint_comm(par.dist->world, par.dist->store) : CheckpointComm::single_process());
+  // HSDP replicas hold the same rows: the first replica stores them.
+  const bool first_replica = par.dims.replicate_index(par.env.rank) == 0;
+  const std::vector<ShardedParam> sp = sharded_params(model, fsdp);
+  c->model = std::make_unique<ModelState>(sp, first_replica);
+  c->optimizer = std::make_unique<OptimizerState>(opt, sp, first_replica);
+  c->lr_scheduler = std::make_unique<ScalarsState>("lr_scheduler", std::vector<std::pair<std::string, int64_t*>>{
+                                                                       {"last_step", &lr.last_step}});
+  c->train_state = std::make_unique<ScalarsState>(
+      "train_state", std::vector<std::pair<std::string, int64_t*>>{{"step", &ts.step}, {"ntokens_seen", &ts.ntokens_seen}});
+  DataLoader* loader = data.loader.get();
+  const Tokenizer* tok = data.tokenizer.get();
+  const std::string source = data.source;
+  c->dataloader = std::make_unique<DataLoaderState>(
+      [loader] { return loader->state_dict(); }, [loader](const std::string& s) { loader->load_state_dict(s); },
+      par.dp_rank, par.dims.dp(), cfg.checkpoint.dataloader_reshard,
+      [tok, source](const std::vector<std::string>& saved, int64_t r, int64_t w) {
+        return redistribute_loader_states(saved, r, w, *tok, source);
+      });
+  c->rng = std::make_unique<RngState>(par.env.rank, seed);
+  c->manager->add("model", c->model.get());
+  c->manager->add("optimizer", c->optimizer.get());
+  c->manager->add("lr_scheduler", c->lr_scheduler.get());
+  c->manager->add("dataloader", c->dataloader.get());
+  c->manager->add("train_state", c->train_state.get());
+  c->manager->add("rng", c->rng.get());
+  return c;
+}
+
 // FSDP over the shard group (HSDP: plus the replicate group) whenever there is more than
 // one data-parallel rank. Applied from outside the model: it wraps the model's units.
 std::shared_ptr<FSDP> maybe_apply_fsdp(Transformer& model, const JobConfig& cfg, const Parallelism& par) {
@@ -279,6 +349,7 @@ int run(const std::vector<std::string>& argv) {
     return 0;
   }
   check_supported(cfg);
+  check_checkpoint_config(cfg);
   build_model_args_check(cfg);
 
   // ---- distributed environment and process groups ----------------------------------------
@@ -336,6 +407,21 @@ int run(const std::vector<std::string>& argv) {
       return t.item<double>();
     };
 
+  // ---- checkpoint: resume from the latest complete checkpoint (or initial_load_path) ----
+  TrainState train_state;
+  std::unique_ptr<Checkpointing> ckpt =
+      build_checkpointing(cfg, par, model, fsdp.get(), *optimizer, lr_sched, data, train_state, seed);
+  if (cfg.checkpoint.create_seed_checkpoint) {
+    // torchtitan: the full model initialised on one process, saved as step 0, then exit.
+    if (launch.world_size != 1)
+      throw UserError("config error: checkpoint.create_seed_checkpoint = true must run on one process, not " +
+                      std::to_string(launch.world_size));
+    ckpt->manager->save_to(ckpt->manager->options().folder, 0, /*model_only=*/true);
+    return 0;
+  }
+  ckpt->manager->load();
+  const int64_t first_step = train_state.step + 1;
+
   // ---- training loop --------------------------------------------------------------------
   const std::string peak_dtype = fsdp && cfg.training.mixed_precision_param == "bfloat16" ? "bfloat16" : "float32";
   const double peak_flops = measure_matmul_peak_flops(peak_dtype);
@@ -353,7 +439,7 @@ int run(const std::vector<std::string>& argv) {
   spdlog::info("training {} steps: global batch {} × {} tokens ({} ranks × {} micro-batches of {})",
                cfg.training.steps, B * dp_world * accum, T, dp_world, accum, B);
 
-  for (int64_t step = 1; step <= cfg.training.steps; ++step) {
+  for (int64_t step = first_step; step <= cfg.training.steps; ++step) {
     CommContext::set_step(step);
     set_learning_rate(*optimizer, lr_sched.current_lr());
     optimizer->zero_grad();
@@ -361,6 +447,7 @@ int run(const std::vector<std::string>& argv) {
     for (int64_t micro = 0; micro < accum; ++micro) {
       const auto t_data = Clock::now();
       Batch batch = data.loader->next();
+      maybe_trace_batch(batch, launch.rank, step);
       auto inputs = torch::from_blob(batch.inputs.data(), {B, T}, torch::kInt64).clone();  // [B, T]
       auto labels = torch::from_blob(batch.labels.data(), {B, T}, torch::kInt64).clone();  // [B, T]
       data_s += seconds_since(t_data);
@@ -384,7 +471,7 @@ int run(const std::vector<std::string>& argv) {
     const double lr = lr_sched.current_lr();
     optimizer->step();
     lr_sched.step();
-    if (step == 1) {
+    if (step == first_step) {
       CommContext::set_timeout(std::chrono::seconds(cfg.comm.train_timeout_seconds));
       const TrainingStateBytes sb = training_state_bytes(*optimizer);
       state_gib = sb.total() / double(1 << 30);
@@ -415,7 +502,11 @@ int run(const std::vector<std::string>& argv) {
       window_tokens = 0;
       data_s = 0;
     }
+    train_state.step = step;
+    train_state.ntokens_seen += B * T * accum * dp_world;
+    ckpt->manager->save(step, step == cfg.training.steps);
   }
+  ckpt->manager->finalize();
   if (par.dist) par.dist->world->barrier("end of training");
   spdlog::info("training done: {} steps in {}", cfg.training.steps,
                format_duration(seconds_since(train_start)));

@@ -415,11 +415,12 @@ struct Checkpoint {
   bool enable_first_step_checkpoint;
   bool create_seed_checkpoint;
   bool load_only;
+  std::string dataloader_reshard;  // ctitan only
 
   template <class V>
   void visit_keys(V& v) {
     v(enable, "enable", false, "Save checkpoints and resume from the latest one",
-      supported_only({"false"}).alias("enable_checkpoint"));
+      alias("enable_checkpoint"));
     v(enable_ft_dataloader_checkpoints, "enable_ft_dataloader_checkpoints", true,
       "Checkpoint the data-loader position under fault tolerance");
     v(folder, "folder", "checkpoint", "Checkpoint folder, relative to job.dump_folder");
@@ -429,17 +430,18 @@ struct Checkpoint {
     v(initial_load_model_only, "initial_load_model_only", true,
       "Load only the model from initial_load_path", alias("initial_load_model_weights_only"));
     v(initial_load_in_hf, "initial_load_in_hf", false,
-      "initial_load_path is in HF safetensors format");
+      "initial_load_path is in HF safetensors format", supported_only({"false"}));
     v(initial_load_in_hf_quantized, "initial_load_in_hf_quantized", false,
-      "initial_load_path holds quantized HF safetensors");
+      "initial_load_path holds quantized HF safetensors", supported_only({"false"}));
     v(last_save_model_only, "last_save_model_only", true,
       "The final save holds the model only (no optimizer or train state)",
       alias("last_save_model_weights_only").alias("model_weights_only"));
-    v(last_save_in_hf, "last_save_in_hf", false, "Write the final save as HF safetensors");
+    v(last_save_in_hf, "last_save_in_hf", false, "Write the final save as HF safetensors",
+      supported_only({"false"}));
     v(export_dtype, "export_dtype", "float32", "Dtype of the final model-only save",
       one_of({"float16", "bfloat16", "float32"}));
     v(async_mode, "async_mode", "disabled", "Save in the background",
-      one_of({"disabled", "async", "async_with_pinned_mem"}));
+      one_of({"disabled", "async", "async_with_pinned_mem"}).supported_only({"disabled", "async"}));
     v(keep_latest_k, "keep_latest_k", 10, "Keep only the newest k checkpoints; 0 = keep all",
       at_least(0).except(1, "the newest checkpoint may still be being written when older ones "
                             "are purged, so keep at least 2"));
@@ -451,6 +453,9 @@ struct Checkpoint {
     v(create_seed_checkpoint, "create_seed_checkpoint", false,
       "Initialise the full model, save it as step 0, and exit");
     v(load_only, "load_only", false, "Load checkpoints but never save");
+    v(dataloader_reshard, "dataloader_reshard", "error",
+      "ctitan: resuming on another dp degree: error, or redistribute the document stream",
+      one_of({"error", "redistribute"}));
   }
   CTITAN_CONFIG_DEFAULTS(Checkpoint)
 };

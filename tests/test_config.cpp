@@ -692,6 +692,10 @@ TEST(ConfigSupported, FeaturesNotBuiltYetAreRefusedWithTheSupportedValues) {
   EXPECT_EQ(refused([](JobConfig& c) { c.optimizer.early_step_in_backward = true; }),
             "not supported yet: optimizer.early_step_in_backward = true (ctitan supports: false)");
   EXPECT_EQ(refused([](JobConfig& c) { c.activation_checkpoint.mode = "full"; }), "no error");
+  EXPECT_EQ(refused([](JobConfig& c) { c.checkpoint.enable = true; }), "no error");
+  EXPECT_EQ(refused([](JobConfig& c) { c.checkpoint.async_mode = "async_with_pinned_mem"; }),
+            "not supported yet: checkpoint.async_mode = \"async_with_pinned_mem\" (ctitan supports: "
+            "\"disabled\", \"async\")");
   EXPECT_EQ(refused([](JobConfig& c) { c.activation_checkpoint.mode = "memory_budget"; }),
             "not supported yet: activation_checkpoint.mode = \"memory_budget\" (ctitan supports: "
             "\"none\", \"full\", \"selective\")");

@@ -199,7 +199,9 @@ TEST_F(TrainE2E, FailingRankStopsTheJob) {
                          "; stopping the other ranks"),
               std::string::npos)
         << r.out;
-    if (kind == "raise") EXPECT_NE(r.out.find("injected fault"), std::string::npos) << r.out;
+    if (kind == "raise") {
+      EXPECT_NE(r.out.find("injected fault"), std::string::npos) << r.out;
+    }
   }
 }
 

@@ -1,0 +1,931 @@
+// Stateful components, the checkpoint reader and the manager; see checkpoint.h / format.h.
+#include "checkpoint/checkpoint.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <set>
+#include <sstream>
+
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include "config/errors.h"
+#include "config/job_config.h"
+
+namespace fs = std::filesystem;
+
+namespace ctitan {
+
+using ckpt::ChunkMeta;
+using ckpt::EntryMeta;
+using ckpt::Metadata;
+using ckpt::Rule;
+
+namespace {
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    case at::kDouble: return "float64";
+    case at::kLong: return "int64";
+    case at::kInt: return "int32";
+    case at::kByte: return "uint8";
+    default: break;
+  }
+  TORCH_CHECK(false, "[checkpoint] unsupported dtype ", t);
+}
+
+at::ScalarType dtype_of(const std::string& s) {
+  if (s == "float32") return at::kFloat;
+  if (s == "bfloat16") return at::kBFloat16;
+  if (s == "float16") return at::kHalf;
+  if (s == "float64") return at::kDouble;
+  if (s == "int64") return at::kLong;
+  if (s == "int32") return at::kInt;
+  if (s == "uint8") return at::kByte;
+  TORCH_CHECK(false, "[checkpoint] unsupported dtype ", s);
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string o = "[";
+  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+  return o + "]";
+}
+
+std::string one_line(std::string s) {
+  for (char& c : s)
+    if (c == '\n' || c == '\r') c = ' ';
+  while (!s.empty() && s.back() == ' ') s.pop_back();
+  return s;
+}
+
+std::string join(const std::vector<std::string>& v, const std::string& sep) {
+  std::string o;
+  for (size_t i = 0; i < v.size(); ++i) o += (i ? sep : "") + v[i];
+  return o;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Test hook: CTITAN_CHECKPOINT_FAULT=<raise|kill>:<rank>:<step> makes that rank fail halfway
+// through writing its file of that step's checkpoint.
+void maybe_fault_in_save(int64_t rank, int64_t step) {
+  const char* f = std::getenv("CTITAN_CHECKPOINT_FAULT");
+  if (!f || !*f) return;
+  char kind[16] = {0};
+  long r = -1, s = -1;
+  if (std::sscanf(f, "%15[^:]:%ld:%ld", kind, &r, &s) != 3 || r != rank || s != step) return;
+  const std::string k = kind;
+  if (k == "kill") raise(SIGKILL);
+  if (k == "raise")
+    throw RuntimeFailure("injected fault while writing the checkpoint (CTITAN_CHECKPOINT_FAULT=" + std::string(f) + ")");
+}
+
+std::string entry_line(const EntryMeta& e) {
+  if (e.is_bytes) return "entry " + e.key + " bytes " + ckpt::rule_name(e.rule) + "\n";
+  std::string shape = e.shape.empty() ? "scalar" : "";
+  for (size_t i = 0; i < e.shape.size(); ++i) shape += (i ? "," : "") + std::to_string(e.shape[i]);
+  return "entry " + e.key + " tensor " + ckpt::rule_name(e.rule) + " " + e.dtype + " " + shape + "\n";
+}
+
+// Writes this rank's entries into <stage>/rank<r>.bin; returns the metadata fragment
+// (file, entry and chunk records) rank 0 merges.
+std::string write_rank_file(const std::vector<StateEntry>& entries, const std::string& stage,
+                            int64_t rank, int64_t step) {
+  const std::string name = "rank" + std::to_string(rank) + ".bin";
+  ckpt::DurableFileWriter w((fs::path(stage) / name).string());
+  std::vector<EntryMeta> metas;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const StateEntry& e = entries[i];
+    if (i == entries.size() / 2) maybe_fault_in_save(rank, step);
+    EntryMeta m;
+    m.key = e.key;
+    m.rule = e.rule;
+    m.is_bytes = e.is_bytes;
+    ChunkMeta c;
+    c.file = name;
+    if (e.is_bytes) {
+      c.offset = w.append(e.bytes.data(), e.bytes.size());
+      c.nbytes = e.bytes.size();
+      c.crc = ckpt::crc32(e.bytes.data(), e.bytes.size());
+    } else {
+      at::Tensor t = e.tensor;
+      if (e.rule == Rule::Sharded) {
+        t = t.narrow(0, 0, e.row_end - e.row_begin);
+        m.shape = e.global_shape;
+        c.row_begin = e.row_begin;
+        c.row_end = e.row_end;
+      } else {
+        m.shape = t.sizes().vec();
+        c.row_begin = 0;
+        c.row_end = m.shape.empty() ? 1 : m.shape[0];
+      }
+      t = t.detach().contiguous();
+      m.dtype = dtype_name(t.scalar_type());
+      const size_t n = static_cast<size_t>(t.numel()) * t.element_size();
+      c.offset = w.append(t.data_ptr(), n);
+      c.nbytes = n;
+      c.crc = ckpt::crc32(t.data_ptr(), n);
+    }
+    m.chunks.push_back(c);
+    metas.push_back(std::move(m));
+  }
+  if (entries.size() < 2) maybe_fault_in_save(rank, step);
+  w.commit();
+  std::string frag = "file " + name + " " + std::to_string(w.size()) + " " + ckpt::hex32(w.crc()) + "\n";
+  for (const auto& m : metas) frag += entry_line(m);
+  frag += ckpt::chunk_lines(metas);
+  return frag;
+}
+
+template <class S>
+S& adam_state(torch::optim::Optimizer& opt, const at::Tensor& p) {
+  // The key LibTorch's Adam/AdamW use for a parameter's state.
+  const std::string key = c10::guts::to_string(p.unsafeGetTensorImpl());
+  auto& st = opt.state();
+  auto it = st.find(key);
+  if (it == st.end()) {
+    // What Adam(W)::step creates on a parameter's first step: step 0, zero moments.
+    auto s = std::make_unique<S>();
+    s->step(0);
+    s->exp_avg(torch::zeros_like(p, at::MemoryFormat::Preserve));
+    s->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Preserve));
+    st[key] = std::move(s);
+    it = st.find(key);
+  }
+  return static_cast<S&>(*it->second);
+}
+
+struct AdamRefs {
+  at::Tensor exp_avg, exp_avg_sq;
+  std::function<int64_t()> get_step;
+  std::function<void(int64_t)> set_step;
+};
+
+AdamRefs adam_refs(torch::optim::Optimizer& opt, const at::Tensor& p) {
+  if (dynamic_cast<torch::optim::AdamW*>(&opt)) {
+    auto& s = adam_state<torch::optim::AdamWParamState>(opt, p);
+    return {s.exp_avg(), s.exp_avg_sq(), [&s] { return s.step(); }, [&s](int64_t v) { s.step(v); }};
+  }
+  if (dynamic_cast<torch::optim::Adam*>(&opt)) {
+    auto& s = adam_state<torch::optim::AdamParamState>(opt, p);
+    return {s.exp_avg(), s.exp_avg_sq(), [&s] { return s.step(); }, [&s](int64_t v) { s.step(v); }};
+  }
+  TORCH_CHECK(false, "[checkpoint] only Adam and AdamW optimizer state can be checkpointed");
+}
+
+}  // namespace
+
+// ---- CheckpointComm ------------------------------------------------------------------------
+
+CheckpointComm CheckpointComm::single_process() {
+  CheckpointComm c;
+  c.all_gather = [](const std::string& mine, const std::string&) { return std::vector<std::string>{mine}; };
+  return c;
+}
+
+// ---- StateDict -----------------------------------------------------------------------------
+
+void StateDict::sharded(const std::string& key, const at::Tensor& local, std::vector<int64_t> global_shape,
+                        int64_t row_begin, int64_t row_end, bool save_here) {
+  StateEntry e;
+  e.key = key;
+  e.rule = Rule::Sharded;
+  e.tensor = local.detach();
+  e.global_shape = std::move(global_shape);
+  e.row_begin = row_begin;
+  e.row_end = row_end;
+  // A rank whose shard has no real rows (more ranks than rows) stores nothing.
+  e.save_here = save_here && row_end > row_begin;
+  entries_.push_back(std::move(e));
+}
+
+void StateDict::replicated(const std::string& key, const at::Tensor& value) {
+  StateEntry e;
+  e.key = key;
+  e.rule = Rule::Replicated;
+  e.tensor = value.detach();
+  e.global_shape = value.sizes().vec();
+  entries_.push_back(std::move(e));
+}
+
+void StateDict::replicated_int(const std::string& key, int64_t value) {
+  replicated(key, torch::tensor(value, torch::kInt64));
+}
+
+void StateDict::per_rank_bytes(const std::string& key, std::string bytes) {
+  StateEntry e;
+  e.key = key;
+  e.rule = Rule::PerRank;
+  e.is_bytes = true;
+  e.bytes = std::move(bytes);
+  entries_.push_back(std::move(e));
+}
+
+// ---- CheckpointReader ----------------------------------------------------------------------
+
+CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
+  const fs::path p(dir_);
+  std::error_code ec;
+  if (!fs::is_directory(p, ec)) throw RuntimeFailure("checkpoint " + dir_ + " does not exist");
+  if (!fs::exists(p / "metadata", ec))
+    throw RuntimeFailure("checkpoint " + dir_ + " is not usable: the metadata file is missing");
+  const std::string text = ckpt::read_whole_file((p / "metadata").string());
+  meta_ = Metadata::parse(text, "checkpoint " + dir_ + "/metadata");
+  if (!fs::exists(p / "COMPLETE", ec))
+    throw RuntimeFailure("checkpoint " + dir_ + " is not complete: no COMPLETE marker (the save did not finish)");
+  if (ckpt::read_whole_file((p / "COMPLETE").string()) != ckpt::complete_marker_text(meta_.step, text))
+    throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: metadata does not match its COMPLETE marker");
+  for (const auto& f : meta_.files) {
+    const fs::path fp = p / f.name;
+    if (!fs::exists(fp, ec)) throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: " + f.name + " is missing");
+    const uint64_t size = fs::file_size(fp, ec);
+    if (size != f.size)
+      throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: " + f.name + " has " + std::to_string(size) +
+                           " bytes, the metadata records " + std::to_string(f.size) + " (truncated?)");
+  }
+}
+
+const EntryMeta& CheckpointReader::entry(const std::string& key) const {
+  auto it = meta_.entries.find(key);
+  if (it == meta_.entries.end())
+    throw UserError("checkpoint " + dir_ + " has no entry " + key);
+  return it->second;
+}
+
+void CheckpointReader::require_tensor(const std::string& key, const std::vector<int64_t>& shape) const {
+  const EntryMeta& e = entry(key);
+  if (e.is_bytes) throw UserError("checkpoint " + dir_ + ": " + key + " is not a tensor");
+  if (e.shape != shape)
+    throw UserError("checkpoint " + dir_ + ": " + key + " has shape " + shape_str(e.shape) + ", this run's is " +
+                    shape_str(shape));
+}
+
+std::string CheckpointReader::read_chunk(const EntryMeta& e, const ChunkMeta& c) const {
+  const std::string path = (fs::path(dir_) / c.file).string();
+  std::string buf(c.nbytes, '\0');
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw RuntimeFailure("checkpoint: cannot open " + path + ": " + std::strerror(errno));
+  size_t done = 0;
+  while (done < c.nbytes) {
+    const ssize_t r = ::pread(fd, &buf[done], c.nbytes - done, static_cast<off_t>(c.offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      ::close(fd);
+      throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: " + c.file + " ends inside " + e.key);
+    }
+    done += static_cast<size_t>(r);
+  }
+  ::close(fd);
+  const uint32_t crc = ckpt::crc32(buf.data(), buf.size());
+  if (crc != c.crc)
+    throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: " + c.file + " bytes [" + std::to_string(c.offset) +
+                         ", " + std::to_string(c.offset + c.nbytes) + ") holding " + e.key +
+                         " fail their CRC-32 check (recorded " + ckpt::hex32(c.crc) + ", computed " +
+                         ckpt::hex32(crc) + ")");
+  return buf;
+}
+
+void CheckpointReader::read_rows(const std::string& key, int64_t begin, int64_t end, const at::Tensor& dest) const {
+  torch::NoGradGuard no_grad;
+  const EntryMeta& e = entry(key);
+  TORCH_CHECK(!e.is_bytes, "[checkpoint] ", key, " is not a tensor");
+  TORCH_CHECK(0 <= begin && begin <= end && end <= e.rows(), "[checkpoint] rows [", begin, ", ", end, ") of ", key,
+              " outside [0, ", e.rows(), ")");
+  TORCH_CHECK(dest.is_contiguous(), "[checkpoint] destination of ", key, " must be contiguous");
+  const int64_t rn = e.row_numel();
+  at::Tensor d2 = dest.dim() == 0 ? dest.view({1, 1}) : dest.view({dest.size(0), -1});
+  TORCH_CHECK(d2.size(0) >= end - begin && d2.size(1) == rn, "[checkpoint] destination of ", key,
+              " has the wrong shape");
+  const at::ScalarType st = dtype_of(e.dtype);
+  for (const ChunkMeta& c : e.chunks) {
+    const int64_t s = std::max(begin, c.row_begin), t = std::min(end, c.row_end);
+    if (s >= t) continue;
+    std::string bytes = read_chunk(e, c);
+    auto src = torch::from_blob(bytes.data(), {c.row_end - c.row_begin, rn}, torch::TensorOptions().dtype(st));
+    d2.narrow(0, s - begin, t - s).copy_(src.narrow(0, s - c.row_begin, t - s));
+  }
+  if (d2.size(0) > end - begin) d2.narrow(0, end - begin, d2.size(0) - (end - begin)).zero_();
+}
+
+at::Tensor CheckpointReader::read_tensor(const std::string& key) const {
+  const EntryMeta& e = entry(key);
+  if (e.is_bytes) throw UserError("checkpoint " + dir_ + ": " + key + " is not a tensor");
+  auto t = torch::empty(e.shape, torch::TensorOptions().dtype(dtype_of(e.dtype)));
+  read_rows(key, 0, e.rows(), t);
+  return t;
+}
+
+int64_t CheckpointReader::read_int(const std::string& key) const {
+  auto t = read_tensor(key);
+  if (t.numel() != 1 || t.is_floating_point())
+    throw RuntimeFailure("checkpoint " + dir_ + ": " + key + " is not an integer scalar");
+  return t.item<int64_t>();
+}
+
+std::string CheckpointReader::read_bytes(const std::string& key) const {
+  const EntryMeta& e = entry(key);
+  if (!e.is_bytes) throw UserError("checkpoint " + dir_ + ": " + key + " is not a byte string");
+  return read_chunk(e, e.chunks.at(0));
+}
+
+// ---- ModelState ----------------------------------------------------------------------------
+
+void ModelState::state_dict(StateDict& sd) {
+  for (const auto& p : params_) {
+    at::Tensor t = p.local.detach();
+    if (!export_dtype_.empty() && dtype_of(export_dtype_) != t.scalar_type())
+      t = t.narrow(0, 0, p.end - p.begin).to(dtype_of(export_dtype_));
+    sd.sharded(p.fqn, t, p.global_shape, p.begin, p.end, save_here_);
+  }
+}
+
+void ModelState::check_load(const CheckpointReader& ckpt) const {
+  for (const auto& p : params_) {
+    if (!ckpt.has(p.fqn))
+      throw UserError("checkpoint " + ckpt.path() + " has no model parameter " + p.fqn + " (another model?)");
+    ckpt.require_tensor(p.fqn, p.global_shape);
+  }
+}
+
+void ModelState::load_state_dict(const CheckpointReader& ckpt) {
+  for (const auto& p : params_) ckpt.read_rows(p.fqn, p.begin, p.end, p.local.detach());
+}
+
+// ---- OptimizerState ------------------------------------------------------------------------
+
+OptimizerState::OptimizerState(torch::optim::Optimizer& opt, std::vector<ShardedParam> params, bool save_here)
+    : opt_(&opt), params_(std::move(params)), save_here_(save_here) {
+  TORCH_CHECK(dynamic_cast<torch::optim::AdamW*>(&opt) || dynamic_cast<torch::optim::Adam*>(&opt),
+              "[checkpoint] only Adam and AdamW optimizer state can be checkpointed");
+}
+
+void OptimizerState::state_dict(StateDict& sd) {
+  for (const auto& p : params_) {
+    const std::string k = "optimizer.state." + p.fqn + ".";
+    AdamRefs a = adam_refs(*opt_, p.local);
+    sd.sharded(k + "exp_avg", a.exp_avg, p.global_shape, p.begin, p.end, save_here_);
+    sd.sharded(k + "exp_avg_sq", a.exp_avg_sq, p.global_shape, p.begin, p.end, save_here_);
+    sd.replicated_int(k + "step", a.get_step());
+  }
+}
+
+void OptimizerState::check_load(const CheckpointReader& ckpt) const {
+  for (const auto& p : params_) {
+    const std::string k = "optimizer.state." + p.fqn + ".";
+    if (!ckpt.has(k + "exp_avg") || !ckpt.has(k + "exp_avg_sq") || !ckpt.has(k + "step"))
+      throw UserError("checkpoint " + ckpt.path() + " has no optimizer state for " + p.fqn +
+                      " (HINT: checkpoint.exclude_from_loading = [\"optimizer\"] starts a fresh optimizer)");
+    ckpt.require_tensor(k + "exp_avg", p.global_shape);
+    ckpt.require_tensor(k + "exp_avg_sq", p.global_shape);
+  }
+}
+
+void OptimizerState::load_state_dict(const CheckpointReader& ckpt) {
+  for (const auto& p : params_) {
+    const std::string k = "optimizer.state." + p.fqn + ".";
+    AdamRefs a = adam_refs(*opt_, p.local);
+    ckpt.read_rows(k + "exp_avg", p.begin, p.end, a.exp_avg);
+    ckpt.read_rows(k + "exp_avg_sq", p.begin, p.end, a.exp_avg_sq);
+    a.set_step(ckpt.read_int(k + "step"));
+  }
+}
+
+// ---- ScalarsState --------------------------------------------------------------------------
+
+void ScalarsState::state_dict(StateDict& sd) {
+  for (const auto& [name, ptr] : fields_) sd.replicated_int(prefix_ + "." + name, *ptr);
+}
+
+void ScalarsState::check_load(const CheckpointReader& ckpt) const {
+  for (const auto& f : fields_)
+    if (!ckpt.has(prefix_ + "." + f.first))
+      throw UserError("checkpoint " + ckpt.path() + " has no " + prefix_ + "." + f.first +
+                      " (HINT: checkpoint.exclude_from_loading = [\"" + prefix_ + "\"] starts it fresh)");
+}
+
+void ScalarsState::load_state_dict(const CheckpointReader& ckpt) {
+  for (const auto& [name, ptr] : fields_) *ptr = ckpt.read_int(prefix_ + "." + name);
+}
+
+// ---- RngState ------------------------------------------------------------------------------
+
+void RngState::state_dict(StateDict& sd) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  at::Tensor st;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    st = gen.get_state();
+  }
+  sd.per_rank_bytes("rng.rank_" + std::to_string(rank_),
+                    std::string(static_cast<const char*>(st.data_ptr()), st.numel()));
+}
+
+void RngState::load_state_dict(const CheckpointReader& ckpt) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  const std::string key = "rng.rank_" + std::to_string(rank_);
+  if (!ckpt.has(key)) {
+    spdlog::warn("checkpoint {} has no RNG state for rank {} (saved on {} ranks): seeding it from seed {} + rank",
+                 ckpt.path(), rank_, ckpt.meta().world_size, seed_);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_current_seed(seed_ + static_cast<uint64_t>(rank_));
+    return;
+  }
+  std::string bytes = ckpt.read_bytes(key);
+  auto t = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kUInt8);
+  std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(t);
+}
+
+// ---- DataLoaderState -----------------------------------------------------------------------
+
+void DataLoaderState::state_dict(StateDict& sd) {
+  sd.per_rank_bytes("dataloader.dp_rank_" + std::to_string(dp_rank_), get_());
+  sd.replicated_int("dataloader.world_size", dp_world_);
+}
+
+void DataLoaderState::check_load(const CheckpointReader& ckpt) const {
+  if (!ckpt.has("dataloader.world_size"))
+    throw UserError("checkpoint " + ckpt.path() + " has no dataloader state (HINT: checkpoint.exclude_from_loading = "
+                    "[\"dataloader\"] starts a fresh data order)");
+  const int64_t saved = ckpt.read_int("dataloader.world_size");
+  if (saved == dp_world_) {
+    ckpt.entry("dataloader.dp_rank_" + std::to_string(dp_rank_));
+    return;
+  }
+  if (reshard_ != "redistribute")
+    throw UserError("checkpoint " + ckpt.path() + " was saved with data-parallel degree " + std::to_string(saved) +
+                    " and this run has data-parallel degree " + std::to_string(dp_world_) +
+                    ": the data loader position cannot be restored as saved; choose "
+                    "checkpoint.exclude_from_loading = [\"dataloader\"] (start a fresh data order) or "
+                    "checkpoint.dataloader_reshard = \"redistribute\" (continue the document stream where the "
+                    "saved ranks had reached)");
+  for (int64_t r = 0; r < saved; ++r) ckpt.entry("dataloader.dp_rank_" + std::to_string(r));
+}
+
+void DataLoaderState::load_state_dict(const CheckpointReader& ckpt) {
+  const int64_t saved = ckpt.read_int("dataloader.world_size");
+  if (saved == dp_world_) {
+    set_(ckpt.read_bytes("dataloader.dp_rank_" + std::to_string(dp_rank_)));
+    return;
+  }
+  TORCH_CHECK(redistribute_, "[checkpoint] dataloader redistribution requested but not available");
+  std::vector<std::string> states;
+  for (int64_t r = 0; r < saved; ++r) states.push_back(ckpt.read_bytes("dataloader.dp_rank_" + std::to_string(r)));
+  set_(redistribute_(states, dp_rank_, dp_world_));
+}
+
+// ---- config --------------------------------------------------------------------------------
+
+const std::vector<std::string>& checkpoint_component_names() {
+  static const std::vector<std::string> names = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state",
+                                                 "rng"};
+  return names;
+}
+
+void check_checkpoint_config(const JobConfig& cfg) {
+  const auto& c = cfg.checkpoint;
+  const auto& names = checkpoint_component_names();
+  for (const auto& x : c.exclude_from_loading)
+    if (std::find(names.begin(), names.end(), x) == names.end())
+      throw UserError("config error: checkpoint.exclude_from_loading names \"" + x +
+                      "\", which is not one of: " + join(names, ", "));
+  if (c.create_seed_checkpoint && !c.enable)
+    throw UserError("config error: checkpoint.create_seed_checkpoint = true needs checkpoint.enable = true");
+  if (c.initial_load_in_hf && !c.initial_load_model_only)
+    throw UserError("config error: checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_model_only = true");
+}
+
+CheckpointOptions checkpoint_options(const JobConfig& cfg) {
+  const auto& c = cfg.checkpoint;
+  CheckpointOptions o;
+  o.enable = c.enable;
+  o.folder = (fs::path(cfg.job.dump_folder) / c.folder).string();
+  o.interval = c.interval;
+  o.keep_latest_k = c.keep_latest_k;
+  o.load_step = c.load_step;
+  o.exclude_from_loading = c.exclude_from_loading;
+  o.last_save_model_only = c.last_save_model_only;
+  o.export_dtype = c.export_dtype;
+  o.initial_load_path = c.initial_load_path;
+  o.initial_load_model_only = c.initial_load_model_only;
+  o.async = c.async_mode != "disabled";
+  o.load_only = c.load_only;
+  o.enable_first_step_checkpoint = c.enable_first_step_checkpoint;
+  o.model_name = cfg.model.name;
+  o.model_flavor = cfg.model.flavor;
+  return o;
+}
+
+// ---- CheckpointManager ---------------------------------------------------------------------
+
+struct CheckpointManager::Pending {
+  std::string folder, stage, final_dir;
+  int64_t step = 0;
+  bool model_only = false;
+  std::vector<StateEntry> entries;
+  std::thread thread;
+  std::string status;  // "ok\n<fragment>" or "error <message>"
+  uint64_t bytes = 0;
+  std::chrono::steady_clock::time_point t0;
+};
+
+CheckpointManager::CheckpointManager(CheckpointOptions options, CheckpointComm comm)
+    : opt_(std::move(options)), comm_(std::move(comm)) {
+  if (!comm_.all_gather) comm_ = CheckpointComm::single_process();
+}
+
+CheckpointManager::~CheckpointManager() {
+  if (pending_ && pending_->thread.joinable()) pending_->thread.join();
+}
+
+void CheckpointManager::add(const std::string& name, Stateful* s) {
+  const auto& names = checkpoint_component_names();
+  TORCH_CHECK(std::find(names.begin(), names.end(), name) != names.end(), "[checkpoint] unknown component ", name);
+  components_.emplace_back(name, s);
+}
+
+ModelState* CheckpointManager::model_state() const {
+  for (const auto& [n, s] : components_)
+    if (n == "model") return dynamic_cast<ModelState*>(s);
+  return nullptr;
+}
+
+std::vector<std::string> CheckpointManager::agree(const std::string& status, const std::string& tag) {
+  auto all = comm_.all_gather(status, tag);
+  TORCH_CHECK(static_cast<int64_t>(all.size()) == comm_.world_size, "[checkpoint] gathered ", all.size(),
+              " statuses from ", comm_.world_size, " ranks");
+  return all;
+}
+
+bool CheckpointManager::should_save(int64_t step, bool last_step) const {
+  if (!opt_.enable || opt_.load_only || step == last_saved_step_) return false;
+  if (step == 1 && opt_.enable_first_step_checkpoint) return true;
+  if (last_step) return true;
+  return step % opt_.interval == 0;
+}
+
+void CheckpointManager::save(int64_t step, bool last_step) {
+  if (!should_save(step, last_step)) return;
+  const bool model_only = last_step && opt_.last_save_model_only;
+  if (pending_) complete_save();  // an async save commits before the next one starts
+  ModelState* ms = model_state();
+  if (ms) ms->set_export_dtype(model_only ? opt_.export_dtype : "");
+  // The final save is synchronous: the job is about to end anyway.
+  begin_save(opt_.folder, step, model_only, opt_.async && !last_step);
+  if (ms) ms->set_export_dtype("");
+  if (!opt_.async || last_step) complete_save();
+}
+
+void CheckpointManager::save_to(const std::string& folder, int64_t step, bool model_only) {
+  if (pending_) complete_save();
+  begin_save(folder, step, model_only, false);
+  complete_save();
+}
+
+void CheckpointManager::finalize() {
+  if (pending_) complete_save();
+}
+
+void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool model_only, bool async) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string tag = "checkpoint_save:step-" + std::to_string(step);
+  // Round 1: every rank agrees it saves this step (a rank on another path is reported, not
+  // waited for), and rank 0 has prepared an empty staging folder before anyone writes.
+  std::string prep = "ok";
+  const std::string stage = ckpt::staging_dir(folder, step);
+  if (comm_.rank == 0) {
+    try {
+      fs::create_directories(folder);
+      fs::remove_all(stage);
+      fs::create_directories(stage);
+    } catch (const std::exception& e) {
+      prep = "error " + one_line(e.what());
+    }
+  }
+  const std::string mine = "begin " + std::to_string(step) + " " + prep;
+  auto all = agree(mine, tag + ":begin");
+  for (int64_t r = 0; r < comm_.world_size; ++r) {
+    const std::string want = "begin " + std::to_string(step) + " ";
+    if (all[r].rfind(want, 0) != 0)
+      throw RuntimeFailure("checkpoint save of step " + std::to_string(step) + ": rank " + std::to_string(r) +
+                           " is not saving this step (it sent \"" + one_line(all[r]) + "\"): the ranks took different paths");
+  }
+  if (all[0] != mine.substr(0, mine.size() - prep.size()) + "ok")
+    throw RuntimeFailure("checkpoint save of step " + std::to_string(step) + " failed on rank 0: " +
+                         all[0].substr(all[0].find(' ', 6) + 1));
+
+  pending_ = std::make_unique<Pending>();
+  Pending& p = *pending_;
+  p.folder = folder;
+  p.stage = stage;
+  p.final_dir = ckpt::step_dir(folder, step);
+  p.step = step;
+  p.model_only = model_only;
+  p.t0 = t0;
+  StateDict sd;
+  for (const auto& [name, s] : components_)
+    if (!model_only || name == "model") s->state_dict(sd);
+  for (auto& e : sd.entries()) {
+    if (e.rule == Rule::Replicated) e.save_here = comm_.rank == 0;
+    if (!e.save_here) continue;
+    if (!e.is_bytes) {
+      // Only the real rows; a copy when the write runs in the background (training goes
+      // on modifying the live tensors).
+      if (e.rule == Rule::Sharded) e.tensor = e.tensor.narrow(0, 0, e.row_end - e.row_begin);
+      e.tensor = async ? e.tensor.contiguous().clone() : e.tensor.contiguous();
+      p.bytes += static_cast<uint64_t>(e.tensor.numel()) * e.tensor.element_size();
+    } else {
+      p.bytes += e.bytes.size();
+    }
+    p.entries.push_back(std::move(e));
+  }
+  auto work = [this, &p] {
+    try {
+      p.status = "ok\n" + write_rank_file(p.entries, p.stage, comm_.rank, p.step);
+    } catch (const std::exception& e) {
+      p.status = "error " + one_line(e.what());
+    }
+    p.entries.clear();  // release the copies
+  };
+  if (async)
+    p.thread = std::thread(work);
+  else
+    work();
+}
+
+void CheckpointManager::complete_save() {
+  Pending& p = *pending_;
+  if (p.thread.joinable()) p.thread.join();
+  const std::string tag = "checkpoint_save:step-" + std::to_string(p.step);
+  const std::string what = "checkpoint save of step " + std::to_string(p.step);
+  std::vector<std::string> all;
+  if (comm_.arrive) comm_.arrive(tag + ":written");
+  try {
+    all = agree(p.status, tag + ":written");
+  } catch (const CollectiveFailure& e) {
+    std::string who;
+    if (comm_.missing) {
+      try {
+        std::vector<std::string> rs;
+        for (int64_t r : comm_.missing(tag + ":written")) rs.push_back(std::to_string(r));
+        if (!rs.empty())
+          who = (rs.size() == 1 ? "rank " : "ranks ") + join(rs, ", ") + " did not finish writing (died or stalled); ";
+      } catch (const std::exception&) {
+        who = "rank 0 is unreachable (died or stalled; it also serves the rendezvous store); ";
+      }
+    }
+    if (comm_.rank == 0) fs::remove_all(p.stage);
+    pending_.reset();
+    throw CollectiveFailure(what + " failed: " + who + e.what());
+  }
+  std::vector<std::string> failed;
+  for (int64_t r = 0; r < comm_.world_size; ++r)
+    if (all[r].rfind("ok\n", 0) != 0) failed.push_back("rank " + std::to_string(r) + ": " + all[r].substr(6));
+  const auto scan_before = ckpt::scan_folder(p.folder);
+  const std::string previous =
+      scan_before.complete.empty() ? "no earlier complete checkpoint exists"
+                                   : "the previous checkpoint step-" + std::to_string(scan_before.complete.back()) +
+                                         " is intact";
+  if (!failed.empty()) {
+    if (comm_.rank == 0) {
+      std::error_code ec;
+      fs::remove_all(p.stage, ec);
+    }
+    pending_.reset();
+    throw RuntimeFailure(what + " failed on " + join(failed, "; ") + " (" + previous + ")");
+  }
+
+  // Round 3: rank 0 writes metadata and the marker, then moves the folder into place.
+  std::string commit = "ok";
+  if (comm_.rank == 0) {
+    try {
+      Metadata m;
+      m.step = p.step;
+      m.world_size = comm_.world_size;
+      m.dp_replicate = opt_.dp_replicate;
+      m.dp_shard = opt_.dp_shard;
+      m.model_name = opt_.model_name;
+      m.model_flavor = opt_.model_flavor;
+      m.model_only = p.model_only;
+      std::string head = "ctitan-checkpoint " + std::to_string(ckpt::kFormatVersion) + "\nstep " +
+                         std::to_string(m.step) + "\nworld_size " + std::to_string(m.world_size) + "\ndp " +
+                         std::to_string(m.dp_replicate) + " " + std::to_string(m.dp_shard) + "\nmodel " +
+                         m.model_name + " " + m.model_flavor + "\nmodel_only " + (m.model_only ? "1" : "0") + "\n";
+      std::string files, chunks;
+      std::map<std::string, std::string> entries;  // key → entry record (identical on every rank)
+      for (int64_t r = 0; r < comm_.world_size; ++r) {
+        std::istringstream in(all[r].substr(3));
+        for (std::string line; std::getline(in, line);) {
+          if (line.rfind("file ", 0) == 0) {
+            files += line + "\n";
+          } else if (line.rfind("chunk ", 0) == 0) {
+            chunks += line + "\n";
+          } else if (line.rfind("entry ", 0) == 0) {
+            const std::string key = line.substr(6, line.find(' ', 6) - 6);
+            auto [it, fresh] = entries.emplace(key, line);
+            TORCH_CHECK(fresh || it->second == line, "[checkpoint] ranks disagree on ", key, ": ", it->second,
+                        " vs ", line);
+          }
+        }
+      }
+      std::string text = head + files;
+      for (const auto& kv : entries) text += kv.second + "\n";
+      text += chunks + "end\n";
+      Metadata::parse(text, "checkpoint metadata of step " + std::to_string(p.step));  // validates coverage
+      ckpt::write_file_durable((fs::path(p.stage) / "metadata").string(), text);
+      ckpt::write_file_durable((fs::path(p.stage) / "COMPLETE").string(), ckpt::complete_marker_text(p.step, text));
+      // An older checkpoint of the same step (load_step rewound the run) is replaced only now.
+      const std::string old = p.final_dir + ".replaced";
+      fs::remove_all(old);
+      if (fs::exists(p.final_dir)) fs::rename(p.final_dir, old);
+      fs::rename(p.stage, p.final_dir);
+      ckpt::fsync_dir(p.folder);
+      fs::remove_all(old);
+    } catch (const std::exception& e) {
+      commit = "error " + one_line(e.what());
+    }
+  }
+  auto committed = agree(commit, tag + ":commit");
+  if (committed[0] != "ok") {
+    pending_.reset();
+    throw RuntimeFailure(what + " failed on rank 0 while committing: " + committed[0].substr(6) + " (" + previous + ")");
+  }
+  spdlog::info("checkpoint: saved step {}{} to {} ({:.1f} MiB on this rank, {:.2f} s)", p.step,
+               p.model_only ? " (model only)" : "", p.final_dir, p.bytes / double(1 << 20), seconds_since(p.t0));
+  last_saved_step_ = p.step;
+  const std::string folder = p.folder;
+  const bool regular = folder == opt_.folder;
+  pending_.reset();
+  if (regular && comm_.rank == 0) purge(folder);
+}
+
+void CheckpointManager::purge(const std::string& folder) {
+  if (opt_.keep_latest_k <= 0) return;
+  const auto scan = ckpt::scan_folder(folder);
+  // Only complete checkpoints are candidates, oldest first; the newest k stay. A save in
+  // progress is a .partial folder and is never touched (k >= 2 is enforced by the config).
+  const int64_t k = std::max<int64_t>(opt_.keep_latest_k, 1);
+  const int64_t excess = static_cast<int64_t>(scan.complete.size()) - k;
+  for (int64_t i = 0; i < excess; ++i) {
+    const std::string dir = ckpt::step_dir(folder, scan.complete[static_cast<size_t>(i)]);
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    if (ec)
+      spdlog::warn("checkpoint: could not remove {} (keep_latest_k = {}): {}", dir, opt_.keep_latest_k, ec.message());
+    else
+      spdlog::info("checkpoint: removed {} (keep_latest_k = {})", dir, opt_.keep_latest_k);
+  }
+}
+
+LoadResult CheckpointManager::load() {
+  LoadResult res;
+  if (!opt_.enable) return res;
+  const auto scan = ckpt::scan_folder(opt_.folder);
+  if (comm_.rank == 0) {
+    for (const auto& [dir, why] : scan.incomplete)
+      spdlog::warn("checkpoint: ignoring {}: {}", dir, why);
+    for (const auto& dir : scan.staging) {
+      spdlog::warn("checkpoint: removing {} (a save that did not finish)", dir);
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  }
+  std::string path;
+  bool model_only_requested = false;
+  std::string choose_error;
+  if (opt_.load_step >= 0) {
+    path = ckpt::step_dir(opt_.folder, opt_.load_step);
+    std::error_code ec;
+    const std::string why =
+        fs::is_directory(path, ec) ? ckpt::incomplete_reason(path, opt_.load_step) : "it does not exist";
+    if (!why.empty()) {
+      std::vector<std::string> have;
+      for (int64_t s : scan.complete) have.push_back("step-" + std::to_string(s));
+      choose_error = "checkpoint.load_step = " + std::to_string(opt_.load_step) + ": " + path +
+                     " is not a complete checkpoint (" + why + "); complete checkpoints in " + opt_.folder + ": " +
+                     (have.empty() ? "none" : join(have, ", "));
+    }
+  } else if (!scan.complete.empty()) {
+    path = ckpt::step_dir(opt_.folder, scan.complete.back());
+    if (!opt_.initial_load_path.empty() && comm_.rank == 0)
+      spdlog::warn("checkpoint: {} holds checkpoints, so checkpoint.initial_load_path = {} is not used",
+                   opt_.folder, opt_.initial_load_path);
+  } else if (!opt_.initial_load_path.empty()) {
+    path = opt_.initial_load_path;
+    model_only_requested = opt_.initial_load_model_only;
+  }
+  // Every rank must have chosen the same checkpoint (a folder not shared by all ranks
+  // would otherwise load different states).
+  auto chosen = agree(path + "\n" + choose_error, "checkpoint_load:choose");
+  for (int64_t r = 1; r < comm_.world_size; ++r)
+    if (chosen[r] != chosen[0])
+      throw RuntimeFailure("checkpoint: ranks chose different checkpoints (rank 0: \"" + one_line(chosen[0]) +
+                           "\", rank " + std::to_string(r) + ": \"" + one_line(chosen[r]) +
+                           "\"); is checkpoint.folder on a file system every rank shares?");
+  if (!choose_error.empty()) throw UserError(choose_error);
+  if (path.empty()) {
+    if (comm_.rank == 0) spdlog::info("checkpoint: no checkpoint in {}: training starts from scratch", opt_.folder);
+    return res;
+  }
+
+  // Runs fn on every rank, then agrees: when any rank failed, every rank throws (its own
+  // error, or the first failing rank's), so none is left waiting in a later collective.
+  auto agreed = [&](const std::string& tag, const std::function<void()>& fn) {
+    std::string status = "ok";
+    std::exception_ptr mine;
+    try {
+      fn();
+    } catch (const CollectiveFailure&) {
+      throw;
+    } catch (const UserError& e) {
+      status = "user " + one_line(e.what());
+      mine = std::current_exception();
+    } catch (const std::exception& e) {
+      status = "fail " + one_line(e.what());
+      mine = std::current_exception();
+    }
+    auto all = agree(status, tag);
+    if (mine) std::rethrow_exception(mine);
+    for (int64_t r = 0; r < comm_.world_size; ++r) {
+      if (all[r] == "ok") continue;
+      const std::string msg = "checkpoint load failed on rank " + std::to_string(r) + ": " + all[r].substr(5);
+      if (all[r].rfind("user ", 0) == 0) throw UserError(msg);
+      throw RuntimeFailure(msg);
+    }
+  };
+
+  std::unique_ptr<CheckpointReader> reader;
+  std::vector<std::pair<std::string, Stateful*>> todo;
+  bool model_only = false;
+  agreed("checkpoint_load:check", [&] {
+    reader = std::make_unique<CheckpointReader>(path);
+    const Metadata& m = reader->meta();
+    if (m.model_name != opt_.model_name || m.model_flavor != opt_.model_flavor)
+      throw UserError("checkpoint " + path + " holds a " + m.model_name + " \"" + m.model_flavor +
+                      "\" model; this run builds " + opt_.model_name + " \"" + opt_.model_flavor +
+                      "\" (model.name / model.flavor must match)");
+    if (m.model_only && !model_only_requested && m.step != 0) {
+      std::string hint;
+      for (auto it = scan.complete.rbegin(); it != scan.complete.rend(); ++it) {
+        if (*it >= m.step) continue;
+        hint = "; or set checkpoint.load_step = " + std::to_string(*it) + " to resume the earlier checkpoint";
+        break;
+      }
+      throw UserError("checkpoint " + path + " holds model weights only (checkpoint.last_save_model_only), not the "
+                      "optimizer, schedule and data state needed to resume training; to start a new run from these "
+                      "weights, set checkpoint.initial_load_path = \"" + path +
+                      "\" and checkpoint.initial_load_model_only = true with another checkpoint.folder" + hint);
+    }
+    model_only = model_only_requested || m.model_only;
+    for (const auto& [name, s] : components_) {
+      const bool excluded = std::find(opt_.exclude_from_loading.begin(), opt_.exclude_from_loading.end(), name) !=
+                            opt_.exclude_from_loading.end();
+      if (model_only && name != "model") continue;
+      if (excluded) {
+        if (comm_.rank == 0)
+          spdlog::warn("checkpoint: not loading {} (checkpoint.exclude_from_loading){}", name,
+                       name == "dataloader" ? ": the data order starts afresh" : "");
+        continue;
+      }
+      todo.emplace_back(name, s);
+    }
+    for (const auto& [name, s] : todo) s->check_load(*reader);
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  agreed("checkpoint_load:load", [&] {
+    for (const auto& [name, s] : todo) s->load_state_dict(*reader);
+  });
+  const Metadata& m = reader->meta();
+  res.loaded = true;
+  res.step = m.step;
+  res.path = path;
+  res.model_only = model_only;
+  for (const auto& t : todo) res.components.push_back(t.first);
+  spdlog::info("checkpoint: loaded step {} from {} in {:.2f} s (saved by {} ranks, dp {}×{}; now {} ranks): {}", m.step,
+               path, seconds_since(t0), m.world_size, m.dp_replicate, m.dp_shard, comm_.world_size,
+               join(res.components, ", "));
+  // Test hook: write what was just loaded, as this job holds it, to another folder, so a
+  // test can compare it with the checkpoint it came from.
+  if (const char* dump = std::getenv("CTITAN_CHECKPOINT_DUMP_LOADED"); dump && *dump) {
+    auto keep = components_;
+    components_ = todo;
+    save_to(dump, m.step, model_only);
+    components_ = keep;
+  }
+  return res;
+}
+
+}  // namespace ctitan

@@ -1,0 +1,409 @@
+// Checkpoint files: CRC-32, durable writes, the metadata text, folder scanning.
+#include "checkpoint/format.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "config/errors.h"
+
+namespace fs = std::filesystem;
+
+namespace ctitan::ckpt {
+namespace {
+
+// Slice-by-8 tables for the reflected polynomial 0xEDB88320 (~1.5 GB/s here, so checksums
+// cost little next to the write itself).
+struct CrcTables {
+  std::array<std::array<uint32_t, 256>, 8> t{};
+  CrcTables() {
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; ++i)
+      for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xff];
+  }
+};
+const CrcTables& crc_tables() {
+  static const CrcTables tables;
+  return tables;
+}
+
+[[noreturn]] void io_fail(const std::string& what, const std::string& path) {
+  throw RuntimeFailure("checkpoint: cannot " + what + " " + path + ": " + std::strerror(errno));
+}
+
+void write_all(int fd, const void* data, size_t n, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      io_fail("write", path);
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (char c : s) {
+    if (c == sep) {
+      out.push_back(cur);
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  out.push_back(cur);
+  return out;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  if (shape.empty()) return "scalar";
+  std::string s;
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  return s;
+}
+
+}  // namespace
+
+uint32_t crc32(const void* data, size_t n, uint32_t crc) {
+  const auto& t = crc_tables().t;
+  const auto* p = static_cast<const unsigned char*>(data);
+  crc = ~crc;
+  while (n >= 8) {
+    const uint32_t a = crc ^ (uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 |
+                              uint32_t(p[3]) << 24);
+    crc = t[7][a & 0xff] ^ t[6][(a >> 8) & 0xff] ^ t[5][(a >> 16) & 0xff] ^ t[4][a >> 24] ^
+          t[3][p[4]] ^ t[2][p[5]] ^ t[1][p[6]] ^ t[0][p[7]];
+    p += 8;
+    n -= 8;
+  }
+  while (n--) crc = t[0][(crc ^ *p++) & 0xff] ^ (crc >> 8);
+  return ~crc;
+}
+
+std::string hex32(uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "%08x", v);
+  return buf;
+}
+
+void fsync_dir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) io_fail("open folder", dir);
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) io_fail("fsync folder", dir);
+}
+
+void write_file_durable(const std::string& path, const std::string& data) {
+  DurableFileWriter w(path);
+  w.append(data.data(), data.size());
+  w.commit();
+}
+
+std::string read_whole_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) io_fail("read", path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+DurableFileWriter::DurableFileWriter(std::string path) : path_(std::move(path)), tmp_(path_ + ".tmp") {
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) io_fail("create", tmp_);
+}
+
+DurableFileWriter::~DurableFileWriter() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!committed_) ::unlink(tmp_.c_str());
+}
+
+uint64_t DurableFileWriter::append(const void* data, size_t n) {
+  const uint64_t at = size_;
+  write_all(fd_, data, n, tmp_);
+  crc_ = crc32(data, n, crc_);
+  size_ += n;
+  return at;
+}
+
+void DurableFileWriter::commit() {
+  if (::fsync(fd_) != 0) io_fail("fsync", tmp_);
+  if (::close(fd_) != 0) {
+    fd_ = -1;
+    io_fail("close", tmp_);
+  }
+  fd_ = -1;
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0) io_fail("rename into place", path_);
+  committed_ = true;
+  fsync_dir(fs::path(path_).parent_path().string());
+}
+
+const char* rule_name(Rule r) {
+  switch (r) {
+    case Rule::Sharded: return "sharded";
+    case Rule::Replicated: return "replicated";
+    case Rule::PerRank: return "per_rank";
+  }
+  return "?";
+}
+
+size_t dtype_size(const std::string& d) {
+  if (d == "float32" || d == "int32") return 4;
+  if (d == "bfloat16" || d == "float16") return 2;
+  if (d == "float64" || d == "int64") return 8;
+  if (d == "uint8") return 1;
+  return 0;
+}
+
+int64_t EntryMeta::row_numel() const {
+  int64_t n = 1;
+  for (size_t i = 1; i < shape.size(); ++i) n *= shape[i];
+  return n;
+}
+
+std::string chunk_lines(const std::vector<EntryMeta>& entries) {
+  std::string s;
+  for (const auto& e : entries)
+    for (const auto& c : e.chunks)
+      s += "chunk " + e.key + " " + c.file + " " + std::to_string(c.offset) + " " +
+           std::to_string(c.nbytes) + " " + std::to_string(c.row_begin) + " " +
+           std::to_string(c.row_end) + " " + hex32(c.crc) + "\n";
+  return s;
+}
+
+std::string Metadata::to_text() const {
+  std::string s = "ctitan-checkpoint " + std::to_string(version) + "\n";
+  s += "step " + std::to_string(step) + "\n";
+  s += "world_size " + std::to_string(world_size) + "\n";
+  s += "dp " + std::to_string(dp_replicate) + " " + std::to_string(dp_shard) + "\n";
+  s += "model " + model_name + " " + model_flavor + "\n";
+  s += std::string("model_only ") + (model_only ? "1" : "0") + "\n";
+  for (const auto& f : files) s += "file " + f.name + " " + std::to_string(f.size) + " " + hex32(f.crc) + "\n";
+  for (const auto& [key, e] : entries) {
+    if (e.is_bytes)
+      s += "entry " + key + " bytes " + rule_name(e.rule) + "\n";
+    else
+      s += "entry " + key + " tensor " + rule_name(e.rule) + " " + e.dtype + " " + shape_text(e.shape) + "\n";
+  }
+  std::vector<EntryMeta> all;
+  for (const auto& kv : entries) all.push_back(kv.second);
+  s += chunk_lines(all);
+  s += "end\n";
+  return s;
+}
+
+Metadata Metadata::parse(const std::string& text, const std::string& where) {
+  Metadata m;
+  std::istringstream in(text);
+  std::string line;
+  int64_t n = 0;
+  bool ended = false, header = false;
+  auto bad = [&](const std::string& what) -> void {
+    throw RuntimeFailure(where + ": " + what + " (line " + std::to_string(n) + ")");
+  };
+  auto to_i64 = [&](const std::string& s) {
+    try {
+      size_t pos = 0;
+      const long long v = std::stoll(s, &pos);
+      if (pos != s.size()) bad("not an integer: " + s);
+      return static_cast<int64_t>(v);
+    } catch (const std::logic_error&) {
+      bad("not an integer: " + s);
+    }
+    return int64_t{0};
+  };
+  auto to_crc = [&](const std::string& s) {
+    if (s.size() != 8 || s.find_first_not_of("0123456789abcdef") != std::string::npos) bad("bad CRC " + s);
+    return static_cast<uint32_t>(std::stoul(s, nullptr, 16));
+  };
+  auto to_rule = [&](const std::string& s) {
+    if (s == "sharded") return Rule::Sharded;
+    if (s == "replicated") return Rule::Replicated;
+    if (s == "per_rank") return Rule::PerRank;
+    bad("unknown rule " + s);
+    return Rule::Replicated;
+  };
+  std::set<std::string> file_names;
+  while (std::getline(in, line)) {
+    ++n;
+    if (ended) bad("text after 'end'");
+    std::istringstream ls(line);
+    std::vector<std::string> f;
+    for (std::string w; ls >> w;) f.push_back(w);
+    if (f.empty()) bad("empty line");
+    const std::string& k = f[0];
+    if (!header) {
+      if (k != "ctitan-checkpoint" || f.size() != 2) bad("not a ctitan checkpoint metadata file");
+      m.version = to_i64(f[1]);
+      if (m.version != kFormatVersion)
+        bad("format version " + f[1] + "; this build reads version " + std::to_string(kFormatVersion));
+      header = true;
+    } else if (k == "step" && f.size() == 2) {
+      m.step = to_i64(f[1]);
+    } else if (k == "world_size" && f.size() == 2) {
+      m.world_size = to_i64(f[1]);
+    } else if (k == "dp" && f.size() == 3) {
+      m.dp_replicate = to_i64(f[1]);
+      m.dp_shard = to_i64(f[2]);
+    } else if (k == "model" && f.size() == 3) {
+      m.model_name = f[1];
+      m.model_flavor = f[2];
+    } else if (k == "model_only" && f.size() == 2) {
+      m.model_only = f[1] == "1";
+    } else if (k == "file" && f.size() == 4) {
+      FileMeta fm{f[1], static_cast<uint64_t>(to_i64(f[2])), to_crc(f[3])};
+      if (f[1].find('/') != std::string::npos || !file_names.insert(f[1]).second) bad("bad file name " + f[1]);
+      m.files.push_back(fm);
+    } else if (k == "entry" && (f.size() == 4 || f.size() == 6)) {
+      EntryMeta e;
+      e.key = f[1];
+      e.is_bytes = f[2] == "bytes";
+      if (!e.is_bytes && f[2] != "tensor") bad("unknown entry kind " + f[2]);
+      if (e.is_bytes != (f.size() == 4)) bad("malformed entry " + e.key);
+      e.rule = to_rule(f[3]);
+      if (!e.is_bytes) {
+        e.dtype = f[4];
+        if (dtype_size(e.dtype) == 0) bad("unknown dtype " + e.dtype);
+        if (f[5] != "scalar")
+          for (const auto& d : split(f[5], ',')) {
+            const int64_t v = to_i64(d);
+            if (v < 0) bad("negative dimension in " + e.key);
+            e.shape.push_back(v);
+          }
+      }
+      if (!m.entries.emplace(e.key, e).second) bad("duplicate entry " + e.key);
+    } else if (k == "chunk" && f.size() == 8) {
+      auto it = m.entries.find(f[1]);
+      if (it == m.entries.end()) bad("chunk of undeclared entry " + f[1]);
+      ChunkMeta c;
+      c.file = f[2];
+      c.offset = static_cast<uint64_t>(to_i64(f[3]));
+      c.nbytes = static_cast<uint64_t>(to_i64(f[4]));
+      c.row_begin = to_i64(f[5]);
+      c.row_end = to_i64(f[6]);
+      c.crc = to_crc(f[7]);
+      if (!file_names.count(c.file)) bad("chunk in unlisted file " + c.file);
+      it->second.chunks.push_back(c);
+    } else if (k == "end" && f.size() == 1) {
+      ended = true;
+    } else {
+      bad("unexpected record '" + k + "'");
+    }
+  }
+  if (!header) throw RuntimeFailure(where + ": empty metadata file");
+  if (!ended) throw RuntimeFailure(where + ": truncated (no 'end' record)");
+  // Consistency: every chunk inside its file, tensor chunks the size of their rows, sharded
+  // chunks covering each row exactly once.
+  std::map<std::string, uint64_t> sizes;
+  for (const auto& f : m.files) sizes[f.name] = f.size;
+  for (auto& [key, e] : m.entries) {
+    if (e.chunks.empty()) throw RuntimeFailure(where + ": entry " + key + " has no data");
+    for (const auto& c : e.chunks) {
+      if (c.offset + c.nbytes > sizes[c.file])
+        throw RuntimeFailure(where + ": chunk of " + key + " lies outside " + c.file);
+      if (!e.is_bytes) {
+        const uint64_t want = static_cast<uint64_t>((c.row_end - c.row_begin) * e.row_numel()) *
+                              dtype_size(e.dtype);
+        if (c.row_begin < 0 || c.row_end < c.row_begin || c.row_end > e.rows() || c.nbytes != want)
+          throw RuntimeFailure(where + ": chunk of " + key + " has inconsistent rows or size");
+      }
+    }
+    if (e.is_bytes || e.rule != Rule::Sharded) {
+      if (e.chunks.size() != 1) throw RuntimeFailure(where + ": entry " + key + " must have one chunk");
+      if (!e.is_bytes && (e.chunks[0].row_begin != 0 || e.chunks[0].row_end != e.rows()))
+        throw RuntimeFailure(where + ": entry " + key + " does not cover all rows");
+      continue;
+    }
+    std::sort(e.chunks.begin(), e.chunks.end(),
+              [](const ChunkMeta& a, const ChunkMeta& b) { return a.row_begin < b.row_begin; });
+    int64_t next = 0;
+    for (const auto& c : e.chunks) {
+      if (c.row_begin != next)
+        throw RuntimeFailure(where + ": rows of " + key + " are not covered exactly once (at row " +
+                             std::to_string(next) + ")");
+      next = c.row_end;
+    }
+    if (next != e.rows())
+      throw RuntimeFailure(where + ": rows of " + key + " end at " + std::to_string(next) + " of " +
+                           std::to_string(e.rows()));
+  }
+  return m;
+}
+
+std::string step_dir(const std::string& folder, int64_t step) {
+  return (fs::path(folder) / ("step-" + std::to_string(step))).string();
+}
+
+std::string staging_dir(const std::string& folder, int64_t step) {
+  return (fs::path(folder) / ("step-" + std::to_string(step) + ".partial")).string();
+}
+
+std::string complete_marker_text(int64_t step, const std::string& metadata_text) {
+  return "ctitan-checkpoint-complete step " + std::to_string(step) + " metadata " +
+         std::to_string(metadata_text.size()) + " " +
+         hex32(crc32(metadata_text.data(), metadata_text.size())) + "\n";
+}
+
+std::string incomplete_reason(const std::string& step_path, int64_t step) {
+  const fs::path p(step_path);
+  std::error_code ec;
+  if (!fs::exists(p / "COMPLETE", ec)) return "no COMPLETE marker (the save did not finish)";
+  if (!fs::exists(p / "metadata", ec)) return "the metadata file is missing";
+  try {
+    const std::string meta = read_whole_file((p / "metadata").string());
+    const std::string marker = read_whole_file((p / "COMPLETE").string());
+    if (marker != complete_marker_text(step, meta))
+      return "the metadata file does not match the COMPLETE marker (modified or truncated)";
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+FolderScan scan_folder(const std::string& folder) {
+  FolderScan s;
+  std::error_code ec;
+  if (!fs::is_directory(folder, ec)) return s;
+  static const std::regex step_re("step-([0-9]+)");
+  static const std::regex staging_re("step-([0-9]+)\\.partial");
+  for (const auto& de : fs::directory_iterator(folder, ec)) {
+    if (!de.is_directory()) continue;
+    const std::string name = de.path().filename().string();
+    std::smatch m;
+    if (std::regex_match(name, m, staging_re)) {
+      s.staging.push_back(de.path().string());
+    } else if (std::regex_match(name, m, step_re)) {
+      const int64_t step = std::stoll(m[1]);
+      const std::string why = incomplete_reason(de.path().string(), step);
+      if (why.empty())
+        s.complete.push_back(step);
+      else
+        s.incomplete.emplace_back(de.path().string(), why);
+    }
+  }
+  std::sort(s.complete.begin(), s.complete.end());
+  std::sort(s.incomplete.begin(), s.incomplete.end());
+  std::sort(s.staging.begin(), s.staging.end());
+  return s;
+}
+
+}  // namespace ctitan::ckpt

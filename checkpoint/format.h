@@ -1,0 +1,143 @@
+// On-disk format of a ctitan checkpoint (plain C++, no LibTorch: tools can use it cheaply).
+//
+//   <job.dump_folder>/<checkpoint.folder>/
+//     step-<N>/                 a checkpoint: complete only when COMPLETE exists and matches
+//       rank<r>.bin             rank r's entries, raw bytes back to back (native little
+//                               endian, row-major); only the real rows of its shards, never
+//                               FSDP's padding rows
+//       metadata                the index below (text, one record per line)
+//       COMPLETE                the marker: written last, by rank 0, after every rank's file
+//                               is durable and a collective confirmed that every rank succeeded
+//     step-<N>.partial/         a save in progress (or one that failed): never loaded,
+//                               removed by the next save or start-up of rank 0
+//
+// metadata, version 1 (fields separated by one space; keys never contain whitespace):
+//   ctitan-checkpoint 1
+//   step <N>
+//   world_size <W>                 ranks of the job that saved
+//   dp <replicate> <shard>         its data-parallel degrees (dp = replicate × shard)
+//   model <name> <flavor>
+//   model_only <0|1>               1: model weights only (last_save_model_only, seed)
+//   file <name> <bytes> <crc32>    every data file, with its size and CRC-32 (hex)
+//   entry <key> tensor <rule> <dtype> <d0,d1,...|scalar>
+//   entry <key> bytes <rule>
+//   chunk <key> <file> <offset> <nbytes> <row_begin> <row_end> <crc32>
+//   end
+// rule: sharded (dim-0 slices of one global tensor, chunks cover rows [0, d0) exactly once),
+// replicated (one chunk: the whole value), per_rank (one chunk; the key names the rank).
+// A chunk of a tensor holds global rows [row_begin, row_end) (a scalar is one row of one
+// element); bytes entries have rows 0 0.
+// COMPLETE: "ctitan-checkpoint-complete step <N> metadata <bytes> <crc32>\n", so a
+// metadata file replaced or truncated after the fact is noticed.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ctitan::ckpt {
+
+constexpr int64_t kFormatVersion = 1;
+
+// CRC-32 (IEEE 802.3, zlib's), continued from `crc` (0 to start).
+uint32_t crc32(const void* data, size_t n, uint32_t crc = 0);
+std::string hex32(uint32_t v);
+
+// ---- durable files -----------------------------------------------------------------------
+// fsync of a folder, so a rename or create inside it survives a crash.
+void fsync_dir(const std::string& dir);
+// Writes `data` to `path`: temporary name in the same folder, fsync, rename, fsync folder.
+// RuntimeFailure naming the path and errno text on any failure (disk full included).
+void write_file_durable(const std::string& path, const std::string& data);
+std::string read_whole_file(const std::string& path);  // RuntimeFailure when unreadable
+
+// Appends to <path>.tmp while tracking the size and CRC-32; commit() flushes, fsyncs,
+// renames to <path> and fsyncs the folder. Destroyed uncommitted: the temp file is removed.
+class DurableFileWriter {
+ public:
+  explicit DurableFileWriter(std::string path);
+  ~DurableFileWriter();
+  DurableFileWriter(const DurableFileWriter&) = delete;
+  DurableFileWriter& operator=(const DurableFileWriter&) = delete;
+  uint64_t append(const void* data, size_t n);  // returns the offset the data starts at
+  void commit();
+  uint64_t size() const { return size_; }
+  uint32_t crc() const { return crc_; }
+
+ private:
+  std::string path_, tmp_;
+  int fd_ = -1;
+  uint64_t size_ = 0;
+  uint32_t crc_ = 0;
+  bool committed_ = false;
+};
+
+// ---- metadata ----------------------------------------------------------------------------
+enum class Rule { Sharded, Replicated, PerRank };
+const char* rule_name(Rule r);
+
+struct ChunkMeta {
+  std::string file;
+  uint64_t offset = 0, nbytes = 0;
+  int64_t row_begin = 0, row_end = 0;
+  uint32_t crc = 0;
+};
+
+struct EntryMeta {
+  std::string key;
+  bool is_bytes = false;
+  Rule rule = Rule::Replicated;
+  std::string dtype;           // float32, bfloat16, float16, float64, int64, int32, uint8
+  std::vector<int64_t> shape;  // empty: a scalar
+  std::vector<ChunkMeta> chunks;
+  int64_t rows() const { return shape.empty() ? 1 : shape[0]; }
+  int64_t row_numel() const;  // elements per row
+};
+
+struct FileMeta {
+  std::string name;
+  uint64_t size = 0;
+  uint32_t crc = 0;
+};
+
+struct Metadata {
+  int64_t version = kFormatVersion;
+  int64_t step = 0;
+  int64_t world_size = 1;
+  int64_t dp_replicate = 1, dp_shard = 1;
+  std::string model_name, model_flavor;
+  bool model_only = false;
+  std::vector<FileMeta> files;
+  std::map<std::string, EntryMeta> entries;
+
+  int64_t dp() const { return dp_replicate * dp_shard; }
+  std::string to_text() const;
+  // RuntimeFailure "<where>: <problem> (line n)" when malformed, truncated or inconsistent
+  // (sharded chunks must cover every row exactly once).
+  static Metadata parse(const std::string& text, const std::string& where);
+};
+
+size_t dtype_size(const std::string& dtype);  // 0 for an unknown name
+
+// The chunk lines of one rank: what every rank sends rank 0 after writing its file.
+std::string chunk_lines(const std::vector<EntryMeta>& entries);
+
+// ---- folders -----------------------------------------------------------------------------
+std::string step_dir(const std::string& folder, int64_t step);       // <folder>/step-<N>
+std::string staging_dir(const std::string& folder, int64_t step);    // <folder>/step-<N>.partial
+std::string complete_marker_text(int64_t step, const std::string& metadata_text);
+
+struct FolderScan {
+  std::vector<int64_t> complete;  // ascending
+  // Folders that look like checkpoints but are not complete: (path, reason).
+  std::vector<std::pair<std::string, std::string>> incomplete;
+  std::vector<std::string> staging;  // *.partial folders
+};
+// A step-<N> folder is complete when metadata and COMPLETE exist and the marker matches the
+// metadata (step, size, CRC). Data files are checked when the checkpoint is opened.
+FolderScan scan_folder(const std::string& folder);
+// "" when complete, else why not.
+std::string incomplete_reason(const std::string& step_path, int64_t step);
+
+}  // namespace ctitan::ckpt
