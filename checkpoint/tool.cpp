@@ -98,8 +98,8 @@ void export_consolidated(const std::string& step_path, const std::string& out_fi
 
 int checkpoint_tool_main(const std::vector<std::string>& args) {
   const std::string usage =
-      "usage: ctitan_checkpoint inspect <checkpoint folder> [--verify]\n"
-      "       ctitan_checkpoint export <step folder> <out.pt> [--dtype float32|bfloat16|float16]\n";
+      "usage: checkpoint_tool inspect <checkpoint folder> [--verify]\n"
+      "       checkpoint_tool export <step folder> <out.pt> [--dtype float32|bfloat16|float16]\n";
   try {
     if (args.size() >= 2 && args[0] == "inspect" && (args.size() == 2 || (args.size() == 3 && args[2] == "--verify"))) {
       std::cout << inspect_checkpoint(args[1], args.size() == 3);

@@ -1,8 +1,8 @@
 // Offline checkpoint tools: inspect a checkpoint folder, verify every checksum, and export
 // the model as one consolidated file that Python's torch.load reads.
 //
-//   ctitan_checkpoint inspect  <step folder | checkpoint folder> [--verify]
-//   ctitan_checkpoint export   <step folder> <out.pt> [--dtype float32|bfloat16|float16]
+//   checkpoint_tool inspect  <step folder | checkpoint folder> [--verify]
+//   checkpoint_tool export   <step folder> <out.pt> [--dtype float32|bfloat16|float16]
 //
 // The executable is a two-line main calling checkpoint_tool_main (see the report / README).
 #pragma once
