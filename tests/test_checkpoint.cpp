@@ -21,6 +21,7 @@
 #include "checkpoint/tool.h"
 #include "config/errors.h"
 #include "config/job_config.h"
+#include "tests/e2e.h"
 #include "tests/multiprocess.h"
 
 namespace fs = std::filesystem;
@@ -633,23 +634,9 @@ TEST(CheckpointTool, InspectVerifyAndConsolidatedExport) {
 
 namespace {
 
-const std::string kTrain = CTITAN_TRAIN_BIN;
-const std::string kSrc = CTITAN_SOURCE_DIR;
-
-struct Cmd {
-  int code;
-  std::string out;
-};
-
-Cmd sh(const std::string& cmd) {
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
-}
+using ctitan::testing::kSrc;
+using ctitan::testing::kTrain;
+using ctitan::testing::sh;
 
 std::vector<std::string> jsonl_losses(const std::string& path) {
   std::ifstream f(path);

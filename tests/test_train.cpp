@@ -14,54 +14,15 @@
 #include <regex>
 #include <sstream>
 
+#include "tests/e2e.h"
 #include "tests/multiprocess.h"
 
 namespace fs = std::filesystem;
 using ctitan::testing::all_ok;
 using ctitan::testing::spawn_processes;
+using namespace ctitan::testing;
 
 namespace {
-
-const std::string kTrain = CTITAN_TRAIN_BIN;
-const std::string kSrc = CTITAN_SOURCE_DIR;
-
-struct Cmd {
-  int code;
-  std::string out;
-};
-
-Cmd sh(const std::string& cmd) {
-  std::string full = cmd + " 2>&1";
-  FILE* p = popen(full.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
-}
-
-// A small corpus of generated English-like paragraphs: a fixed grammar over a fixed
-// vocabulary, so there is structure to learn and the loss can fall within 20 steps.
-std::string make_corpus(const fs::path& dir) {
-  const char* subj[] = {"the whale", "the captain", "a sailor", "the harpooneer", "the mate", "the ship"};
-  const char* verb[] = {"watched", "followed", "feared", "sought", "sailed past", "remembered"};
-  const char* obj[] = {"the white sea", "a distant spout", "the old chart", "the long voyage",
-                       "the quiet harbour", "the heavy storm"};
-  const char* tail[] = {"at dawn.", "before the storm.", "in silence.", "for many days.", "with great care."};
-  std::mt19937 rng(1234);
-  fs::create_directories(dir);
-  const fs::path path = dir / "corpus.txt";
-  std::ofstream f(path);
-  for (int para = 0; para < 400; ++para) {
-    const int sentences = 2 + rng() % 4;
-    for (int s = 0; s < sentences; ++s)
-      f << (s ? " " : "") << subj[rng() % 6] << " " << verb[rng() % 6] << " " << obj[rng() % 6] << " "
-        << tail[rng() % 5];
-    f << "\n\n";
-  }
-  return path.string();
-}
 
 class TrainE2E : public ::testing::Test {
  protected:
@@ -81,18 +42,6 @@ class TrainE2E : public ::testing::Test {
            " --training.steps " + std::to_string(steps) +
            " --training.seq_len 64 --training.local_batch_size 4 --metrics.log_freq 1"
            " --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-3";
-  }
-
-  static std::vector<std::string> jsonl_field(const std::string& path, const std::string& field) {
-    std::ifstream f(path);
-    std::string line;
-    std::vector<std::string> out;
-    const std::regex re("\"" + field + "\": ([^,}]+)");
-    while (std::getline(f, line)) {
-      std::smatch m;
-      if (std::regex_search(line, m, re)) out.push_back(m[1]);
-    }
-    return out;
   }
 
   static fs::path root_;
