@@ -518,6 +518,27 @@ TEST(ConfigTorchtitan, DebugModelTomlOfV02Parses) {
   EXPECT_EQ(supported_error(c), "no error");
 }
 
+// Every config shipped in train_configs/ parses, names an existing flavor's model, and asks
+// only for features ctitan runs.
+TEST(ConfigShipped, EveryTrainConfigParsesAndIsSupported) {
+  const std::string dir = std::string(CTITAN_SOURCE_DIR) + "/train_configs/";
+  const char* names[] = {"debug_model.toml", "llama3_8b.toml", "llama3_70b.toml", "llama3_405b.toml",
+                         "mixtral_debug.toml", "mixtral_8x7b.toml"};
+  for (const char* n : names) {
+    std::ifstream in(dir + n);
+    ASSERT_TRUE(in.good()) << n;
+    JobConfig c;
+    try {
+      c = parse_job_config_toml(in, n);
+    } catch (const UserError& e) {
+      ADD_FAILURE() << e.what();
+      continue;
+    }
+    EXPECT_EQ(supported_error(c), "no error") << n;
+    EXPECT_EQ(c.model.name, std::string(n).rfind("mixtral", 0) == 0 ? "mixtral" : "llama3") << n;
+  }
+}
+
 TEST(ConfigTorchtitan, OlderSpellingsAreReadAsTheCurrentKeys) {
   const JobConfig c = parse_toml(
       "[job]\nprint_args = true\nuse_for_integration_test = true\n"
