@@ -33,6 +33,7 @@
 #include "datasets/tokenizer.h"
 #include "models/llama/args.h"
 #include "models/llama/model.h"
+#include "models/mixtral/model.h"
 #include "parallelisms/activation_checkpoint.h"
 #include "parallelisms/comm.h"
 #include "parallelisms/fsdp.h"
@@ -118,24 +119,104 @@ DataPipeline build_data(const JobConfig& cfg, int64_t dp_rank, int64_t dp_world)
   return d;
 }
 
-// The model args of the flavor, completed from the tokenizer and the training config
-// (as torchtitan's update_from_config: vocab from the tokenizer, max_seq_len = seq_len).
-TransformerModelArgs build_model_args(const JobConfig& cfg, const Tokenizer& tok) {
-  if (cfg.model.name != "llama3")
-    throw UserError("not supported yet: model.name = \"" + cfg.model.name + "\" (ctitan supports: llama3)");
-  TransformerModelArgs args = llama3_flavor(cfg.model.flavor);
-  args.vocab_size = tok.vocab_size();
-  args.max_seq_len = cfg.training.seq_len;
-  return args;
+// The model args of the flavor (model.name picks llama3 or mixtral), completed from the
+// tokenizer and the training config (as torchtitan's update_from_config: vocab from the
+// tokenizer, max_seq_len = seq_len), and validated.
+struct ModelArgs {
+  std::string name;
+  TransformerModelArgs llama;
+  mixtral::TransformerModelArgs mixtral;
+};
+
+ModelArgs build_model_args(const JobConfig& cfg, const Tokenizer& tok) {
+  ModelArgs a;
+  a.name = cfg.model.name;
+  if (a.name == "mixtral") {
+    a.mixtral = mixtral::mixtral_flavor(cfg.model.flavor);
+    a.mixtral.vocab_size = tok.vocab_size();
+    a.mixtral.max_seq_len = cfg.training.seq_len;
+    mixtral::validate(a.mixtral);
+    return a;
+  }
+  if (a.name != "llama3")
+    throw UserError("not supported yet: model.name = \"" + a.name + "\" (ctitan supports: llama3, mixtral)");
+  a.llama = llama3_flavor(cfg.model.flavor);
+  a.llama.vocab_size = tok.vocab_size();
+  a.llama.max_seq_len = cfg.training.seq_len;
+  llama::validate(a.llama);
+  return a;
 }
 
 // Model name and flavor are checked with the rest of the config, before anything runs.
 void build_model_args_check(const JobConfig& cfg) {
+  if (cfg.model.name == "mixtral") {
+    mixtral::mixtral_flavor(cfg.model.flavor);
+    return;
+  }
   if (cfg.model.name != "llama3")
-    throw UserError("not supported yet: model.name = \"" + cfg.model.name + "\" (ctitan supports: llama3)");
+    throw UserError("not supported yet: model.name = \"" + cfg.model.name + "\" (ctitan supports: llama3, mixtral)");
   llama3_flavor(cfg.model.flavor);
 }
 
+// The trainer's view of a model, whichever family: the calls FSDP, AC, the checkpoint and
+// the loop make. The MoE-only members are empty for dense models.
+struct TrainModel {
+  std::shared_ptr<torch::nn::Module> module;  // parameters, named_parameters
+  std::function<torch::Tensor(const torch::Tensor&)> forward;  // tokens [B, T] -> logits [B, T, V]
+  std::function<std::vector<ModelUnit>()> units;
+  std::function<void(UnitWrapper)> set_unit_wrapper;
+  int64_t n_layers = 0;
+  int64_t total_params = 0, embedding_params = 0;
+  double flops_per_token = 0;
+  // MoE: the load-balancing loss joins the objective inside the blocks' backward; these
+  // report it and keep the routing statistics (models/mixtral/model.h).
+  std::function<void(double)> set_aux_loss_scale;       // 1 / micro-batches
+  std::function<double()> load_balance_loss;           // Σ layers, last forward, unscaled
+  std::function<double()> aux_loss;                    // coeff · load_balance_loss()
+  std::function<torch::Tensor()> tokens_per_expert;    // [L, E] since the last step
+  std::function<void(const torch::Tensor&)> step_load_balance;  // after the optimizer step
+  bool moe() const { return static_cast<bool>(step_load_balance); }
+};
+
+// Builds and initialises the model (every rank the full model from the same seed).
+TrainModel build_model(const ModelArgs& a, int64_t seq_len) {
+  TrainModel m;
+  if (a.name == "mixtral") {
+    mixtral::Transformer model(a.mixtral);
+    model->init_weights();
+    model->train();
+    m.module = model.ptr();
+    m.forward = [model](const torch::Tensor& t) mutable { return model->forward(t); };
+    m.units = [model] { return model->units(); };
+    m.set_unit_wrapper = [model](UnitWrapper w) mutable { model->set_unit_wrapper(std::move(w)); };
+    m.n_layers = model->n_layers();
+    const auto c = mixtral::count_params(a.mixtral);
+    m.total_params = c.total;
+    m.embedding_params = c.embedding;
+    m.flops_per_token = mixtral::flops_per_token(a.mixtral, seq_len);
+    m.set_aux_loss_scale = [model](double s) mutable { model->set_aux_loss_scale(s); };
+    m.load_balance_loss = [model] { return model->load_balance_loss(); };
+    m.aux_loss = [model] { return model->aux_loss(); };
+    m.tokens_per_expert = [model] { return model->tokens_per_expert(); };
+    m.step_load_balance = [model](const torch::Tensor& load) mutable { model->step_load_balance(load); };
+    return m;
+  }
+  Transformer model(a.llama);
+  model->init_weights();
+  model->train();
+  m.module = model.ptr();
+  m.forward = [model](const torch::Tensor& t) mutable { return model->forward(t); };
+  m.units = [model] { return model->units(); };
+  m.set_unit_wrapper = [model](UnitWrapper w) mutable { model->set_unit_wrapper(std::move(w)); };
+  m.n_layers = model->n_layers();
+  const ParamCounts c = count_params(a.llama);
+  m.total_params = c.total;
+  m.embedding_params = c.embedding;
+  m.flops_per_token = flops_per_token(a.llama, seq_len);
+  return m;
+}
+
+// As checkpoint/train_adapters.h's sharded_params, for either model family.
 LRScheduleSpec lr_spec(const JobConfig& cfg) {
   LRScheduleSpec s;
   s.training_steps = cfg.training.steps;
@@ -262,7 +343,7 @@ struct Checkpointing {
   std::unique_ptr<CheckpointManager> manager;
 };
 
-std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const Parallelism& par, Transformer& model,
+std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const Parallelism& par, TrainModel& model,
                                                    FSDP* fsdp, torch::optim::Optimizer& opt, LRScheduler& lr,
                                                    DataPipeline& data, TrainState& ts, uint64_t seed) {
   auto c = std::make_unique<Checkpointing>();
@@ -273,7 +354,7 @@ std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const P
       o, par.dist ? checkpoint_comm(par.dist->world, par.dist->store) : CheckpointComm::single_process());
   // HSDP replicas hold the same rows: the first replica stores them.
   const bool first_replica = par.dims.replicate_index(par.env.rank) == 0;
-  const std::vector<ShardedParam> sp = sharded_params(model, fsdp);
+  const std::vector<ShardedParam> sp = sharded_params(*model.module, fsdp);
   c->model = std::make_unique<ModelState>(sp, first_replica);
   c->optimizer = std::make_unique<OptimizerState>(opt, sp, first_replica);
   c->lr_scheduler = std::make_unique<ScalarsState>("lr_scheduler", std::vector<std::pair<std::string, int64_t*>>{
@@ -301,7 +382,7 @@ std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const P
 
 // FSDP over the shard group (HSDP: plus the replicate group) whenever there is more than
 // one data-parallel rank. Applied from outside the model: it wraps the model's units.
-std::shared_ptr<FSDP> maybe_apply_fsdp(Transformer& model, const JobConfig& cfg, const Parallelism& par) {
+std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, const Parallelism& par) {
   if (par.dims.dp() <= 1) {
     if (cfg.training.mixed_precision_param != "float32")
       spdlog::info("training.mixed_precision_param = {} applies to FSDP units; one process trains in float32",
@@ -311,10 +392,10 @@ std::shared_ptr<FSDP> maybe_apply_fsdp(Transformer& model, const JobConfig& cfg,
   auto opts = fsdp_options(cfg.parallelism.fsdp_reshard_after_forward, cfg.training.mixed_precision_param,
                            cfg.training.mixed_precision_reduce);
   opts.prefetch = cfg.parallelism.fsdp_prefetch;
-  auto fsdp = std::make_shared<FSDP>(model->units(), par.shard, par.replicate, opts);
-  model->set_unit_wrapper(fsdp->wrapper());
+  auto fsdp = std::make_shared<FSDP>(model.units(), par.shard, par.replicate, opts);
+  model.set_unit_wrapper(fsdp->wrapper());
   spdlog::info("FSDP: {} units sharded over {} ranks (replicate {}), params {}, reduce {}, reshard_after_forward {}",
-               model->units().size(), par.dims.dp_shard, par.dims.dp_replicate,
+               model.units().size(), par.dims.dp_shard, par.dims.dp_replicate,
                cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce,
                cfg.parallelism.fsdp_reshard_after_forward);
   return fsdp;
@@ -323,16 +404,16 @@ std::shared_ptr<FSDP> maybe_apply_fsdp(Transformer& model, const JobConfig& cfg,
 // Activation checkpointing of the blocks. torchtitan applies AC, then FSDP: the model's
 // wrapper runs FSDP(AC(block)) — FSDP's wrapper, when there is one, calls the unit function
 // AC made checkpointed, so a recompute re-uses the parameters FSDP gathered for backward.
-std::shared_ptr<ActivationCheckpoint> maybe_apply_ac(Transformer& model, const JobConfig& cfg, FSDP* fsdp) {
+std::shared_ptr<ActivationCheckpoint> maybe_apply_ac(TrainModel& model, const JobConfig& cfg, FSDP* fsdp) {
   const auto& c = cfg.activation_checkpoint;
   if (c.mode == "none") return nullptr;
-  const std::vector<ModelUnit> units = model->units();
+  const std::vector<ModelUnit> units = model.units();
   auto ac = std::make_shared<ActivationCheckpoint>(ac_options(c), units);
-  model->set_unit_wrapper(compose(fsdp ? fsdp->wrapper() : UnitWrapper(),
-                                  [ac](const std::string& u, const UnitFn& fn) { return ac->wrap(u, fn); }));
+  model.set_unit_wrapper(compose(fsdp ? fsdp->wrapper() : UnitWrapper(),
+                                 [ac](const std::string& u, const UnitFn& fn) { return ac->wrap(u, fn); }));
   spdlog::info("activation checkpointing: {}{} on {} of {} blocks (preserve_rng_state {}, determinism_check {})",
                c.mode, c.mode == "selective" ? " " + c.selective_ac_option : "", ac->checkpointed_units(units),
-               model->n_layers(), c.preserve_rng_state, c.determinism_check);
+               model.n_layers, c.preserve_rng_state, c.determinism_check);
   return ac;
 }
 
@@ -363,8 +444,7 @@ int run(const std::vector<std::string>& argv) {
 
   // ---- tokenizer and data (validated before anything is written) ----------------------
   DataPipeline data = build_data(cfg, par.dp_rank, dp_world);
-  const TransformerModelArgs margs = build_model_args(cfg, *data.tokenizer);
-  llama::validate(margs);
+  const ModelArgs margs = build_model_args(cfg, *data.tokenizer);
 
   // ---- everything validated: from here on the run writes its outputs --------------------
   add_log_file(cfg.job.dump_folder, launch.rank);
@@ -381,19 +461,16 @@ int run(const std::vector<std::string>& argv) {
   // sharded build could initialise only what it holds; here every rank initialises the
   // full model from the same seed and FSDP keeps each rank's rows. --------------------
   torch::manual_seed(seed);
-  Transformer model(margs);
-  model->init_weights();
-  model->train();
-  const ParamCounts counts = count_params(margs);
-  const double flops_per_tok = flops_per_token(margs, cfg.training.seq_len);
+  TrainModel model = build_model(margs, cfg.training.seq_len);
+  const double flops_per_tok = model.flops_per_token;  // MoE: active experts only
   spdlog::info("model: {} {} — {:.3f}M parameters ({:.3f}M non-embedding), {:.1f} MFLOP/token",
-               cfg.model.name, cfg.model.flavor, counts.total / 1e6,
-               (counts.total - counts.embedding) / 1e6, flops_per_tok / 1e6);
+               cfg.model.name, cfg.model.flavor, model.total_params / 1e6,
+               (model.total_params - model.embedding_params) / 1e6, flops_per_tok / 1e6);
   std::shared_ptr<FSDP> fsdp = maybe_apply_fsdp(model, cfg, par);
   std::shared_ptr<ActivationCheckpoint> ac = maybe_apply_ac(model, cfg, fsdp.get());
 
   // ---- optimizer and LR schedule (on the local shards with FSDP) ---------------------
-  std::vector<torch::Tensor> params = fsdp ? fsdp->sharded_parameters() : model->parameters();
+  std::vector<torch::Tensor> params = fsdp ? fsdp->sharded_parameters() : model.module->parameters();
   auto optimizer = build_optimizer(params, optimizer_spec(cfg));
   LRScheduler lr_sched(cfg.optimizer.lr, lr_spec(cfg));
   spdlog::info("lr schedule: warmup {} / stable {} / decay {} ({}), min_lr_factor {}",
@@ -435,6 +512,9 @@ int run(const std::vector<std::string>& argv) {
   const auto train_start = Clock::now();
   auto window_start = Clock::now();
   double data_s = 0, comm_mark = 0, state_gib = 0;
+  // MoE: each micro-batch's load-balance gradient is scaled like its cross-entropy.
+  if (model.moe()) model.set_aux_loss_scale(1.0 / static_cast<double>(accum));
+  torch::Tensor expert_load;  // [L, E] tokens per expert of the last step, summed over ranks
   int64_t window_tokens = 0;
   spdlog::info("training {} steps: global batch {} × {} tokens ({} ranks × {} micro-batches of {})",
                cfg.training.steps, B * dp_world * accum, T, dp_world, accum, B);
@@ -443,7 +523,7 @@ int run(const std::vector<std::string>& argv) {
     CommContext::set_step(step);
     set_learning_rate(*optimizer, lr_sched.current_lr());
     optimizer->zero_grad();
-    double loss_sum = 0.0;
+    double loss_sum = 0.0, lb_sum = 0.0;
     for (int64_t micro = 0; micro < accum; ++micro) {
       const auto t_data = Clock::now();
       Batch batch = data.loader->next();
@@ -452,7 +532,7 @@ int run(const std::vector<std::string>& argv) {
       auto labels = torch::from_blob(batch.labels.data(), {B, T}, torch::kInt64).clone();  // [B, T]
       data_s += seconds_since(t_data);
 
-      auto logits = model->forward(inputs).to(torch::kFloat);  // [B, T, V]
+      auto logits = model.forward(inputs).to(torch::kFloat);  // [B, T, V]
       auto loss = torch::nn::functional::cross_entropy(
                       logits.view({B * T, -1}), labels.view({B * T}),
                       torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) /
@@ -460,6 +540,10 @@ int run(const std::vector<std::string>& argv) {
       loss.backward();
       if (fsdp) fsdp->finish_backward();
       loss_sum += loss.item<double>();
+      if (model.moe()) {  // the objective is CE + coeff · load-balance loss
+        loss_sum += model.aux_loss() / static_cast<double>(accum);
+        lb_sum += model.load_balance_loss() / static_cast<double>(accum);
+      }
       window_tokens += B * T;
     }
     maybe_inject_fault(launch.rank, step);
@@ -471,6 +555,11 @@ int run(const std::vector<std::string>& argv) {
     const double lr = lr_sched.current_lr();
     optimizer->step();
     lr_sched.step();
+    if (model.moe()) {  // expert-bias update and counter reset, from every rank's load
+      expert_load = model.tokens_per_expert();
+      if (par.dist) par.dist->world->all_reduce_sum(expert_load, "expert_load").wait();
+      model.step_load_balance(expert_load);
+    }
     if (step == first_step) {
       CommContext::set_timeout(std::chrono::seconds(cfg.comm.train_timeout_seconds));
       const TrainingStateBytes sb = training_state_bytes(*optimizer);
@@ -497,6 +586,13 @@ int run(const std::vector<std::string>& argv) {
       m.elapsed_s = seconds_since(train_start);
       if (fsdp) m.extra.emplace_back("comm_wait_s", maxes[1]);
       m.extra.emplace_back("state_gib", state_gib);
+      if (model.moe()) {
+        // Load-balance loss (1 = balanced; mean over ranks) and the tokens-per-expert
+        // spread of the last step: max / mean load of the most unbalanced layer.
+        m.extra.emplace_back("lb_loss", world_mean(par, lb_sum, "lb_loss"));
+        const auto spread = std::get<0>(expert_load.max(1)) / expert_load.mean(1);
+        m.extra.emplace_back("expert_spread", spread.max().item<double>());
+      }
       metrics.log(m);
       window_start = Clock::now();
       window_tokens = 0;

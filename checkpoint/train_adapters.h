@@ -26,7 +26,7 @@ namespace ctitan {
 
 // The parameters as this rank holds them: FSDP's fp32 shards (the optimizer's tensors), or
 // the model's own full parameters on one process.
-inline std::vector<ShardedParam> sharded_params(llama::Transformer& model, FSDP* fsdp) {
+inline std::vector<ShardedParam> sharded_params(const torch::nn::Module& model, FSDP* fsdp) {
   std::vector<ShardedParam> out;
   if (fsdp) {
     for (const auto& fqn : fsdp->fqns()) {
@@ -35,7 +35,7 @@ inline std::vector<ShardedParam> sharded_params(llama::Transformer& model, FSDP*
     }
     return out;
   }
-  for (const auto& kv : model->named_parameters()) {
+  for (const auto& kv : model.named_parameters()) {
     const auto& t = kv.value();
     out.push_back({kv.key(), t, t.sizes().vec(), 0, t.dim() ? t.size(0) : 1});
   }

@@ -1,0 +1,274 @@
+#include "models/mixtral/model.h"
+
+#include <cmath>
+
+#include "models/init.h"
+#include "models/recompute.h"
+
+namespace ctitan::mixtral {
+
+namespace {
+
+// Identity on y whose backward also sends `scale` as the gradient of the scalar aux: adds
+// scale · aux to the objective without aux being an output of the unit (so it works when
+// activation checkpointing recomputes the unit in backward).
+struct AddAuxiliaryLoss : public torch::autograd::Function<AddAuxiliaryLoss> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& y,
+                               const torch::Tensor& aux, double scale) {
+    ctx->saved_data["scale"] = scale;
+    return y;  // returned as a view of y with this node as its grad_fn
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const double scale = ctx->saved_data["scale"].toDouble();
+    // aux is a float32 scalar.
+    return {grads[0], torch::full({}, scale, torch::kFloat), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+RouterImpl::RouterImpl(int64_t dim, int64_t num_experts) {
+  gate = register_module("gate", Linear(dim, num_experts));
+}
+
+GroupedExpertsImpl::GroupedExpertsImpl(int64_t dim, int64_t hidden, int64_t E) {
+  w1 = register_parameter("w1", torch::empty({E, hidden, dim}));
+  w2 = register_parameter("w2", torch::empty({E, dim, hidden}));
+  w3 = register_parameter("w3", torch::empty({E, hidden, dim}));
+}
+
+torch::Tensor GroupedExpertsImpl::forward(const torch::Tensor& x, const std::vector<int64_t>& counts) {
+  std::vector<torch::Tensor> outs;
+  int64_t row = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    if (counts[e] == 0) continue;
+    const auto xe = x.narrow(0, row, counts[e]);  // [c_e, D]
+    const int64_t i = static_cast<int64_t>(e);
+    const auto h = torch::silu(recompute::linear(xe, w1.select(0, i))) *
+                   recompute::linear(xe, w3.select(0, i));   // [c_e, F]
+    outs.push_back(recompute::linear(h, w2.select(0, i)));  // [c_e, D]
+    row += counts[e];
+  }
+  TORCH_CHECK(row == x.size(0), "[mixtral] expert counts sum to ", row, " but ", x.size(0),
+              " rows were routed");
+  return torch::cat(outs, 0);
+}
+
+// ---------------------------------------------------------------------------------------
+MoEImpl::MoEImpl(int64_t dim, const MoEArgs& a) : args(a) {
+  router = register_module("router", Router(dim, a.num_experts));
+  experts = register_module("experts", GroupedExperts(dim, a.hidden_dim, a.num_experts));
+  expert_bias = register_buffer("expert_bias", torch::zeros({a.num_experts}));
+  tokens_per_expert = register_buffer("tokens_per_expert", torch::zeros({a.num_experts}));
+}
+
+Routing MoEImpl::route(const torch::Tensor& x) {
+  const int64_t E = args.num_experts, k = args.top_k, N = x.size(0);
+  auto rin = x;
+  if (is_training() && args.router_jitter_noise > 0) {
+    const double eps = args.router_jitter_noise;
+    rin = x * torch::empty_like(x).uniform_(1.0 - eps, 1.0 + eps);
+  }
+  auto logits = router->gate(rin);  // [N, E]
+  if (logits_hook) logits = logits_hook(logits);
+  const bool biased = args.expert_bias_update_rate.has_value();
+  // Decided once, replayed by a recompute: the forward's logit values and, from them, the
+  // choice of experts and the permutation (none of it differentiable).
+  auto decided = recompute::decide_all([&] {
+    torch::NoGradGuard no_grad;
+    const auto values = logits.detach();
+    auto sel = torch::softmax(values.to(torch::kFloat), -1);
+    if (biased) sel = sel + expert_bias;
+    auto idx = std::get<1>(sel.topk(k, -1));  // [N, k]
+    auto flat = idx.reshape({-1});
+    auto counts = torch::bincount(flat, {}, E);  // [E]
+    auto order = std::get<1>(torch::sort(flat, /*stable=*/true, 0, /*descending=*/false));
+    auto inverse = torch::empty_like(order).scatter_(0, order, torch::arange(N * k, order.options()));
+    return std::vector<torch::Tensor>{values, idx, counts, order, inverse};
+  });
+  // Differentiate this pass's logits at the forward's values: x + (a − x) is exactly a
+  // when a is within a factor 2 of x (Sterbenz), so a recompute whose logits differ in the
+  // last bits still computes the forward's scores and weights, bit for bit, and the
+  // gradients are those of training without AC. Without AC, a = x and this adds 0.
+  const auto pinned = logits + (decided[0] - logits).detach();
+  Routing r;
+  r.scores = torch::softmax(pinned.to(torch::kFloat), -1);  // [N, E]
+  r.indices = decided[1];
+  r.counts = decided[2];
+  r.order = decided[3];
+  r.inverse = decided[4];
+  // Mixtral: softmax over all experts, keep the top-k, renormalise (= softmax over the
+  // top-k logits). Without the bias: the bias only chooses.
+  const auto top = r.scores.gather(-1, r.indices);  // [N, k]
+  r.weights = top / top.sum(-1, /*keepdim=*/true);
+  if (routing_observer) routing_observer(r);
+  return r;
+}
+
+torch::Tensor MoEImpl::forward(const torch::Tensor& x) {
+  const int64_t D = x.size(-1), k = args.top_k, E = args.num_experts;
+  const auto xf = x.reshape({-1, D});  // [N, D]
+  const int64_t N = xf.size(0);
+  const Routing r = route(xf);
+  const auto cnt = r.counts.contiguous();
+  const std::vector<int64_t> counts(cnt.data_ptr<int64_t>(), cnt.data_ptr<int64_t>() + E);
+  // Permute: row j of xs is token order[j] / k, rows grouped by expert.
+  const auto tok = torch::div(r.order, k, "floor");
+  const auto xs = xf.index_select(0, tok);  // [N·k, D]
+  const auto ys = experts->forward(xs, counts);  // [N·k, D]
+  // Weight each row by its slot's routing weight, un-permute, sum the k slots of a token.
+  const auto w = r.weights.reshape({-1}).index_select(0, r.order).to(ys.scalar_type()).unsqueeze(-1);
+  auto out = (ys * w).index_select(0, r.inverse).view({N, k, D}).sum(1);  // [N, D]
+  // Switch load-balancing loss: E · Σ f_e P_e with f from the (decided) counts.
+  const auto f = r.counts.to(torch::kFloat) / static_cast<double>(N * k);
+  const auto P = r.scores.mean(0);
+  const auto aux = (f * P).sum() * static_cast<double>(E);
+  // Once per forward. Plain memory reads and writes, no ATen op: activation
+  // checkpointing's determinism check compares the ops of the forward and the recompute.
+  recompute::unless_recomputing([&] {
+    TORCH_CHECK(aux.is_contiguous() && aux.scalar_type() == torch::kFloat && cnt.scalar_type() == torch::kLong &&
+                    tokens_per_expert.is_contiguous() && tokens_per_expert.scalar_type() == torch::kFloat,
+                "[mixtral] unexpected aux / counter layout");
+    last_aux_loss = *aux.data_ptr<float>();
+    float* tpe = tokens_per_expert.data_ptr<float>();
+    for (int64_t e = 0; e < E; ++e) tpe[e] += static_cast<float>(counts[static_cast<size_t>(e)]);
+  });
+  // Applied with or without grad mode so the forward and the recompute run the same ops.
+  const double scale = args.load_balance_loss_coeff * aux_loss_scale;
+  if (scale != 0) out = AddAuxiliaryLoss::apply(out, aux, scale);
+  return out.view(x.sizes());
+}
+
+void MoEImpl::init_weights(double init_std) {
+  torch::NoGradGuard no_grad;
+  trunc_normal_(experts->w1, 0.0, 0.02);
+  trunc_normal_(experts->w2, 0.0, init_std);
+  trunc_normal_(experts->w3, 0.0, init_std);
+  trunc_normal_(router->gate->weight, 0.0, init_std);
+  expert_bias.zero_();
+  tokens_per_expert.zero_();
+}
+
+// ---------------------------------------------------------------------------------------
+TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id_, const TransformerModelArgs& a)
+    : layer_id(layer_id_) {
+  attention = register_module("attention", Attention(a.dim, a.n_heads, a.n_kv_heads));
+  moe = register_module("moe", MoE(a.dim, a.moe));
+  attention_norm = register_module("attention_norm", RMSNorm(a.dim, a.norm_eps));
+  ffn_norm = register_module("ffn_norm", RMSNorm(a.dim, a.norm_eps));
+  const double depth = a.depth_init ? static_cast<double>(layer_id + 1) : static_cast<double>(a.n_layers);
+  weight_init_std = 0.02 / std::pow(2.0 * depth, 0.5);
+}
+
+torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& freqs_cis) {
+  const auto h = x + attention->forward(attention_norm->forward(x), freqs_cis);
+  return h + moe->forward(ffn_norm->forward(h));
+}
+
+void TransformerBlockImpl::init_weights() {
+  attention_norm->reset_parameters();
+  ffn_norm->reset_parameters();
+  attention->init_weights(weight_init_std);
+  moe->init_weights(weight_init_std);
+}
+
+// ---------------------------------------------------------------------------------------
+TransformerImpl::TransformerImpl(const TransformerModelArgs& a) : args_(a) {
+  validate(args_);
+  tok_embeddings = register_module("tok_embeddings", Embedding(a.vocab_size, a.dim));
+  freqs_cis_ = register_buffer("freqs_cis", precompute_freqs_cis(a.head_dim(), a.max_seq_len, a.rope_theta));
+  layers_ = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < a.n_layers; ++i) {
+    blocks_.push_back(TransformerBlock(i, a));
+    layers_->push_back(blocks_.back());
+  }
+  norm = register_module("norm", RMSNorm(a.dim, a.norm_eps));
+  output = register_module("output", Linear(a.dim, a.vocab_size));
+}
+
+torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens) {
+  TORCH_CHECK(tokens.dim() == 2, "[mixtral] forward expects tokens [B, T], got ", tokens.sizes());
+  const int64_t T = tokens.size(1);
+  TORCH_CHECK(T <= args_.max_seq_len, "[mixtral] sequence length ", T, " exceeds max_seq_len=",
+              args_.max_seq_len);
+  auto run = [this](const std::string& unit, const UnitFn& fn, const torch::Tensor& in) {
+    return unit_wrapper_ ? unit_wrapper_(unit, fn, in) : fn(in);
+  };
+  const auto freqs = freqs_cis_.narrow(0, 0, T);
+  auto emb = tok_embeddings;
+  auto h = run("tok_embeddings", [emb](const torch::Tensor& t) mutable { return emb->forward(t); }, tokens);
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    auto blk = blocks_[i];
+    h = run("layers." + std::to_string(i),
+            [blk, freqs](const torch::Tensor& x) mutable { return blk->forward(x, freqs); }, h);
+  }
+  auto fin = norm;
+  auto out = output;
+  return run("output", [fin, out](const torch::Tensor& x) mutable { return out->forward(fin->forward(x)); }, h);
+}
+
+void TransformerImpl::init_weights() {
+  torch::NoGradGuard no_grad;
+  freqs_cis_.copy_(precompute_freqs_cis(args_.head_dim(), args_.max_seq_len, args_.rope_theta));
+  normal_(tok_embeddings->weight, 0.0, 1.0);
+  for (auto& blk : blocks_) blk->init_weights();
+  norm->reset_parameters();
+  const double std_out = std::pow(static_cast<double>(args_.dim), -0.5);
+  trunc_normal_(output->weight, 0.0, std_out, -3.0 * std_out, 3.0 * std_out);
+}
+
+std::vector<ModelUnit> TransformerImpl::units() const {
+  auto unit_of = [](const std::string& name, const std::string& prefix, const torch::nn::Module& m) {
+    ModelUnit u;
+    u.name = name;
+    for (const auto& kv : m.named_parameters(/*recurse=*/true)) u.params.emplace_back(prefix + kv.key(), kv.value());
+    return u;
+  };
+  std::vector<ModelUnit> units;
+  units.push_back(unit_of("tok_embeddings", "tok_embeddings.", *tok_embeddings));
+  for (size_t i = 0; i < blocks_.size(); ++i)
+    units.push_back(unit_of("layers." + std::to_string(i), "layers." + std::to_string(i) + ".", *blocks_[i]));
+  ModelUnit last = unit_of("output", "norm.", *norm);
+  for (auto& p : unit_of("output", "output.", *output).params) last.params.push_back(p);
+  units.push_back(std::move(last));
+  return units;
+}
+
+double TransformerImpl::load_balance_loss() const {
+  double sum = 0;
+  for (const auto& b : blocks_) sum += b->moe->last_aux_loss;
+  return sum;
+}
+
+double TransformerImpl::aux_loss() const {
+  return args_.moe.load_balance_loss_coeff * load_balance_loss();
+}
+
+torch::Tensor TransformerImpl::tokens_per_expert() const {
+  std::vector<torch::Tensor> rows;
+  for (const auto& b : blocks_) rows.push_back(b->moe->tokens_per_expert);
+  return torch::stack(rows).clone();
+}
+
+void TransformerImpl::step_load_balance(const torch::Tensor& load) {
+  torch::NoGradGuard no_grad;
+  TORCH_CHECK(load.dim() == 2 && load.size(0) == n_layers(), "[mixtral] load must be [L, E], got ",
+              load.sizes());
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    auto& moe = blocks_[i]->moe;
+    if (moe->args.expert_bias_update_rate) {
+      const auto l = load[static_cast<int64_t>(i)].to(torch::kFloat);
+      auto delta = torch::sign(l.mean() - l) * *moe->args.expert_bias_update_rate;
+      moe->expert_bias.add_(delta - delta.mean());
+    }
+    moe->tokens_per_expert.zero_();
+  }
+}
+
+void TransformerImpl::set_aux_loss_scale(double s) {
+  for (auto& b : blocks_) b->moe->aux_loss_scale = s;
+}
+
+}  // namespace ctitan::mixtral
