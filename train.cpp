@@ -511,7 +511,7 @@ int run(const std::vector<std::string>& argv) {
 
   const auto train_start = Clock::now();
   auto window_start = Clock::now();
-  double data_s = 0, comm_mark = 0, state_gib = 0;
+  double data_s = 0, comm_mark = 0, state_gib = 0, activation_gib = 0;
   // MoE: each micro-batch's load-balance gradient is scaled like its cross-entropy.
   if (model.moe()) model.set_aux_loss_scale(1.0 / static_cast<double>(accum));
   torch::Tensor expert_load;  // [L, E] tokens per expert of the last step, summed over ranks
@@ -532,11 +532,14 @@ int run(const std::vector<std::string>& argv) {
       auto labels = torch::from_blob(batch.labels.data(), {B, T}, torch::kInt64).clone();  // [B, T]
       data_s += seconds_since(t_data);
 
+      const double heap_before = heap_in_use_gib();
       auto logits = model.forward(inputs).to(torch::kFloat);  // [B, T, V]
       auto loss = torch::nn::functional::cross_entropy(
                       logits.view({B * T, -1}), labels.view({B * T}),
                       torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) /
                   local_tokens;
+      // What the forward left alive for backward (activations, logits): the heap growth.
+      activation_gib = std::max(activation_gib, heap_in_use_gib() - heap_before);
       loss.backward();
       if (fsdp) fsdp->finish_backward();
       loss_sum += loss.item<double>();
@@ -572,7 +575,7 @@ int run(const std::vector<std::string>& argv) {
       const double dt = seconds_since(window_start);
       const double comm_s = fsdp ? fsdp->stats().comm_wait_s - comm_mark : 0.0;
       comm_mark = fsdp ? fsdp->stats().comm_wait_s : 0.0;
-      const auto maxes = world_max(par, {peak_rss_gib(), comm_s, data_s});
+      const auto maxes = world_max(par, {peak_rss_gib(), comm_s, data_s, activation_gib});
       StepMetrics m;
       m.step = step;
       m.loss = loss_mean;
@@ -586,6 +589,7 @@ int run(const std::vector<std::string>& argv) {
       m.elapsed_s = seconds_since(train_start);
       if (fsdp) m.extra.emplace_back("comm_wait_s", maxes[1]);
       m.extra.emplace_back("state_gib", state_gib);
+      m.extra.emplace_back("activation_gib", maxes[3]);
       if (model.moe()) {
         // Load-balance loss (1 = balanced; mean over ranks) and the tokens-per-expert
         // spread of the last step: max / mean load of the most unbalanced layer.
@@ -597,6 +601,7 @@ int run(const std::vector<std::string>& argv) {
       window_start = Clock::now();
       window_tokens = 0;
       data_s = 0;
+      activation_gib = 0;
     }
     train_state.step = step;
     train_state.ntokens_seen += B * T * accum * dp_world;

@@ -1,6 +1,7 @@
 #include "components/system.h"
 
 #include <dlfcn.h>
+#include <malloc.h>
 
 #include <chrono>
 #include <climits>
@@ -72,6 +73,11 @@ static double read_status_kib(const char* field) {
 }
 
 double peak_rss_gib() { return read_status_kib("VmHWM") / (1024.0 * 1024.0); }
+double heap_in_use_gib() {
+  const struct mallinfo2 mi = mallinfo2();
+  return static_cast<double>(mi.uordblks + mi.hblkhd) / (1024.0 * 1024.0 * 1024.0);
+}
+
 double current_rss_gib() { return read_status_kib("VmRSS") / (1024.0 * 1024.0); }
 
 double measure_matmul_peak_flops(const std::string& dtype) {

@@ -25,6 +25,9 @@ int configure_threads(int64_t local_world_size);
 double peak_rss_gib();
 // Current resident set size, in GiB (VmRSS).
 double current_rss_gib();
+// Bytes of heap in use (malloc'ed and not freed, mmapped chunks included), in GiB. The
+// growth across a forward pass is the memory autograd keeps for backward.
+double heap_in_use_gib();
 
 // Measures the dense matmul throughput of this process's threads (FLOP/s) with a few
 // square matmuls of the given dtype ("float32" or "bfloat16"); takes ~0.2-0.5 s.
