@@ -228,13 +228,9 @@ ACOptions options_of(const Mode& m) {
   return o;
 }
 
-// The debug flavor (1 process); FSDP runs a 4-layer version with hidden 384 (runtime).
-mixtral::TransformerModelArgs debug_args(bool small) {
+// The debug flavor itself, on 1 process and on 2 FSDP ranks, with jitter and expert bias on.
+mixtral::TransformerModelArgs debug_args() {
   auto a = mixtral::mixtral_flavor("debugmodel");
-  if (small) {
-    a.n_layers = 4;
-    a.moe.hidden_dim = 384;
-  }
   a.max_seq_len = kSeq;
   a.moe.router_jitter_noise = 0.1;
   a.moe.expert_bias_update_rate = 1e-3;
@@ -259,7 +255,7 @@ struct TrainRun {
 TrainRun train(Comm* world, const Mode& m) {
   at::globalContext().setDeterministicAlgorithms(true, false);
   torch::manual_seed(7);
-  mixtral::Transformer model(debug_args(world != nullptr));
+  mixtral::Transformer model(debug_args());
   model->init_weights();
   model->train();
   const int64_t N = world ? world->size() : 1, r = world ? world->rank() : 0;
@@ -380,7 +376,7 @@ TEST(MixtralACParity, TwoRanksFSDPAllModesBitwiseEqualWithJitter) {
   const std::string out = "/tmp/ctitan_mixtral_" + std::to_string(getpid()) + ".pt";
   auto rs = spawn_ranks("mixtral_fsdp_parity", 2, {{"CTITAN_TEST_OUT", out}}, 300);
   ASSERT_TRUE(all_ok(rs));
-  const size_t n_params = 10 * 4 + 3;
+  const size_t n_params = 10 * static_cast<size_t>(debug_args().n_layers) + 3;  // per block 10, + 3
   for (int rank = 0; rank < 2; ++rank) {
     std::vector<torch::Tensor> ts;
     const std::string path = out + "." + std::to_string(rank);
