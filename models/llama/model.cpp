@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "models/init.h"
+#include "models/transformer_math.h"
 
 namespace ctitan::llama {
 
@@ -13,9 +14,7 @@ TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id_, const TransformerM
   feed_forward = register_module("feed_forward", FeedForward(args.dim, ffn_hidden_dim(args)));
   attention_norm = register_module("attention_norm", RMSNorm(args.dim, args.norm_eps));
   ffn_norm = register_module("ffn_norm", RMSNorm(args.dim, args.norm_eps));
-  const double depth = args.depth_init ? static_cast<double>(layer_id + 1)
-                                       : static_cast<double>(args.n_layers);
-  weight_init_std = 0.02 / std::pow(2.0 * depth, 0.5);  // Python: 0.02 / (2 * n) ** 0.5
+  weight_init_std = block_init_std(layer_id, args.n_layers, args.depth_init);
 }
 
 torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x,

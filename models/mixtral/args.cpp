@@ -3,6 +3,7 @@
 #include <sstream>
 
 #include "config/errors.h"
+#include "models/transformer_math.h"
 
 namespace ctitan::mixtral {
 
@@ -73,9 +74,7 @@ ParamCounts count_params(const TransformerModelArgs& a) {
 
 double flops_per_token(const TransformerModelArgs& a, int64_t seq_len) {
   const ParamCounts c = count_params(a);
-  return 6.0 * static_cast<double>(c.active - c.embedding) +
-         12.0 * static_cast<double>(a.n_layers) * static_cast<double>(a.n_heads) *
-             static_cast<double>(a.head_dim()) * static_cast<double>(seq_len);
+  return transformer_flops_per_token(c.active - c.embedding, a.n_layers, a.n_heads, a.head_dim(), seq_len);
 }
 
 }  // namespace ctitan::mixtral

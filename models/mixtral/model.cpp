@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "models/init.h"
+#include "models/transformer_math.h"
 #include "models/recompute.h"
 
 namespace ctitan::mixtral {
@@ -158,8 +159,7 @@ TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id_, const TransformerM
   moe = register_module("moe", MoE(a.dim, a.moe));
   attention_norm = register_module("attention_norm", RMSNorm(a.dim, a.norm_eps));
   ffn_norm = register_module("ffn_norm", RMSNorm(a.dim, a.norm_eps));
-  const double depth = a.depth_init ? static_cast<double>(layer_id + 1) : static_cast<double>(a.n_layers);
-  weight_init_std = 0.02 / std::pow(2.0 * depth, 0.5);
+  weight_init_std = block_init_std(layer_id, a.n_layers, a.depth_init);
 }
 
 torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& freqs_cis) {
