@@ -382,22 +382,35 @@ std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const P
 
 // FSDP over the shard group (HSDP: plus the replicate group) whenever there is more than
 // one data-parallel rank. Applied from outside the model: it wraps the model's units.
-std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, const Parallelism& par) {
+std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, Parallelism& par) {
   if (par.dims.dp() <= 1) {
-    if (cfg.training.mixed_precision_param != "float32")
-      spdlog::info("training.mixed_precision_param = {} applies to FSDP units; one process trains in float32",
+    // One process: FSDP's machinery over a group of one gives bf16 mixed precision (bf16
+    // compute parameters, fp32 master weights, optimizer state and gradients) with the same
+    // code and the same rounding as on N ranks. Only where the CPU has native bf16 matmuls:
+    // elsewhere bf16 is emulated and slower than float32.
+    if (cfg.training.mixed_precision_param == "float32") return nullptr;
+    if (!cpu_has_native_bf16()) {
+      spdlog::info("training.mixed_precision_param = {}: this CPU has no native bf16 matmul (avx512_bf16 / "
+                   "amx_bf16), so one process trains in float32",
                    cfg.training.mixed_precision_param);
-    return nullptr;
+      return nullptr;
+    }
+    par.shard = Comm::single("local");
   }
   auto opts = fsdp_options(cfg.parallelism.fsdp_reshard_after_forward, cfg.training.mixed_precision_param,
                            cfg.training.mixed_precision_reduce);
   opts.prefetch = cfg.parallelism.fsdp_prefetch;
   auto fsdp = std::make_shared<FSDP>(model.units(), par.shard, par.replicate, opts);
   model.set_unit_wrapper(fsdp->wrapper());
-  spdlog::info("FSDP: {} units sharded over {} ranks (replicate {}), params {}, reduce {}, reshard_after_forward {}",
-               model.units().size(), par.dims.dp_shard, par.dims.dp_replicate,
-               cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce,
-               cfg.parallelism.fsdp_reshard_after_forward);
+  if (par.dims.dp() <= 1)
+    spdlog::info("mixed precision on one process: {} compute, float32 master weights and optimizer state, {} "
+                 "gradients",
+                 cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce);
+  else
+    spdlog::info("FSDP: {} units sharded over {} ranks (replicate {}), params {}, reduce {}, reshard_after_forward {}",
+                 model.units().size(), par.dims.dp_shard, par.dims.dp_replicate,
+                 cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce,
+                 cfg.parallelism.fsdp_reshard_after_forward);
   return fsdp;
 }
 

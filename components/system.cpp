@@ -57,6 +57,20 @@ int configure_threads(int64_t local_world_size) {
   return n;
 }
 
+bool cpu_has_native_bf16() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("flags", 0) != 0) continue;
+    std::istringstream is(line);
+    std::string flag;
+    while (is >> flag)
+      if (flag == "avx512_bf16" || flag == "amx_bf16") return true;
+    return false;
+  }
+  return false;
+}
+
 static double read_status_kib(const char* field) {
   std::ifstream f("/proc/self/status");
   std::string line;

@@ -21,6 +21,10 @@ BlasInfo check_blas_and_warn();
 // LibTorch and to OpenBLAS (when that is the active BLAS) and returns it.
 int configure_threads(int64_t local_world_size);
 
+// True when the CPU computes bf16 matmuls natively (AVX512-BF16 or AMX-BF16 in
+// /proc/cpuinfo): bf16 mixed precision then pays off on one process too.
+bool cpu_has_native_bf16();
+
 // Peak resident set size of this process so far, in GiB (VmHWM).
 double peak_rss_gib();
 // Current resident set size, in GiB (VmRSS).

@@ -59,6 +59,14 @@ Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::string name, int64_t 
     : pg_(std::move(pg)), name_(std::move(name)), global_rank_(global_rank),
       rank_(pg_->getRank()), size_(pg_->getSize()) {}
 
+std::shared_ptr<Comm> Comm::single(std::string name) {
+  auto c = std::shared_ptr<Comm>(new Comm());
+  c->name_ = std::move(name);
+  c->global_rank_ = c->rank_ = 0;
+  c->size_ = 1;
+  return c;
+}
+
 void Comm::fail(const std::string& what, const std::string& reason) const {
   throw CollectiveFailure("rank " + std::to_string(global_rank_) + ": " + what + " on group " +
                        name_ + " failed at step " + std::to_string(CommContext::step()) + ": " +

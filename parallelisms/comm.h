@@ -50,6 +50,10 @@ class PendingCollective {
 class Comm {
  public:
   Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::string name, int64_t global_rank);
+  // A group of one process and no backend: every collective is a local copy or a no-op.
+  // Lets one process run FSDP's mixed-precision machinery (bf16 compute parameters, fp32
+  // master weights and gradients) without a process group.
+  static std::shared_ptr<Comm> single(std::string name);
   int64_t rank() const { return rank_; }
   int64_t size() const { return size_; }
   const std::string& name() const { return name_; }
@@ -67,9 +71,10 @@ class Comm {
   [[noreturn]] void fail(const std::string& what, const std::string& reason) const;
 
  private:
+  Comm() = default;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   std::string name_;
-  int64_t global_rank_, rank_, size_;
+  int64_t global_rank_ = 0, rank_ = 0, size_ = 1;
 };
 
 // The world group plus the rendezvous store. Created once per process.
