@@ -14,6 +14,7 @@
 #include <fstream>
 #include <iostream>
 #include <random>
+#include <thread>
 
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -26,6 +27,7 @@
 #include "components/lr_scheduler.h"
 #include "components/metrics.h"
 #include "components/optimizer.h"
+#include "components/preemption.h"
 #include "components/system.h"
 #include "config/errors.h"
 #include "config/job_config.h"
@@ -241,15 +243,22 @@ void write_effective_config(const JobConfig& cfg) {
   spdlog::info("effective config written to {}", path);
 }
 
-// Test hook: CTITAN_FAULT=<raise|kill>:<rank>:<step> makes that rank fail mid-step, so
-// tests can check that the other ranks and the launcher stop with a clear error.
+// Test hook: CTITAN_FAULT=<kind>:<rank>:<step> makes that rank misbehave mid-step, so tests
+// can check what the job does. kind: raise (an exception), kill (SIGKILL), hang (sleeps for
+// an hour), term | int | usr1 (the process sends itself that stop signal).
 void maybe_inject_fault(int64_t rank, int64_t step) {
   const char* f = std::getenv("CTITAN_FAULT");
   if (!f || !*f) return;
   char kind[16] = {0};
   long r = -1, s = -1;
   if (std::sscanf(f, "%15[^:]:%ld:%ld", kind, &r, &s) != 3 || r != rank || s != step) return;
-  if (std::string(kind) == "kill") raise(SIGKILL);
+  const std::string k = kind;
+  if (k == "kill") raise(SIGKILL);
+  if (k == "hang") std::this_thread::sleep_for(std::chrono::hours(1));
+  if (k == "term" || k == "int" || k == "usr1") {
+    request_stop_for_test(k == "term" ? SIGTERM : k == "int" ? SIGINT : SIGUSR1);
+    return;
+  }
   throw RuntimeFailure("injected fault (CTITAN_FAULT=" + std::string(f) + ")");
 }
 
@@ -324,6 +333,24 @@ std::vector<double> world_max(const Parallelism& par, std::vector<double> v) {
   auto mx = std::get<0>(all.view({W, n}).max(0));
   for (int64_t i = 0; i < n; ++i) v[i] = mx[i].item<double>();
   return v;
+}
+
+// A stop request (preemption signal) seen by any rank, agreed at a step boundary so that
+// every rank stops after the same step: one tiny all-gather of each rank's signal number.
+struct StopRequest {
+  int signal = 0;
+  int64_t rank = -1;
+};
+
+StopRequest agree_on_stop(const Parallelism& par) {
+  const int mine = stop_signal_received();
+  if (!par.dist) return mine ? StopRequest{mine, 0} : StopRequest{};
+  auto local = torch::tensor({static_cast<int64_t>(mine)}, torch::kInt64);
+  auto all = torch::empty({par.env.world_size}, torch::kInt64);
+  par.dist->world->all_gather_flat(local, all, "stop_request").wait();
+  for (int64_t r = 0; r < par.env.world_size; ++r)
+    if (all[r].item<int64_t>() != 0) return {static_cast<int>(all[r].item<int64_t>()), r};
+  return {};
 }
 
 // What torchtitan's trainer checkpoints of itself: the steps done and the tokens seen.
@@ -445,6 +472,8 @@ int run(const std::vector<std::string>& argv) {
   check_supported(cfg);
   check_checkpoint_config(cfg);
   build_model_args_check(cfg);
+  // Before any thread exists: SIGTERM / SIGINT / SIGUSR1 become a stop request.
+  install_stop_signal_watcher();
 
   // ---- distributed environment and process groups ----------------------------------------
   const LaunchEnv launch = detect_launch_env(environment_map());
@@ -532,6 +561,9 @@ int run(const std::vector<std::string>& argv) {
   spdlog::info("training {} steps: global batch {} × {} tokens ({} ranks × {} micro-batches of {})",
                cfg.training.steps, B * dp_world * accum, T, dp_world, accum, B);
 
+  StopRequest stop;
+  bool stop_saved = false;
+  int64_t last_step = first_step - 1;
   for (int64_t step = first_step; step <= cfg.training.steps; ++step) {
     CommContext::set_step(step);
     set_learning_rate(*optimizer, lr_sched.current_lr());
@@ -619,9 +651,24 @@ int run(const std::vector<std::string>& argv) {
     train_state.step = step;
     train_state.ntokens_seen += B * T * accum * dp_world;
     ckpt->manager->save(step, step == cfg.training.steps);
+    last_step = step;
+    if (step < cfg.training.steps && (stop = agree_on_stop(par)).signal) {
+      spdlog::warn("stopping after step {} of {}: {} on rank {}", step, cfg.training.steps,
+                   stop_signal_name(stop.signal), stop.rank);
+      stop_saved = ckpt->manager->save_now(step);
+      if (!stop_saved) spdlog::warn("no checkpoint is saved (checkpoint.enable is off or load_only is on)");
+      break;
+    }
   }
   ckpt->manager->finalize();
   if (par.dist) par.dist->world->barrier("end of training");
+  if (stop.signal) {
+    spdlog::info("stopped after step {} of {} ({} on rank {}) in {}{}", last_step, cfg.training.steps,
+                 stop_signal_name(stop.signal), stop.rank, format_duration(seconds_since(train_start)),
+                 stop_saved ? "; run the same command to resume from step-" + std::to_string(last_step) : "");
+    spdlog::default_logger()->flush();
+    return 0;
+  }
   spdlog::info("training done: {} steps in {}", cfg.training.steps,
                format_duration(seconds_since(train_start)));
   spdlog::default_logger()->flush();

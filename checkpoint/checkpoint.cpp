@@ -589,6 +589,19 @@ void CheckpointManager::save(int64_t step, bool last_step) {
   if (!opt_.async || last_step) complete_save();
 }
 
+bool CheckpointManager::save_now(int64_t step) {
+  if (!opt_.enable || opt_.load_only) return false;
+  if (pending_ && pending_->step == step) {  // an async save of this very step: commit it
+    complete_save();
+    return true;
+  }
+  if (step == last_saved_step_) return true;
+  if (pending_) complete_save();
+  begin_save(opt_.folder, step, /*model_only=*/false, /*async=*/false);
+  complete_save();
+  return true;
+}
+
 void CheckpointManager::save_to(const std::string& folder, int64_t step, bool model_only) {
   if (pending_) complete_save();
   begin_save(folder, step, model_only, false);

@@ -275,6 +275,10 @@ class CheckpointManager {
   // Saves when should_save(): a collective that every rank enters. When any rank fails,
   // every rank throws naming it; the previous checkpoints are untouched.
   void save(int64_t step, bool last_step);
+  // Saves the full training state of `step` now, whatever the interval (a stop request),
+  // unless that step is already saved; waits for the write. Collective. No-op when
+  // checkpointing is off. Returns whether step `step` is now saved.
+  bool save_now(int64_t step);
   // Writes a checkpoint of `components` at `step` into `folder` now (seed checkpoints,
   // tools, the CTITAN_CHECKPOINT_DUMP_LOADED test hook). Synchronous, collective.
   void save_to(const std::string& folder, int64_t step, bool model_only);

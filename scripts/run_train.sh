@@ -49,13 +49,24 @@ cleanup() {
   sleep 2
   for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
 }
-trap 'cleanup; exit 130' INT TERM
+# Preemption: SIGTERM / SIGINT / SIGUSR1 are passed on to every rank, which stop together at
+# the next step boundary, save a checkpoint and exit 0 (a second signal: at once); the
+# launcher keeps waiting and exits with their code. The output prefixers ignore them so
+# that a rank's last lines still get through (Ctrl-C signals the whole process group).
+signalled=0
+forward() {
+  signalled=1
+  echo "[launcher] received SIG$1: passing it on to the ranks" >&2
+  for p in "${pids[@]}"; do kill -s "$1" "$p" 2>/dev/null || true; done
+}
+for s in TERM INT USR1; do trap "forward $s" "$s"; done
 for ((local_rank = 0; local_rank < NPROC; local_rank++)); do
   rank=$((NODE_RANK * NPROC + local_rank))
   (
     export RANK=$rank LOCAL_RANK=$local_rank
     exec "$TRAIN_BIN" --job.config_file "$CONFIG_FILE" "$@"
-  ) > >(sed -u "s/^/[rank$rank] /") 2> >(sed -u "s/^/[rank$rank] /" >&2) &
+  ) > >(trap '' TERM INT USR1; exec sed -u "s/^/[rank$rank] /") \
+    2> >(trap '' TERM INT USR1; exec sed -u "s/^/[rank$rank] /" >&2) &
   pids+=($!)
   RANK_OF[$!]=$rank
 done
@@ -66,8 +77,12 @@ live=("${pids[@]}")
 failed=()
 while ((${#live[@]})); do
   finished=""
+  signalled=0
   if wait -n -p finished "${live[@]}"; then code=0; else code=$?; fi
-  [[ -n "$finished" ]] || break
+  if [[ -z "${finished:-}" ]]; then
+    ((signalled)) && continue  # a trapped signal interrupted the wait
+    break
+  fi
   CODE[$finished]=$code
   rest=()
   for p in "${live[@]}"; do [[ "$p" != "$finished" ]] && rest+=("$p"); done
@@ -96,6 +111,7 @@ if ((${#failed[@]} == 0)); then
   wait 2>/dev/null || true
   exit 0
 fi
+trap - TERM INT USR1
 cause="${failed[0]}"
 for p in "${failed[@]}"; do
   if [[ "${CODE[$p]}" != 3 ]]; then cause="$p"; break; fi

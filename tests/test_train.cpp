@@ -1,6 +1,7 @@
 // End-to-end: the real `train` executable (and the launcher) on a corpus and tokenizer
 // built here. Loss falls, same seed → bitwise-equal losses, bad input → exit 2 with one
-// line and nothing written, a NaN stops the run, a failing rank stops the job.
+// line and nothing written, a NaN stops the run, a failing rank stops the job, a stop
+// signal saves a checkpoint and the rerun resumes.
 #include <gtest/gtest.h>
 
 #include <sys/stat.h>
@@ -154,13 +155,19 @@ TEST_F(TrainE2E, FailingRankStopsTheJob) {
   }
 }
 
+// The argv of the train binary for spawn_processes.
+std::vector<std::string> train_argv(const std::string& args) {
+  std::vector<std::string> argv = {kTrain};
+  std::istringstream is(args);
+  for (std::string a; is >> a;) argv.push_back(a);
+  return argv;
+}
+
 // Without the launcher: rank 1 killed mid-step; rank 0 must exit non-zero within
 // comm.train_timeout_seconds with a message naming the collective.
 TEST_F(TrainE2E, SurvivorNamesTheCollective) {
   const std::string dump = (root_ / "survivor").string();
-  std::vector<std::string> argv = {kTrain};
-  std::istringstream is(args(dump, 8) + " --comm.train_timeout_seconds 10");
-  for (std::string a; is >> a;) argv.push_back(a);
+  const auto argv = train_argv(args(dump, 8) + " --comm.train_timeout_seconds 10");
   const auto t0 = std::chrono::steady_clock::now();
   auto rs = spawn_processes(argv, 2, {{"CTITAN_FAULT", "kill:1:3"}}, 90);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -186,6 +193,75 @@ TEST_F(TrainE2E, RendezvousTimesOut) {
   EXPECT_NE(r.out.find("rank 1: rendezvous at 127.0.0.1:" + std::to_string(port) + " failed within 3 s"),
             std::string::npos)
       << r.out;
+}
+
+// Preemption: a stop signal on rank 1 at step 3 (CTITAN_FAULT=term sends it through the real
+// signal path) stops both ranks after step 3 with exit 0 and a checkpoint of step 3 (off the
+// interval); the same command then resumes and steps 4..8 have bitwise the losses of a run
+// that was never interrupted.
+TEST_F(TrainE2E, StopSignalSavesAndTheRerunResumesExactly) {
+  auto common = [&](const std::string& dump) {
+    return args(dump, 8) + " --debug.seed 5 --checkpoint.enable --checkpoint.interval 100";
+  };
+  const std::string ref = (root_ / "stop_ref").string(), dump = (root_ / "stop").string();
+  ASSERT_TRUE(all_ok(spawn_processes(train_argv(common(ref)), 2)));
+  const auto want = jsonl_field(ref + "/metrics.jsonl", "loss");
+  ASSERT_EQ(want.size(), 8u);
+
+  for (const std::string sig : {"term", "usr1"}) {
+    fs::remove_all(dump);
+    auto rs = spawn_processes(train_argv(common(dump)), 2, {{"CTITAN_FAULT", sig + ":1:3"}});
+    ASSERT_TRUE(all_ok(rs)) << sig;
+    const std::string name = sig == "term" ? "SIGTERM" : "SIGUSR1";
+    for (const auto& r : rs)
+      EXPECT_NE(r.output.find("stopping after step 3 of 8: " + name + " on rank 1"), std::string::npos) << r.output;
+    EXPECT_NE(rs[0].output.find("checkpoint: saved step 3 to"), std::string::npos) << rs[0].output;
+    EXPECT_NE(rs[0].output.find("run the same command to resume from step-3"), std::string::npos) << rs[0].output;
+    EXPECT_EQ(jsonl_field(dump + "/metrics.jsonl", "step"), (std::vector<std::string>{"1", "2", "3"}));
+    std::vector<std::string> saved;
+    for (const auto& e : fs::directory_iterator(dump + "/checkpoint")) saved.push_back(e.path().filename());
+    EXPECT_EQ(saved, (std::vector<std::string>{"step-3"}));
+  }
+  auto rs = spawn_processes(train_argv(common(dump)), 2);
+  ASSERT_TRUE(all_ok(rs));
+  EXPECT_NE(rs[0].output.find("checkpoint: loaded step 3"), std::string::npos) << rs[0].output;
+  EXPECT_EQ(jsonl_field(dump + "/metrics.jsonl", "loss"), want);  // steps 1-3, then 4-8 resumed
+}
+
+// The launcher passes SIGTERM on to its ranks and exits with their code (0); the checkpoint
+// is of the step the ranks stopped after.
+TEST_F(TrainE2E, LauncherPassesStopSignalsOn) {
+  const std::string dump = (root_ / "launcher_stop").string();
+  const std::string cmd = "NPROC=2 CTITAN_BUILD_DIR=" + fs::path(kTrain).parent_path().string() + " " + kSrc +
+                          "/scripts/run_train.sh" + args(dump, 200).substr(args(dump, 200).find(" --model")) +
+                          " --checkpoint.enable --checkpoint.interval 1000";
+  // Signal the launcher once rank 0 has logged two steps.
+  auto r = sh("{ (" + cmd + ") & lp=$!; for i in $(seq 600); do [ -f " + dump + "/metrics.jsonl ] && "
+              "[ $(wc -l < " + dump + "/metrics.jsonl) -ge 2 ] && break; sleep 0.1; done; kill -TERM $lp; wait $lp; "
+              "echo \"launcher exit $?\"; }");
+  EXPECT_NE(r.out.find("launcher exit 0"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("[launcher] received SIGTERM: passing it on to the ranks"), std::string::npos) << r.out;
+  const auto steps = jsonl_field(dump + "/metrics.jsonl", "step");
+  ASSERT_FALSE(steps.empty()) << r.out;
+  EXPECT_LT(std::stoi(steps.back()), 200) << r.out;
+  EXPECT_NE(r.out.find("stopping after step " + steps.back() + " of 200: SIGTERM"), std::string::npos) << r.out;
+  EXPECT_TRUE(fs::exists(dump + "/checkpoint/step-" + steps.back() + "/COMPLETE")) << r.out;
+}
+
+// A second signal (after the first has been waiting for a stuck step) ends the process at
+// once, killed by that signal, without saving.
+TEST_F(TrainE2E, SecondSignalExitsAtOnce) {
+  const std::string dump = (root_ / "second_signal").string();
+  auto r = sh("{ CTITAN_FAULT=hang:0:2 " + kTrain + args(dump, 5) + " --checkpoint.enable & p=$!; "
+              "for i in $(seq 600); do [ -f " + dump + "/metrics.jsonl ] && break; sleep 0.1; done; sleep 0.5; "
+              "kill -TERM $p; sleep 1.5; t0=$(date +%s%N); kill -TERM $p; wait $p; code=$?; "
+              "echo \"exit $code after $(( ($(date +%s%N) - t0) / 1000000 )) ms\"; }");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex("exit ([0-9]+) after ([0-9]+) ms"))) << r.out;
+  EXPECT_EQ(m[1], std::to_string(128 + SIGTERM)) << r.out;
+  EXPECT_LT(std::stoi(m[2]), 2000) << r.out;
+  EXPECT_NE(r.out.find("received SIGTERM again: exiting now, without a checkpoint"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(dump + "/checkpoint")) << r.out;
 }
 
 }  // namespace
