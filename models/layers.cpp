@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 
+#include "models/flash_attention.h"
 #include "models/init.h"
 #include "models/recompute.h"
 
@@ -142,11 +143,9 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   auto xv = wv(x).view({B, T, -1, head_dim});  // [B, T, KV, hd]
   xq = apply_rotary_emb(xq, freqs_cis);
   xk = apply_rotary_emb(xk, freqs_cis);
-  const int64_t n_rep = n_heads / n_kv_heads;
-  const auto keys = repeat_kv(xk, n_rep).transpose(1, 2);    // [B, H, T, hd]
-  const auto values = repeat_kv(xv, n_rep).transpose(1, 2);  // [B, H, T, hd]
-  const auto out = causal_attention(xq.transpose(1, 2), keys, values);  // [B, H, T, hd]
-  return wo(out.transpose(1, 2).contiguous().view({B, T, -1}));
+  // Fused block-wise causal attention; GQA reads each kv head once (no repeat_kv copy).
+  const auto out = flash_causal_attention(xq, xk, xv);  // [B, T, H, hd]
+  return wo(out.reshape({B, T, -1}));
 }
 
 void AttentionImpl::init_weights(double init_std) {

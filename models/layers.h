@@ -69,7 +69,8 @@ torch::Tensor repeat_kv(const torch::Tensor& x, int64_t n_rep);
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v);
 
-// Grouped-query self-attention with RoPE. Parameters: wq [H*hd, D], wk/wv [KV*hd, D],
+// Grouped-query self-attention with RoPE; the attention itself is flash_causal_attention
+// (models/flash_attention.h), numerically the formula of causal_attention above. Parameters: wq [H*hd, D], wk/wv [KV*hd, D],
 // wo [D, H*hd].
 class AttentionImpl : public torch::nn::Module {
  public:

@@ -1,6 +1,7 @@
 // Tests for models/: Llama 3 args and flavors, parameter names and counts, FLOPs, the
 // transformer block against an independent plain-ATen reference (forward and backward),
-// RoPE convention, causality, and torchtitan's initialisation.
+// RoPE convention, causality, torchtitan's initialisation, and the fused causal attention
+// against the naive masked-softmax formula (fp32 and bf16, GQA, several tilings).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "config/errors.h"
+#include "models/flash_attention.h"
 #include "models/init.h"
 #include "models/layers.h"
 #include "models/llama/args.h"
@@ -551,4 +553,157 @@ TEST(Init, TruncNormalBoundsAndMean) {
   auto w = torch::empty({200000});
   trunc_normal_(w, 0.0, 0.02);
   EXPECT_NEAR(w.to(torch::kDouble).std().item<double>(), 0.02, 0.0003);
+}
+
+// ---- Fused causal attention (models/flash_attention.h) ---------------------------------
+namespace {
+
+struct AttnCase {
+  int64_t B, T, H, KV, hd;
+  FlashAttentionBlocks blocks;
+};
+
+struct AttnResult {
+  torch::Tensor out, dq, dk, dv;
+};
+
+// The naive formula: repeat kv heads, full masked T×T softmax (layers.cpp's causal_attention).
+AttnResult naive_attention(const torch::Tensor& q0, const torch::Tensor& k0, const torch::Tensor& v0,
+                           const torch::Tensor& g) {
+  auto q = q0.detach().clone().requires_grad_(true);
+  auto k = k0.detach().clone().requires_grad_(true);
+  auto v = v0.detach().clone().requires_grad_(true);
+  const int64_t rep = q.size(2) / k.size(2);
+  const auto out = causal_attention(q.transpose(1, 2), repeat_kv(k, rep).transpose(1, 2),
+                                    repeat_kv(v, rep).transpose(1, 2))
+                       .transpose(1, 2);
+  (out.to(torch::kFloat) * g).sum().backward();
+  return {out.detach(), q.grad(), k.grad(), v.grad()};
+}
+
+AttnResult fused_attention(const torch::Tensor& q0, const torch::Tensor& k0, const torch::Tensor& v0,
+                           const torch::Tensor& g, FlashAttentionBlocks blocks) {
+  auto q = q0.detach().clone().requires_grad_(true);
+  auto k = k0.detach().clone().requires_grad_(true);
+  auto v = v0.detach().clone().requires_grad_(true);
+  const auto out = flash_causal_attention(q, k, v, blocks);
+  (out.to(torch::kFloat) * g).sum().backward();
+  return {out.detach(), q.grad(), k.grad(), v.grad()};
+}
+
+struct AttnInputs {
+  torch::Tensor q, k, v, g;
+};
+
+AttnInputs attn_inputs(const AttnCase& c, torch::ScalarType dtype) {
+  torch::manual_seed(c.T * 131 + c.H * 7 + c.KV);
+  return {torch::randn({c.B, c.T, c.H, c.hd}).to(dtype), torch::randn({c.B, c.T, c.KV, c.hd}).to(dtype),
+          torch::randn({c.B, c.T, c.KV, c.hd}).to(dtype), torch::randn({c.B, c.T, c.H, c.hd})};
+}
+
+double rel_err(const torch::Tensor& a, const torch::Tensor& ref) {
+  return max_abs_diff(a, ref) / std::max(1e-12, ref.to(torch::kDouble).abs().max().item<double>());
+}
+
+const std::vector<AttnCase>& attn_cases() {
+  static const std::vector<AttnCase> cases = {
+      {2, 37, 4, 2, 16, {8, 16}},     // GQA 2, ragged last tiles, online softmax over 3 key tiles
+      {1, 64, 4, 4, 8, {}},           // MHA, one tile per query block (the default tiling)
+      {2, 50, 8, 1, 16, {5, 7}},      // MQA (8 query heads on one kv head), odd tiles
+      {1, 96, 16, 8, 16, {32, 32}},   // the debug model's head layout
+  };
+  return cases;
+}
+
+}  // namespace
+
+TEST(FlashAttention, MatchesNaiveFormulaFloat32) {
+  for (const auto& c : attn_cases()) {
+    const auto in = attn_inputs(c, torch::kFloat);
+    const auto ref = naive_attention(in.q, in.k, in.v, in.g);
+    const auto got = fused_attention(in.q, in.k, in.v, in.g, c.blocks);
+    SCOPED_TRACE("T=" + std::to_string(c.T) + " H=" + std::to_string(c.H) + " KV=" + std::to_string(c.KV));
+    ASSERT_EQ(got.out.sizes(), ref.out.sizes());
+    EXPECT_LT(rel_err(got.out, ref.out), 2e-6);
+    EXPECT_LT(rel_err(got.dq, ref.dq), 2e-5);
+    EXPECT_LT(rel_err(got.dk, ref.dk), 2e-5);
+    EXPECT_LT(rel_err(got.dv, ref.dv), 2e-5);
+  }
+}
+
+// bf16: the truth is the formula in float64 on the same (bf16-rounded) inputs; the fused
+// kernel must be at least about as accurate as the naive formula computed in bf16.
+TEST(FlashAttention, Bfloat16AsAccurateAsNaiveBfloat16) {
+  for (const auto& c : attn_cases()) {
+    const auto in = attn_inputs(c, torch::kBFloat16);
+    const auto truth = naive_attention(in.q.to(torch::kDouble), in.k.to(torch::kDouble), in.v.to(torch::kDouble),
+                                       in.g.to(torch::kDouble));
+    const auto naive = naive_attention(in.q, in.k, in.v, in.g);
+    const auto got = fused_attention(in.q, in.k, in.v, in.g, c.blocks);
+    SCOPED_TRACE("T=" + std::to_string(c.T) + " H=" + std::to_string(c.H) + " KV=" + std::to_string(c.KV));
+    ASSERT_EQ(got.out.scalar_type(), torch::kBFloat16);
+    ASSERT_EQ(got.dk.scalar_type(), torch::kBFloat16);
+    const std::vector<std::pair<torch::Tensor, torch::Tensor>> fused_naive = {
+        {got.out, naive.out}, {got.dq, naive.dq}, {got.dk, naive.dk}, {got.dv, naive.dv}};
+    const std::vector<torch::Tensor> truths = {truth.out, truth.dq, truth.dk, truth.dv};
+    const char* names[] = {"out", "dq", "dk", "dv"};
+    for (size_t i = 0; i < truths.size(); ++i) {
+      const double e_fused = rel_err(fused_naive[i].first, truths[i]);
+      const double e_naive = rel_err(fused_naive[i].second, truths[i]);
+      EXPECT_LT(e_fused, 2e-2) << names[i];
+      EXPECT_LT(e_fused, 1.5 * e_naive + 4e-3) << names[i] << " naive bf16 error " << e_naive;
+    }
+  }
+}
+
+TEST(FlashAttention, DeterministicAndCausal) {
+  const AttnCase c{1, 40, 4, 2, 8, {8, 8}};
+  const auto in = attn_inputs(c, torch::kFloat);
+  const auto a = flash_causal_attention(in.q, in.k, in.v, c.blocks);
+  const auto b = flash_causal_attention(in.q, in.k, in.v, c.blocks);
+  EXPECT_TRUE(torch::equal(a, b));
+  // Changing keys/values at position 30 leaves every output before 30 unchanged.
+  auto k2 = in.k.clone(), v2 = in.v.clone();
+  k2.select(1, 30).add_(5.0);
+  v2.select(1, 30).add_(5.0);
+  const auto d = flash_causal_attention(in.q, k2, v2, c.blocks);
+  EXPECT_TRUE(torch::equal(d.narrow(1, 0, 30), a.narrow(1, 0, 30)));
+  EXPECT_GT((d.narrow(1, 30, 10) - a.narrow(1, 30, 10)).abs().max().item<double>(), 1e-3);
+}
+
+// The kernel never materialises the T×T scores: every op output of forward and backward,
+// observed through a RecordFunction callback, stays below one [B·H, T, T] score tensor
+// (at most a strip of block.q query rows × T keys per head, in the backward).
+namespace {
+thread_local int64_t tl_max_output_numel = 0;
+std::unique_ptr<at::ObserverContext> attn_op_start(const at::RecordFunction&) { return nullptr; }
+void attn_op_end(const at::RecordFunction& fn, at::ObserverContext*) {
+  for (const auto& o : fn.outputs())
+    if (o.isTensor() && o.toTensor().defined())
+      tl_max_output_numel = std::max(tl_max_output_numel, o.toTensor().numel());
+}
+}  // namespace
+
+TEST(FlashAttention, NeverMaterialisesTheScoreMatrix) {
+  const AttnCase c{2, 256, 4, 2, 16, {32, 64}};
+  const auto in = attn_inputs(c, torch::kFloat);
+  auto q = in.q.clone().requires_grad_(true), k = in.k.clone().requires_grad_(true),
+       v = in.v.clone().requires_grad_(true);
+  tl_max_output_numel = 0;
+  auto handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(attn_op_start, attn_op_end).needsOutputs(true));
+  const auto out = flash_causal_attention(q, k, v, c.blocks);
+  (out * in.g).sum().backward();
+  at::removeCallback(handle);
+  const int64_t full_scores = c.B * c.H * c.T * c.T;
+  const int64_t strip = c.B * c.H * c.blocks.q * c.T;  // = full_scores / 8 here
+  EXPECT_GT(tl_max_output_numel, 0) << "the observer saw no op";
+  EXPECT_LE(tl_max_output_numel, std::max(strip, c.B * c.T * c.H * c.hd));
+  EXPECT_LT(tl_max_output_numel, full_scores / 4);
+  // The naive formula, observed the same way, does build [B, H, T, T].
+  tl_max_output_numel = 0;
+  handle = at::addThreadLocalCallback(at::RecordFunctionCallback(attn_op_start, attn_op_end).needsOutputs(true));
+  naive_attention(in.q, in.k, in.v, in.g);
+  at::removeCallback(handle);
+  EXPECT_GE(tl_max_output_numel, full_scores);
 }

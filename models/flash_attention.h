@@ -1,0 +1,29 @@
+// Fused causal attention for CPU with its own backward: block-wise with an online softmax,
+// so the T×T score matrix is never materialised (at most a [rows of one query block] ×
+// [one key block] tile per (batch, kv head)), key blocks entirely in the future are
+// skipped (half the FLOPs of the masked formula), and grouped-query attention reads each
+// kv head once for all the query heads that share it (no repeat_kv copies).
+//
+// Numerics follow the naive formula softmax(q kᵀ / √hd, causal) v: products in the input
+// dtype (bf16 matmuls for bf16 inputs), the softmax statistics (running max, sum,
+// log-sum-exp) and the output accumulator in float32. Only q, k, v and the log-sum-exp are
+// saved; the backward recomputes the probabilities one query block at a time (a strip of
+// block.q rows × the keys up to the diagonal, still never T×T):
+//   P = exp(S - lse);  dV += Pᵀ dO;  dP = dO Vᵀ;  D = rowsum(P ∘ dP);  dS = P ∘ (dP - D);
+//   dQ = dS K / √hd;  dK += dSᵀ Q / √hd.
+#pragma once
+#include <torch/torch.h>
+
+namespace ctitan {
+
+struct FlashAttentionBlocks {
+  int64_t q = 128;  // query positions per tile (× the heads sharing a kv head)
+  int64_t k = 512;  // key positions per tile; T <= k means one tile per query block
+};
+
+// q [B, T, H, hd], k and v [B, T, KV, hd] (H a multiple of KV; query head h reads kv head
+// h / (H / KV)) → [B, T, H, hd] in q's dtype. Differentiable in q, k and v.
+torch::Tensor flash_causal_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                     const torch::Tensor& v, FlashAttentionBlocks blocks = {});
+
+}  // namespace ctitan
