@@ -10,12 +10,14 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <regex>
 #include <set>
 #include <sstream>
 
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include "checkpoint/hf.h"
 #include "config/errors.h"
 #include "config/job_config.h"
 
@@ -186,6 +188,12 @@ AdamRefs adam_refs(torch::optim::Optimizer& opt, const at::Tensor& p) {
 }
 
 }  // namespace
+
+bool is_model_key(const std::string& k) {
+  for (const char* p : {"optimizer.", "lr_scheduler.", "train_state.", "dataloader.", "rng."})
+    if (k.rfind(p, 0) == 0) return false;
+  return true;
+}
 
 // ---- CheckpointComm ------------------------------------------------------------------------
 
@@ -363,6 +371,20 @@ void ModelState::load_state_dict(const CheckpointReader& ckpt) {
   for (const auto& p : params_) ckpt.read_rows(p.fqn, p.begin, p.end, p.local.detach());
 }
 
+void ModelState::check_load_hf(const HFCheckpoint& hf) const {
+  for (const auto& p : params_) hf.check_param(p.fqn, p.global_shape);
+}
+
+void ModelState::load_hf(const HFCheckpoint& hf) {
+  for (const auto& p : params_) hf.read_param_rows(p.fqn, p.global_shape, p.begin, p.end, p.local.detach());
+}
+
+int64_t ModelState::vocab_size() const {
+  for (const auto& p : params_)
+    if (p.fqn == "tok_embeddings.weight") return p.global_shape.at(0);
+  return 0;
+}
+
 // ---- OptimizerState ------------------------------------------------------------------------
 
 OptimizerState::OptimizerState(torch::optim::Optimizer& opt, std::vector<ShardedParam> params, bool save_here)
@@ -506,6 +528,9 @@ void check_checkpoint_config(const JobConfig& cfg) {
     throw UserError("config error: checkpoint.create_seed_checkpoint = true needs checkpoint.enable = true");
   if (c.initial_load_in_hf && !c.initial_load_model_only)
     throw UserError("config error: checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_model_only = true");
+  if (c.last_save_in_hf && !c.last_save_model_only)
+    throw UserError("config error: checkpoint.last_save_in_hf = true needs checkpoint.last_save_model_only = true "
+                    "(an HF folder holds the model only)");
 }
 
 CheckpointOptions checkpoint_options(const JobConfig& cfg) {
@@ -521,6 +546,10 @@ CheckpointOptions checkpoint_options(const JobConfig& cfg) {
   o.export_dtype = c.export_dtype;
   o.initial_load_path = c.initial_load_path;
   o.initial_load_model_only = c.initial_load_model_only;
+  o.initial_load_in_hf = c.initial_load_in_hf;
+  // torchtitan: HF weights come from model.hf_assets_path when initial_load_path is unset.
+  if (c.initial_load_in_hf && o.initial_load_path.empty()) o.initial_load_path = cfg.model.hf_assets_path;
+  o.last_save_in_hf = c.last_save_in_hf;
   o.async = c.async_mode != "disabled";
   o.load_only = c.load_only;
   o.enable_first_step_checkpoint = c.enable_first_step_checkpoint;
@@ -535,6 +564,7 @@ struct CheckpointManager::Pending {
   std::string folder, stage, final_dir;
   int64_t step = 0;
   bool model_only = false;
+  bool hf = false;  // converted to an HF folder when committed (checkpoint.last_save_in_hf)
   std::vector<StateEntry> entries;
   std::thread thread;
   std::string status;  // "ok\n<fragment>" or "error <message>"
@@ -584,7 +614,7 @@ void CheckpointManager::save(int64_t step, bool last_step) {
   ModelState* ms = model_state();
   if (ms) ms->set_export_dtype(model_only ? opt_.export_dtype : "");
   // The final save is synchronous: the job is about to end anyway.
-  begin_save(opt_.folder, step, model_only, opt_.async && !last_step);
+  begin_save(opt_.folder, step, model_only, opt_.async && !last_step, model_only && opt_.last_save_in_hf);
   if (ms) ms->set_export_dtype("");
   if (!opt_.async || last_step) complete_save();
 }
@@ -612,7 +642,7 @@ void CheckpointManager::finalize() {
   if (pending_) complete_save();
 }
 
-void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool model_only, bool async) {
+void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool model_only, bool async, bool hf) {
   const auto t0 = std::chrono::steady_clock::now();
   const std::string tag = "checkpoint_save:step-" + std::to_string(step);
   // Round 1: every rank agrees it saves this step (a rank on another path is reported, not
@@ -647,6 +677,7 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
   p.final_dir = ckpt::step_dir(folder, step);
   p.step = step;
   p.model_only = model_only;
+  p.hf = hf;
   p.t0 = t0;
   StateDict sd;
   for (const auto& [name, s] : components_)
@@ -760,6 +791,17 @@ void CheckpointManager::complete_save() {
       Metadata::parse(text, "checkpoint metadata of step " + std::to_string(p.step));  // validates coverage
       ckpt::write_file_durable((fs::path(p.stage) / "metadata").string(), text);
       ckpt::write_file_durable((fs::path(p.stage) / "COMPLETE").string(), ckpt::complete_marker_text(p.step, text));
+      if (p.hf) {
+        // As torchtitan's HF storage writer with consolidation: every rank wrote its shards,
+        // one rank assembles the full tensors into the safetensors file. The shard files go;
+        // the marker then covers the HF index instead of the metadata.
+        const std::string index = write_hf_from_checkpoint(CheckpointReader(p.stage), p.stage, "");
+        for (const auto& de : fs::directory_iterator(p.stage)) {
+          const std::string n = de.path().filename().string();
+          if (n.rfind("rank", 0) == 0 || n == "metadata") fs::remove(de.path());
+        }
+        ckpt::write_file_durable((fs::path(p.stage) / "COMPLETE").string(), ckpt::hf_complete_marker_text(p.step, index));
+      }
       // An older checkpoint of the same step (load_step rewound the run) is replaced only now.
       const std::string old = p.final_dir + ".replaced";
       fs::remove_all(old);
@@ -777,7 +819,7 @@ void CheckpointManager::complete_save() {
     throw RuntimeFailure(what + " failed on rank 0 while committing: " + committed[0].substr(6) + " (" + previous + ")");
   }
   spdlog::info("checkpoint: saved step {}{} to {} ({:.1f} MiB on this rank, {:.2f} s)", p.step,
-               p.model_only ? " (model only)" : "", p.final_dir, p.bytes / double(1 << 20), seconds_since(p.t0));
+               p.hf ? " (model only, HF safetensors)" : p.model_only ? " (model only)" : "", p.final_dir, p.bytes / double(1 << 20), seconds_since(p.t0));
   last_saved_step_ = p.step;
   const std::string folder = p.folder;
   const bool regular = folder == opt_.folder;
@@ -818,6 +860,7 @@ LoadResult CheckpointManager::load() {
   }
   std::string path;
   bool model_only_requested = false;
+  bool from_hf = false;
   std::string choose_error;
   if (opt_.load_step >= 0) {
     path = ckpt::step_dir(opt_.folder, opt_.load_step);
@@ -839,6 +882,7 @@ LoadResult CheckpointManager::load() {
   } else if (!opt_.initial_load_path.empty()) {
     path = opt_.initial_load_path;
     model_only_requested = opt_.initial_load_model_only;
+    from_hf = opt_.initial_load_in_hf;
   }
   // Every rank must have chosen the same checkpoint (a folder not shared by all ranks
   // would otherwise load different states).
@@ -880,10 +924,32 @@ LoadResult CheckpointManager::load() {
     }
   };
 
+  // "; or set checkpoint.load_step = <s>" for the newest complete checkpoint before `step`.
+  auto earlier_hint = [&](int64_t step) {
+    for (auto it = scan.complete.rbegin(); it != scan.complete.rend(); ++it)
+      if (*it < step && !ckpt::is_hf_step(ckpt::step_dir(opt_.folder, *it)))
+        return "; or set checkpoint.load_step = " + std::to_string(*it) + " to resume the earlier checkpoint";
+    return std::string();
+  };
+
+  if (from_hf) return load_hf(path, agreed);
+
   std::unique_ptr<CheckpointReader> reader;
   std::vector<std::pair<std::string, Stateful*>> todo;
   bool model_only = false;
   agreed("checkpoint_load:check", [&] {
+    std::error_code ec;
+    if (ckpt::is_hf_step(path) || (is_hf_folder(path) && !fs::exists(fs::path(path) / "metadata", ec))) {
+      std::smatch sm;
+      const std::string name = fs::path(path).filename().string();
+      static const std::regex step_re("step-([0-9]+)");
+      const int64_t step = std::regex_match(name, sm, step_re) ? std::stoll(sm[1]) : -1;
+      throw UserError("checkpoint " + path + " holds model weights only, as HF safetensors (checkpoint.last_save_in_hf), "
+                      "not the optimizer, schedule and data state needed to resume training; to start a new run from "
+                      "these weights, set checkpoint.initial_load_path = \"" + path +
+                      "\" and checkpoint.initial_load_in_hf = true with another checkpoint.folder" +
+                      (step >= 0 ? earlier_hint(step) : ""));
+    }
     reader = std::make_unique<CheckpointReader>(path);
     const Metadata& m = reader->meta();
     if (m.model_name != opt_.model_name || m.model_flavor != opt_.model_flavor)
@@ -891,12 +957,7 @@ LoadResult CheckpointManager::load() {
                       "\" model; this run builds " + opt_.model_name + " \"" + opt_.model_flavor +
                       "\" (model.name / model.flavor must match)");
     if (m.model_only && !model_only_requested && m.step != 0) {
-      std::string hint;
-      for (auto it = scan.complete.rbegin(); it != scan.complete.rend(); ++it) {
-        if (*it >= m.step) continue;
-        hint = "; or set checkpoint.load_step = " + std::to_string(*it) + " to resume the earlier checkpoint";
-        break;
-      }
+      const std::string hint = earlier_hint(m.step);
       throw UserError("checkpoint " + path + " holds model weights only (checkpoint.last_save_model_only), not the "
                       "optimizer, schedule and data state needed to resume training; to start a new run from these "
                       "weights, set checkpoint.initial_load_path = \"" + path +
@@ -936,6 +997,55 @@ LoadResult CheckpointManager::load() {
     auto keep = components_;
     components_ = todo;
     save_to(dump, m.step, model_only);
+    components_ = keep;
+  }
+  return res;
+}
+
+// Model weights from a Hugging Face folder (checkpoint.initial_load_in_hf): every rank checks
+// that config.json describes this run's model and that every tensor is there, then reads
+// its own rows. Nothing else is loaded (torchtitan: HF loads are model-only).
+LoadResult CheckpointManager::load_hf(const std::string& path, const Agreed& agreed) {
+  ModelState* ms = model_state();
+  std::unique_ptr<HFCheckpoint> hf;
+  agreed("checkpoint_load:check", [&] {
+    if (!ms) throw UserError("checkpoint: this job registered no model to load HF weights into");
+    hf = std::make_unique<HFCheckpoint>(path);
+    const HFModelConfig want = hf_config_for(opt_.model_name, opt_.model_flavor, ms->vocab_size());
+    const std::string diff = structure_difference(hf->config(), want);
+    if (!diff.empty())
+      throw UserError("HF checkpoint " + path + " (config.json) describes another model than this run's " +
+                      opt_.model_name + " \"" + opt_.model_flavor + "\" (" + diff + ", checkpoint vs run)");
+    ms->check_load_hf(*hf);
+  });
+  if (comm_.rank == 0) {
+    const HFModelConfig& c = hf->config();
+    const HFModelConfig want = hf_config_for(opt_.model_name, opt_.model_flavor, ms->vocab_size());
+    if (c.rope_theta != want.rope_theta || c.rms_norm_eps != want.rms_norm_eps ||
+        c.rope_scaling.has_value() != want.rope_scaling.has_value())
+      spdlog::warn("checkpoint: HF config.json has rope_theta {}, rms_norm_eps {}, rope_scaling {}; this run's model "
+                   "uses {}, {}, {} (the weights load, the outputs will differ from the HF model's)",
+                   c.rope_theta, c.rms_norm_eps, c.rope_scaling ? "llama3" : "none", want.rope_theta,
+                   want.rms_norm_eps, want.rope_scaling ? "llama3" : "none");
+    const auto unused = hf->unused_keys(ctitan_params(c));
+    if (!unused.empty())
+      spdlog::warn("checkpoint: {} tensors of {} have no ctitan parameter and are ignored (first: {})", unused.size(),
+                   path, unused.front());
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  agreed("checkpoint_load:load", [&] { ms->load_hf(*hf); });
+  LoadResult res;
+  res.loaded = true;
+  res.path = path;
+  res.model_only = true;
+  res.components = {"model"};
+  if (auto it = hf->metadata().find("ctitan.step"); it != hf->metadata().end()) res.step = std::atoll(it->second.c_str());
+  spdlog::info("checkpoint: loaded HF safetensors from {} in {:.2f} s ({} tensors, {}; now {} ranks): model", path,
+               seconds_since(t0), hf->keys().size(), hf->config().architecture, comm_.world_size);
+  if (const char* dump = std::getenv("CTITAN_CHECKPOINT_DUMP_LOADED"); dump && *dump) {
+    auto keep = components_;
+    components_ = {{"model", ms}};
+    save_to(dump, res.step, true);
     components_ = keep;
   }
   return res;

@@ -40,6 +40,11 @@ class Optimizer;
 namespace ctitan {
 
 struct JobConfig;
+class HFCheckpoint;
+
+// True for the model's own entries (top-level FQNs), false for optimizer., lr_scheduler.,
+// train_state., dataloader. and rng. keys.
+bool is_model_key(const std::string& key);
 
 // The world-group collectives the manager needs; every rank calls them in the same order.
 struct CheckpointComm {
@@ -144,6 +149,12 @@ class ModelState : public Stateful {
   void load_state_dict(const CheckpointReader& ckpt) override;
   // Model entries are saved in this dtype ("" = as held); used by the final model-only save.
   void set_export_dtype(std::string d) { export_dtype_ = std::move(d); }
+  // The same from a Hugging Face folder (checkpoint/hf.h): every parameter's HF tensors
+  // exist with the right shapes; then each rank reads its rows (q/k rows un-permuted).
+  void check_load_hf(const HFCheckpoint& hf) const;
+  void load_hf(const HFCheckpoint& hf);
+  // Rows of tok_embeddings.weight (the run's vocabulary), 0 when there is no such parameter.
+  int64_t vocab_size() const;
 
  private:
   std::vector<ShardedParam> params_;
@@ -232,8 +243,10 @@ struct CheckpointOptions {
   std::vector<std::string> exclude_from_loading;
   bool last_save_model_only = true;
   std::string export_dtype = "float32";
-  std::string initial_load_path;
+  std::string initial_load_path;  // initial_load_in_hf without it: model.hf_assets_path
   bool initial_load_model_only = true;
+  bool initial_load_in_hf = false;  // initial_load_path is an HF safetensors folder
+  bool last_save_in_hf = false;     // the final (model-only) save is an HF folder
   bool async = false;
   bool load_only = false;
   bool enable_first_step_checkpoint = false;
@@ -289,7 +302,9 @@ class CheckpointManager {
 
  private:
   struct Pending;  // a save whose files are being written
-  void begin_save(const std::string& folder, int64_t step, bool model_only, bool async);
+  using Agreed = std::function<void(const std::string& tag, const std::function<void()>& fn)>;
+  LoadResult load_hf(const std::string& path, const Agreed& agreed);
+  void begin_save(const std::string& folder, int64_t step, bool model_only, bool async, bool hf = false);
   void complete_save();
   void purge(const std::string& folder);
   std::vector<std::string> agree(const std::string& status, const std::string& tag);

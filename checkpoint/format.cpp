@@ -363,10 +363,36 @@ std::string complete_marker_text(int64_t step, const std::string& metadata_text)
          hex32(crc32(metadata_text.data(), metadata_text.size())) + "\n";
 }
 
+std::string hf_complete_marker_text(int64_t step, const std::string& index_text) {
+  return "ctitan-hf-complete step " + std::to_string(step) + " index " + std::to_string(index_text.size()) + " " +
+         hex32(crc32(index_text.data(), index_text.size())) + "\n";
+}
+
+bool is_hf_step(const std::string& step_path) {
+  std::error_code ec;
+  const fs::path marker = fs::path(step_path) / "COMPLETE";
+  if (!fs::exists(marker, ec)) return false;
+  std::ifstream f(marker);
+  std::string head(18, '\0');
+  f.read(head.data(), 18);
+  return f && head == "ctitan-hf-complete";
+}
+
 std::string incomplete_reason(const std::string& step_path, int64_t step) {
   const fs::path p(step_path);
   std::error_code ec;
   if (!fs::exists(p / "COMPLETE", ec)) return "no COMPLETE marker (the save did not finish)";
+  if (is_hf_step(step_path)) {
+    const fs::path index = p / "model.safetensors.index.json";
+    if (!fs::exists(index, ec)) return "the HF index model.safetensors.index.json is missing";
+    try {
+      if (read_whole_file((p / "COMPLETE").string()) != hf_complete_marker_text(step, read_whole_file(index.string())))
+        return "model.safetensors.index.json does not match the COMPLETE marker (modified or truncated)";
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "";
+  }
   if (!fs::exists(p / "metadata", ec)) return "the metadata file is missing";
   try {
     const std::string meta = read_whole_file((p / "metadata").string());

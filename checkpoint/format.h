@@ -29,6 +29,11 @@
 // element); bytes entries have rows 0 0.
 // COMPLETE: "ctitan-checkpoint-complete step <N> metadata <bytes> <crc32>\n", so a
 // metadata file replaced or truncated after the fact is noticed.
+//
+// A step folder may instead hold the model in Hugging Face form (checkpoint.last_save_in_hf;
+// checkpoint/hf.h): model.safetensors, model.safetensors.index.json, config.json, and
+// COMPLETE = "ctitan-hf-complete step <N> index <bytes> <crc32>\n" over the index file. It is
+// a complete, model-only checkpoint: listed and kept like the others, never resumed from.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -127,6 +132,9 @@ std::string chunk_lines(const std::vector<EntryMeta>& entries);
 std::string step_dir(const std::string& folder, int64_t step);       // <folder>/step-<N>
 std::string staging_dir(const std::string& folder, int64_t step);    // <folder>/step-<N>.partial
 std::string complete_marker_text(int64_t step, const std::string& metadata_text);
+std::string hf_complete_marker_text(int64_t step, const std::string& index_text);
+// True when the step folder's COMPLETE marker is an HF one (whether or not it is valid).
+bool is_hf_step(const std::string& step_path);
 
 struct FolderScan {
   std::vector<int64_t> complete;  // ascending

@@ -1,26 +1,26 @@
-// Inspect / verify / export; see tool.h.
+// Inspect / verify / convert / logits; see tool.h.
 #include "checkpoint/tool.h"
 
 #include <filesystem>
 #include <iostream>
+#include <map>
+#include <optional>
+#include <regex>
 #include <sstream>
 
 #include <torch/serialize.h>
 #include <torch/torch.h>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/hf.h"
 #include "config/errors.h"
+#include "models/llama/model.h"
+#include "models/mixtral/model.h"
 
 namespace fs = std::filesystem;
 
 namespace ctitan {
 namespace {
-
-bool is_model_key(const std::string& k) {
-  for (const char* p : {"optimizer.", "lr_scheduler.", "train_state.", "dataloader.", "rng."})
-    if (k.rfind(p, 0) == 0) return false;
-  return true;
-}
 
 at::ScalarType export_dtype(const std::string& d) {
   if (d == "float32") return at::kFloat;
@@ -39,7 +39,9 @@ std::string inspect_checkpoint(const std::string& path, bool verify) {
     if (scan.complete.empty() && scan.incomplete.empty() && scan.staging.empty())
       throw UserError("checkpoint tool: " + path + " is neither a checkpoint nor a folder of step-<N> checkpoints");
     out << path << ":\n";
-    for (int64_t s : scan.complete) out << "  step-" << s << "  complete\n";
+    for (int64_t s : scan.complete)
+      out << "  step-" << s << "  complete"
+          << (ckpt::is_hf_step(ckpt::step_dir(path, s)) ? " (HF safetensors, model only)" : "") << "\n";
     for (const auto& [dir, why] : scan.incomplete) out << "  " << fs::path(dir).filename().string() << "  INCOMPLETE: " << why << "\n";
     for (const auto& dir : scan.staging) out << "  " << fs::path(dir).filename().string() << "  save in progress or failed\n";
     return out.str();
@@ -96,19 +98,343 @@ void export_consolidated(const std::string& step_path, const std::string& out_fi
   ckpt::write_file_durable(out_file, std::string(bytes.begin(), bytes.end()));
 }
 
+// ---- any form in, any form out --------------------------------------------------------------
+
+namespace {
+
+// A checkpoint's model tensors under ctitan's names, whichever form holds them.
+struct ModelTensors {
+  std::string form;  // sharded | hf | consolidated
+  std::string model_name, flavor;
+  int64_t step = 0;
+  ParamList params;  // ctitan names and global shapes, model order
+  std::string dtype;  // dtype of tok_embeddings.weight as stored
+  std::function<at::Tensor(const std::string&)> read;  // full tensor, stored dtype
+  std::optional<HFModelConfig> hf_config;              // the source's own config.json (hf form)
+};
+
+std::string dtype_name_of(at::ScalarType t) {
+  if (t == at::kFloat) return "float32";
+  if (t == at::kBFloat16) return "bfloat16";
+  if (t == at::kHalf) return "float16";
+  throw UserError(std::string("checkpoint tool: model tensors of dtype ") + c10::toString(t) +
+                  " cannot be exported (float32, bfloat16, float16)");
+}
+
+// The flavor of `name` whose parameters have exactly these shapes.
+std::string flavor_from_shapes(const std::string& name, const std::map<std::string, std::vector<int64_t>>& shapes,
+                               const std::string& what) {
+  auto emb = shapes.find("tok_embeddings.weight");
+  if (emb == shapes.end()) throw UserError("checkpoint tool: " + what + " has no tok_embeddings.weight");
+  const auto names = name == "mixtral" ? mixtral::mixtral_flavor_names() : llama::llama3_flavor_names();
+  for (const auto& f : names) {
+    const ParamList want = ctitan_params(hf_config_for(name, f, emb->second.at(0)));
+    if (std::map<std::string, std::vector<int64_t>>(want.begin(), want.end()) == shapes) return f;
+  }
+  throw UserError("checkpoint tool: the tensors of " + what + " match no " + name + " flavor; pass --flavor");
+}
+
+ModelTensors open_model(const std::string& path, const std::string& name_arg, const std::string& flavor_arg) {
+  ModelTensors m;
+  std::error_code ec;
+  if (fs::is_directory(path, ec) && fs::exists(fs::path(path) / "metadata", ec)) {
+    auto r = std::make_shared<CheckpointReader>(path);
+    m.form = "sharded";
+    m.model_name = r->meta().model_name;
+    m.flavor = r->meta().model_flavor;
+    m.step = r->meta().step;
+    for (const auto& [key, e] : r->meta().entries)
+      if (!e.is_bytes && is_model_key(key)) m.params.push_back({key, e.shape});
+    if (!r->has("tok_embeddings.weight")) throw UserError("checkpoint tool: " + path + " holds no model tensors");
+    m.dtype = r->entry("tok_embeddings.weight").dtype;
+    m.read = [r](const std::string& fqn) { return r->read_tensor(fqn); };
+    return m;
+  }
+  if (is_hf_folder(path)) {
+    auto hf = std::make_shared<HFCheckpoint>(path);
+    m.form = "hf";
+    m.hf_config = hf->config();
+    m.model_name = hf->config().model_name();
+    if (auto it = hf->metadata().find("ctitan.model"); it != hf->metadata().end() && it->second.find(' ') != std::string::npos)
+      m.flavor = it->second.substr(it->second.find(' ') + 1);
+    if (auto it = hf->metadata().find("ctitan.step"); it != hf->metadata().end()) m.step = std::atoll(it->second.c_str());
+    if (m.flavor.empty()) m.flavor = find_flavor(hf->config());
+    if (!flavor_arg.empty()) m.flavor = flavor_arg;
+    if (m.flavor.empty())
+      throw UserError("checkpoint tool: " + path + "/config.json matches no " + m.model_name + " flavor; pass --flavor");
+    m.params = ctitan_params(hf->config());
+    for (const auto& [fqn, shape] : m.params) hf->check_param(fqn, shape);
+    const std::string st = hf->info(hf_pieces(m.params.front().first, m.params.front().second, hf->config())[0].key).dtype;
+    m.dtype = st == "BF16" ? "bfloat16" : st == "F16" ? "float16" : "float32";  // F64 is exported as float32
+    m.read = [hf, shapes = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())](
+                 const std::string& fqn) { return hf->read_param(fqn, shapes.at(fqn)); };
+    return m;
+  }
+  if (fs::is_regular_file(path, ec)) {
+    const std::string bytes = ckpt::read_whole_file(path);
+    c10::IValue v;
+    try {
+      v = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
+    } catch (const std::exception& e) {
+      throw RuntimeFailure("checkpoint tool: " + path + " is not a torch.save file: " + std::string(e.what()).substr(0, 200));
+    }
+    if (!v.isGenericDict()) throw UserError("checkpoint tool: " + path + " does not hold a dict of tensors");
+    auto dict = std::make_shared<std::map<std::string, at::Tensor>>();
+    std::map<std::string, std::vector<int64_t>> shapes;
+    bool moe = false;
+    for (const auto& kv : v.toGenericDict()) {
+      if (!kv.key().isString() || !kv.value().isTensor())
+        throw UserError("checkpoint tool: " + path + " holds an entry that is not a string -> tensor pair");
+      const std::string k = kv.key().toStringRef();
+      (*dict)[k] = kv.value().toTensor();
+      shapes[k] = kv.value().toTensor().sizes().vec();
+      moe = moe || k.find(".moe.") != std::string::npos;
+    }
+    m.form = "consolidated";
+    m.model_name = name_arg.empty() ? (moe ? "mixtral" : "llama3") : name_arg;
+    m.flavor = flavor_arg.empty() ? flavor_from_shapes(m.model_name, shapes, path) : flavor_arg;
+    const ParamList want = ctitan_params(hf_config_for(m.model_name, m.flavor, shapes["tok_embeddings.weight"].at(0)));
+    for (const auto& [fqn, shape] : want) {
+      if (!dict->count(fqn)) throw UserError("checkpoint tool: " + path + " has no " + fqn);
+      m.params.push_back({fqn, shapes[fqn]});
+    }
+    m.dtype = dtype_name_of(dict->at("tok_embeddings.weight").scalar_type());
+    m.read = [dict](const std::string& fqn) { return dict->at(fqn); };
+    return m;
+  }
+  throw UserError("checkpoint tool: " + path +
+                  " is neither a checkpoint step folder, an HF safetensors folder nor a consolidated .pt file");
+}
+
+// "step-<N>" -> N, else -1.
+int64_t step_of_folder_name(const std::string& path) {
+  static const std::regex re("step-([0-9]+)");
+  std::smatch m;
+  const std::string name = fs::path(path).filename().string();
+  return std::regex_match(name, m, re) ? std::stoll(m[1]) : -1;
+}
+
+void write_consolidated(const ModelTensors& m, const std::string& out_file, const std::string& dtype) {
+  c10::Dict<std::string, at::Tensor> dict;
+  for (const auto& [fqn, shape] : m.params) {
+    at::Tensor t = m.read(fqn);
+    if (!dtype.empty()) t = t.to(export_dtype(dtype));
+    dict.insert(fqn, t.contiguous());
+  }
+  const std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
+  ckpt::write_file_durable(out_file, std::string(bytes.begin(), bytes.end()));
+}
+
+// Writes into <out>.partial, then renames: <out> appears complete or not at all.
+void write_hf(const ModelTensors& m, const std::string& out, const std::string& dtype) {
+  std::error_code ec;
+  if (fs::exists(out, ec) && !fs::is_empty(out, ec))
+    throw UserError("checkpoint tool: " + out + " exists and is not empty; choose a new folder");
+  const std::string stage = fs::path(out).lexically_normal().string() + ".partial";
+  fs::remove_all(stage);
+  fs::create_directories(stage);
+  const int64_t vocab = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())
+                            .at("tok_embeddings.weight")
+                            .at(0);
+  const HFModelConfig c = m.hf_config ? *m.hf_config : hf_config_for(m.model_name, m.flavor, vocab);
+  write_hf_files(stage, c, m.params, dtype.empty() ? m.dtype : dtype, m.read,
+                 {{"ctitan.model", m.model_name + " " + m.flavor}, {"ctitan.step", std::to_string(m.step)}});
+  fs::remove(out, ec);
+  fs::rename(stage, out);
+  ckpt::fsync_dir(fs::absolute(out).parent_path().string());
+}
+
+// A one-rank, model-only checkpoint at <parent>/step-<N> (the normal save path).
+void write_sharded(const ModelTensors& m, const std::string& out, const std::string& dtype) {
+  const int64_t step = step_of_folder_name(out);
+  if (step < 0)
+    throw UserError("checkpoint tool: a sharded checkpoint is written as a folder named step-<N> (e.g. " +
+                    (fs::path(out).parent_path() / "step-0").string() + "), not " + out);
+  std::error_code ec;
+  if (fs::exists(out, ec)) throw UserError("checkpoint tool: " + out + " exists; choose a new folder");
+  std::vector<ShardedParam> params;
+  for (const auto& [fqn, shape] : m.params) {
+    at::Tensor t = m.read(fqn).contiguous();
+    params.push_back({fqn, t, shape, 0, shape.empty() ? 1 : shape[0]});
+  }
+  ModelState ms(params, true);
+  if (!dtype.empty()) ms.set_export_dtype(dtype);
+  CheckpointOptions o;
+  o.enable = true;
+  o.folder = fs::path(out).parent_path().string();
+  o.model_name = m.model_name;
+  o.model_flavor = m.flavor;
+  CheckpointManager mgr(o, CheckpointComm::single_process());
+  mgr.add("model", &ms);
+  mgr.save_to(o.folder, step, /*model_only=*/true);
+}
+
+std::string shape_text(const std::vector<int64_t>& s) {
+  std::string o = "[";
+  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+  return o + "]";
+}
+
+}  // namespace
+
+std::string convert_checkpoint(const std::string& src, const std::string& dst, std::string to, const std::string& dtype,
+                               const std::string& model, const std::string& flavor) {
+  if (!dtype.empty()) export_dtype(dtype);  // validates
+  if (to.empty()) {
+    if (fs::path(dst).extension() == ".pt")
+      to = "consolidated";
+    else if (step_of_folder_name(dst) >= 0)
+      to = "sharded";
+    else
+      to = "hf";
+  }
+  const ModelTensors m = open_model(src, model, flavor);
+  if (to == "consolidated")
+    write_consolidated(m, dst, dtype);
+  else if (to == "hf")
+    write_hf(m, dst, dtype);
+  else if (to == "sharded")
+    write_sharded(m, dst, dtype);
+  else
+    throw UserError("checkpoint tool: --to " + to + " is not one of: sharded, consolidated, hf");
+  return m.form + " " + m.model_name + " \"" + m.flavor + "\" (" + std::to_string(m.params.size()) + " tensors, " +
+         (dtype.empty() ? m.dtype : dtype) + ") -> " + to + " " + dst;
+}
+
+std::string inspect_hf(const std::string& path, bool verify) {
+  HFCheckpoint hf(path);
+  const HFModelConfig& c = hf.config();
+  std::ostringstream out;
+  out << "HF safetensors checkpoint " << path << "\n"
+      << "  " << c.architecture << ": hidden " << c.hidden_size << ", layers " << c.num_hidden_layers << ", heads "
+      << c.num_attention_heads << " (kv " << c.num_key_value_heads << "), intermediate " << c.intermediate_size
+      << ", vocab " << c.vocab_size;
+  if (c.moe()) out << ", experts " << c.num_local_experts << " (top " << c.num_experts_per_tok << ")";
+  out << "\n  rope_theta " << c.rope_theta << (c.rope_scaling ? " (llama3 scaling)" : "") << ", rms_norm_eps "
+      << c.rms_norm_eps << ", torch_dtype " << c.torch_dtype << "\n";
+  for (const auto& [k, v] : hf.metadata()) out << "  metadata " << k << " = " << v << "\n";
+  const std::string flavor = find_flavor(c);
+  out << "  ctitan model: " << c.model_name() << " " << (flavor.empty() ? "(no matching flavor)" : flavor) << "\n";
+  const auto keys = hf.keys();
+  uint64_t bytes = 0;
+  for (const auto& k : keys) bytes += hf.info(k).end - hf.info(k).begin;
+  out << "  " << keys.size() << " tensors, " << bytes << " bytes\n";
+  for (const auto& k : keys) {
+    const auto& t = hf.info(k);
+    out << "  " << k << "  " << t.dtype << " " << shape_text(t.shape) << "  "
+        << fs::path(hf.file_of(k)).filename().string() << "\n";
+  }
+  if (fs::exists(fs::path(path) / "COMPLETE")) {
+    const int64_t step = step_of_folder_name(path);
+    const std::string why = step >= 0 ? ckpt::incomplete_reason(path, step) : "not in a step-<N> folder";
+    out << "  COMPLETE marker: " << (why.empty() ? "valid" : "INVALID: " + why) << "\n";
+  }
+  if (verify) {
+    for (const auto& [fqn, shape] : ctitan_params(c)) hf.check_param(fqn, shape);
+    for (const auto& k : keys) hf.read(k);
+    out << "  verified: every file's header is valid, every tensor readable, every ctitan parameter present\n";
+  }
+  return out.str();
+}
+
+void dump_logits(const std::string& src, const std::vector<int64_t>& tokens, const std::string& out_file) {
+  if (tokens.empty()) throw UserError("checkpoint tool: logits needs at least one token");
+  const ModelTensors m = open_model(src, "", "");
+  const int64_t vocab = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())
+                            .at("tok_embeddings.weight")
+                            .at(0);
+  for (int64_t t : tokens)
+    if (t < 0 || t >= vocab)
+      throw UserError("checkpoint tool: token " + std::to_string(t) + " is outside the vocabulary [0, " +
+                      std::to_string(vocab) + ")");
+  const int64_t T = static_cast<int64_t>(tokens.size());
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  if (m.model_name == "mixtral") {
+    auto a = mixtral::mixtral_flavor(m.flavor);
+    a.vocab_size = vocab;
+    a.max_seq_len = T;
+    mixtral::Transformer model(a);
+    module = model.ptr();
+    forward = [model](const at::Tensor& x) mutable { return model->forward(x); };
+  } else {
+    auto a = llama::llama3_flavor(m.flavor);
+    a.vocab_size = vocab;
+    a.max_seq_len = T;
+    llama::Transformer model(a);
+    module = model.ptr();
+    forward = [model](const at::Tensor& x) mutable { return model->forward(x); };
+  }
+  module->eval();
+  torch::NoGradGuard no_grad;
+  for (auto& kv : module->named_parameters()) kv.value().copy_(m.read(kv.key()));
+  auto x = torch::tensor(tokens, torch::kInt64).view({1, T});
+  at::Tensor logits = forward(x).to(torch::kFloat).view({T, vocab}).contiguous();  // [T, V]
+  auto tok = torch::tensor(tokens, torch::kInt64);
+  safetensors::Writer w(out_file, {{"logits", "F32", {T, vocab}}, {"tokens", "I64", {T}}},
+                        {{"source", src}, {"model", m.model_name + " " + m.flavor}});
+  for (const auto& spec : w.order()) {
+    const at::Tensor& t = spec.name == "logits" ? logits : tok;
+    w.write(spec.name, t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
+  }
+  w.commit();
+}
+
 int checkpoint_tool_main(const std::vector<std::string>& args) {
   const std::string usage =
-      "usage: checkpoint_tool inspect <checkpoint folder> [--verify]\n"
-      "       checkpoint_tool export <step folder> <out.pt> [--dtype float32|bfloat16|float16]\n";
+      "usage: checkpoint_tool inspect <checkpoint folder | step folder | HF folder> [--verify]\n"
+      "       checkpoint_tool export <step folder> <out.pt> [--dtype float32|bfloat16|float16]\n"
+      "       checkpoint_tool convert <src> <dst> [--to sharded|consolidated|hf] [--dtype D] [--model M] [--flavor F]\n"
+      "           src: a step folder, an HF safetensors folder or a consolidated .pt file; dst form from --to,\n"
+      "           else from its name (*.pt: consolidated, step-<N>: sharded, other: HF folder)\n"
+      "       checkpoint_tool logits <src> <token,token,...> <out.safetensors>\n"
+      "           runs the model (float32, one process) on the tokens; writes logits [T, V] and tokens [T]\n";
   try {
     if (args.size() >= 2 && args[0] == "inspect" && (args.size() == 2 || (args.size() == 3 && args[2] == "--verify"))) {
-      std::cout << inspect_checkpoint(args[1], args.size() == 3);
+      const bool verify = args.size() == 3;
+      std::error_code ec;
+      if (is_hf_folder(args[1]) && !fs::exists(fs::path(args[1]) / "metadata", ec))
+        std::cout << inspect_hf(args[1], verify);
+      else
+        std::cout << inspect_checkpoint(args[1], verify);
       return 0;
     }
     if (args.size() >= 3 && args[0] == "export" &&
         (args.size() == 3 || (args.size() == 5 && args[3] == "--dtype"))) {
       export_consolidated(args[1], args[2], args.size() == 5 ? args[4] : "");
       std::cout << "wrote " << args[2] << " (torch.load reads it: a dict of model tensors)\n";
+      return 0;
+    }
+    if (args.size() >= 3 && args[0] == "convert" && args.size() % 2 == 1) {
+      std::map<std::string, std::string> opt;
+      for (size_t i = 3; i + 1 < args.size(); i += 2) {
+        if (args[i] != "--to" && args[i] != "--dtype" && args[i] != "--model" && args[i] != "--flavor") {
+          std::cerr << "checkpoint_tool convert: unknown option " << args[i] << "\n" << usage;
+          return 2;
+        }
+        opt[args[i]] = args[i + 1];
+      }
+      std::cout << "converted " << convert_checkpoint(args[1], args[2], opt["--to"], opt["--dtype"], opt["--model"],
+                                                      opt["--flavor"])
+                << "\n";
+      return 0;
+    }
+    if (args.size() == 4 && args[0] == "logits") {
+      std::vector<int64_t> tokens;
+      std::stringstream ss(args[2]);
+      for (std::string t; std::getline(ss, t, ',');) {
+        size_t pos = 0;
+        long long v = 0;
+        try {
+          v = std::stoll(t, &pos);
+        } catch (const std::exception&) {
+          pos = std::string::npos;
+        }
+        if (pos != t.size()) throw UserError("checkpoint tool: \"" + t + "\" in the token list is not an integer");
+        tokens.push_back(v);
+      }
+      dump_logits(args[1], tokens, args[3]);
+      std::cout << "wrote " << args[3] << " (logits [" << tokens.size() << ", V] float32)\n";
       return 0;
     }
     std::cerr << usage;

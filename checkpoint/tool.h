@@ -1,11 +1,16 @@
-// Offline checkpoint tools: inspect a checkpoint folder, verify every checksum, and export
-// the model as one consolidated file that Python's torch.load reads.
+// Offline checkpoint tools: inspect a checkpoint folder or an HF safetensors folder, verify
+// every checksum, convert the model between the three forms (sharded step folder,
+// consolidated .pt that Python's torch.load reads, HF safetensors folder), and run the model
+// on given tokens (the HF parity script compares those logits with its own).
 //
-//   checkpoint_tool inspect  <step folder | checkpoint folder> [--verify]
+//   checkpoint_tool inspect  <step folder | checkpoint folder | HF folder> [--verify]
 //   checkpoint_tool export   <step folder> <out.pt> [--dtype float32|bfloat16|float16]
+//   checkpoint_tool convert  <src> <dst> [--to sharded|consolidated|hf] [--dtype D] [--model M] [--flavor F]
+//   checkpoint_tool logits   <src> <t0,t1,...> <out.safetensors>
 //
 // The executable is a two-line main calling checkpoint_tool_main (see the report / README).
 #pragma once
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -21,6 +26,21 @@ std::string inspect_checkpoint(const std::string& path, bool verify);
 // rng.) as full tensors, in `dtype` ("" = as saved), pickled as a {fqn: tensor} dict with
 // torch::pickle_save: Python reads it with torch.load(path). Written durably.
 void export_consolidated(const std::string& step_path, const std::string& out_file, const std::string& dtype);
+
+// The model of `src` (step folder, HF folder or .pt file) written to `dst` in form `to`
+// ("" = from dst's name: *.pt consolidated, step-<N> sharded, else HF), in `dtype` ("" = as
+// stored). model / flavor: for sources that do not record them ("" = inferred from shapes).
+// Returns a one-line summary.
+std::string convert_checkpoint(const std::string& src, const std::string& dst, std::string to, const std::string& dtype,
+                               const std::string& model, const std::string& flavor);
+
+// Config, metadata and every tensor (name, dtype, shape, file) of an HF folder; verify: also
+// reads every tensor and checks every ctitan parameter is present.
+std::string inspect_hf(const std::string& path, bool verify);
+
+// Runs the model held by `src` (any form) in float32 on one sequence of tokens and writes
+// a safetensors file with "logits" [T, V] (F32) and "tokens" [T] (I64).
+void dump_logits(const std::string& src, const std::vector<int64_t>& tokens, const std::string& out_file);
 
 // argv-style entry point of the tool; returns the process exit code (0 ok, 2 usage or
 // user error, 1 corrupt or I/O).

@@ -430,14 +430,14 @@ struct Checkpoint {
     v(initial_load_model_only, "initial_load_model_only", true,
       "Load only the model from initial_load_path", alias("initial_load_model_weights_only"));
     v(initial_load_in_hf, "initial_load_in_hf", false,
-      "initial_load_path is in HF safetensors format", supported_only({"false"}));
+      "initial_load_path (or model.hf_assets_path) is a folder of HF *.safetensors + config.json");
     v(initial_load_in_hf_quantized, "initial_load_in_hf_quantized", false,
       "initial_load_path holds quantized HF safetensors", supported_only({"false"}));
     v(last_save_model_only, "last_save_model_only", true,
       "The final save holds the model only (no optimizer or train state)",
       alias("last_save_model_weights_only").alias("model_weights_only"));
-    v(last_save_in_hf, "last_save_in_hf", false, "Write the final save as HF safetensors",
-      supported_only({"false"}));
+    v(last_save_in_hf, "last_save_in_hf", false,
+      "Write the final (model-only) save as HF safetensors + config.json in its step folder");
     v(export_dtype, "export_dtype", "float32", "Dtype of the final model-only save",
       one_of({"float16", "bfloat16", "float32"}));
     v(async_mode, "async_mode", "disabled", "Save in the background",

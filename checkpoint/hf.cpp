@@ -1,0 +1,551 @@
+// HF safetensors export / import; see hf.h.
+#include "checkpoint/hf.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <regex>
+#include <set>
+
+#include <torch/torch.h>
+
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/format.h"
+#include "config/errors.h"
+#include "datasets/json_lite.h"
+#include "models/llama/args.h"
+#include "models/mixtral/args.h"
+
+namespace fs = std::filesystem;
+
+namespace ctitan {
+namespace {
+
+// The shortest decimal that reads back as exactly v (JSON has no float type of its own).
+std::string num(double v) {
+  char buf[40];
+  if (v == std::floor(v) && std::fabs(v) < 1e15) {
+    std::snprintf(buf, sizeof buf, "%.1f", v);  // 500000.0, as HF writes integral floats
+    return buf;
+  }
+  for (int p = 1; p <= 17; ++p) {
+    std::snprintf(buf, sizeof buf, "%.*g", p, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  std::string s = buf;
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";  // a float, as HF writes it
+  return s;
+}
+
+at::ScalarType scalar_type_of(const std::string& st_dtype, const std::string& where) {
+  if (st_dtype == "F32") return at::kFloat;
+  if (st_dtype == "BF16") return at::kBFloat16;
+  if (st_dtype == "F16") return at::kHalf;
+  if (st_dtype == "F64") return at::kDouble;
+  throw UserError(where + " has dtype " + st_dtype + ", not a floating type ctitan loads (F32, BF16, F16, F64)");
+}
+
+std::string st_dtype_of(const std::string& dtype) {
+  if (dtype == "float32") return "F32";
+  if (dtype == "bfloat16") return "BF16";
+  if (dtype == "float16") return "F16";
+  throw UserError("HF export dtype \"" + dtype + "\" is not one of: float32, bfloat16, float16");
+}
+
+at::ScalarType torch_dtype_of(const std::string& dtype) {
+  if (dtype == "float32") return at::kFloat;
+  if (dtype == "bfloat16") return at::kBFloat16;
+  return at::kHalf;
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string o = "[";
+  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+  return o + "]";
+}
+
+int64_t row_numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (size_t i = 1; i < shape.size(); ++i) n *= shape[i];
+  return n;
+}
+
+}  // namespace
+
+// ---- config.json -------------------------------------------------------------------------------
+
+std::string HFModelConfig::to_json() const {
+  std::string s = "{\n";
+  auto field = [&](const std::string& k, const std::string& v) { s += "  \"" + k + "\": " + v + ",\n"; };
+  field("architectures", "[\"" + architecture + "\"]");
+  field("model_type", moe() ? "\"mixtral\"" : "\"llama\"");
+  field("hidden_size", std::to_string(hidden_size));
+  field("intermediate_size", std::to_string(intermediate_size));
+  field("num_attention_heads", std::to_string(num_attention_heads));
+  field("num_key_value_heads", std::to_string(num_key_value_heads));
+  field("head_dim", std::to_string(head_dim()));
+  field("num_hidden_layers", std::to_string(num_hidden_layers));
+  field("vocab_size", std::to_string(vocab_size));
+  field("max_position_embeddings", std::to_string(max_position_embeddings));
+  field("rms_norm_eps", num(rms_norm_eps));
+  field("rope_theta", num(rope_theta));
+  if (rope_scaling)
+    field("rope_scaling", "{\"rope_type\": \"llama3\", \"factor\": " + num(rope_scaling->scaling_factor) +
+                              ", \"low_freq_factor\": " + num(rope_scaling->low_freq_factor) +
+                              ", \"high_freq_factor\": " + num(rope_scaling->high_freq_factor) +
+                              ", \"original_max_position_embeddings\": " +
+                              std::to_string(rope_scaling->original_max_position_embeddings) + "}");
+  else
+    field("rope_scaling", "null");
+  if (moe()) {
+    field("num_local_experts", std::to_string(num_local_experts));
+    field("num_experts_per_tok", std::to_string(num_experts_per_tok));
+    field("router_aux_loss_coef", num(router_aux_loss_coef));
+    field("output_router_logits", "false");
+    field("sliding_window", "null");
+  } else {
+    field("attention_bias", "false");
+    field("mlp_bias", "false");
+  }
+  field("hidden_act", "\"silu\"");
+  field("attention_dropout", "0.0");
+  field("initializer_range", "0.02");
+  field("use_cache", "true");
+  field("tie_word_embeddings", tie_word_embeddings ? "true" : "false");
+  s += "  \"torch_dtype\": \"" + torch_dtype + "\"\n}\n";
+  return s;
+}
+
+HFModelConfig HFModelConfig::parse(const std::string& text, const std::string& where) {
+  json::Value root;
+  std::string err;
+  if (!json::parse(text, &root, &err) || root.type != json::Value::Type::Object)
+    throw UserError(where + " is not a JSON object" + (err.empty() ? "" : ": " + err));
+  auto get = [&](const json::Value& obj, const char* k) -> const json::Value* { return obj.find(k); };
+  auto integer = [&](const json::Value& obj, const char* k, bool required, int64_t dflt) {
+    const json::Value* v = get(obj, k);
+    int64_t x = 0;
+    if (!v || v->type == json::Value::Type::Null) {
+      if (required) throw UserError(where + " has no \"" + std::string(k) + "\"");
+      return dflt;
+    }
+    if (!v->as_int64(&x) || x < 0) throw UserError(where + ": \"" + std::string(k) + "\" is not a non-negative integer");
+    return x;
+  };
+  auto real = [&](const json::Value& obj, const char* k, double dflt) {
+    const json::Value* v = get(obj, k);
+    if (!v || v->type == json::Value::Type::Null) return dflt;
+    if (v->type != json::Value::Type::Number) throw UserError(where + ": \"" + std::string(k) + "\" is not a number");
+    return std::strtod(v->text.c_str(), nullptr);
+  };
+  HFModelConfig c;
+  const json::Value* arch = get(root, "architectures");
+  if (arch && arch->type == json::Value::Type::Array && !arch->items.empty() &&
+      arch->items[0].type == json::Value::Type::String)
+    c.architecture = arch->items[0].text;
+  if (c.architecture.empty()) {
+    const json::Value* mt = get(root, "model_type");
+    const std::string t = mt && mt->type == json::Value::Type::String ? mt->text : "";
+    c.architecture = t == "mixtral" ? "MixtralForCausalLM" : t == "llama" ? "LlamaForCausalLM" : "";
+  }
+  if (c.architecture != "LlamaForCausalLM" && c.architecture != "MixtralForCausalLM")
+    throw UserError(where + ": architecture \"" + c.architecture +
+                    "\" is not one ctitan loads (LlamaForCausalLM, MixtralForCausalLM)");
+  c.hidden_size = integer(root, "hidden_size", true, 0);
+  c.intermediate_size = integer(root, "intermediate_size", true, 0);
+  c.num_attention_heads = integer(root, "num_attention_heads", true, 0);
+  c.num_key_value_heads = integer(root, "num_key_value_heads", false, c.num_attention_heads);
+  c.num_hidden_layers = integer(root, "num_hidden_layers", true, 0);
+  c.vocab_size = integer(root, "vocab_size", true, 0);
+  c.max_position_embeddings = integer(root, "max_position_embeddings", false, 0);
+  if (c.num_attention_heads == 0 || c.hidden_size % c.num_attention_heads != 0)
+    throw UserError(where + ": hidden_size " + std::to_string(c.hidden_size) + " is not a multiple of num_attention_heads " +
+                    std::to_string(c.num_attention_heads));
+  if (const json::Value* hd = get(root, "head_dim"); hd && hd->type != json::Value::Type::Null) {
+    int64_t x = 0;
+    if (!hd->as_int64(&x) || x != c.head_dim())
+      throw UserError(where + ": head_dim " + hd->text + " is not hidden_size / num_attention_heads = " +
+                      std::to_string(c.head_dim()) + " (ctitan's attention requires it)");
+  }
+  c.rms_norm_eps = real(root, "rms_norm_eps", 1e-6);
+  c.rope_theta = real(root, "rope_theta", 10000);
+  if (const json::Value* rs = get(root, "rope_scaling"); rs && rs->type == json::Value::Type::Object) {
+    const json::Value* type = rs->find("rope_type");
+    if (!type) type = rs->find("type");
+    if (!type || type->type != json::Value::Type::String || type->text != "llama3")
+      throw UserError(where + ": rope_scaling of type \"" + (type ? type->text : std::string("?")) +
+                      "\" is not supported (ctitan implements \"llama3\")");
+    RoPEScalingArgs s;
+    s.scaling_factor = real(*rs, "factor", s.scaling_factor);
+    s.low_freq_factor = real(*rs, "low_freq_factor", s.low_freq_factor);
+    s.high_freq_factor = real(*rs, "high_freq_factor", s.high_freq_factor);
+    s.original_max_position_embeddings =
+        integer(*rs, "original_max_position_embeddings", false, s.original_max_position_embeddings);
+    c.rope_scaling = s;
+  }
+  if (c.moe()) {
+    c.num_local_experts = integer(root, "num_local_experts", true, 0);
+    c.num_experts_per_tok = integer(root, "num_experts_per_tok", true, 0);
+    c.router_aux_loss_coef = real(root, "router_aux_loss_coef", 0);
+  }
+  if (const json::Value* t = get(root, "tie_word_embeddings"); t && t->type == json::Value::Type::Bool)
+    c.tie_word_embeddings = t->boolean;
+  if (const json::Value* t = get(root, "torch_dtype"); t && t->type == json::Value::Type::String) c.torch_dtype = t->text;
+  return c;
+}
+
+HFModelConfig hf_config_for(const std::string& model_name, const std::string& flavor, int64_t vocab_size) {
+  HFModelConfig c;
+  if (model_name == "llama3") {
+    const llama::TransformerModelArgs a = llama::llama3_flavor(flavor);
+    c.architecture = "LlamaForCausalLM";
+    c.hidden_size = a.dim;
+    c.intermediate_size = llama::ffn_hidden_dim(a);
+    c.num_attention_heads = a.n_heads;
+    c.num_key_value_heads = a.kv_heads();
+    c.num_hidden_layers = a.n_layers;
+    c.max_position_embeddings = a.max_seq_len;
+    c.rms_norm_eps = a.norm_eps;
+    c.rope_theta = a.rope_theta;
+    c.rope_scaling = a.rope_scaling;
+  } else if (model_name == "mixtral") {
+    const mixtral::TransformerModelArgs a = mixtral::mixtral_flavor(flavor);
+    c.architecture = "MixtralForCausalLM";
+    c.hidden_size = a.dim;
+    c.intermediate_size = a.moe.hidden_dim;
+    c.num_attention_heads = a.n_heads;
+    c.num_key_value_heads = a.n_kv_heads;
+    c.num_hidden_layers = a.n_layers;
+    c.max_position_embeddings = a.max_seq_len;
+    c.rms_norm_eps = a.norm_eps;
+    c.rope_theta = a.rope_theta;
+    c.num_local_experts = a.moe.num_experts;
+    c.num_experts_per_tok = a.moe.top_k;
+    c.router_aux_loss_coef = a.moe.load_balance_loss_coeff;
+  } else {
+    throw UserError("HF interop: model \"" + model_name + "\" is not one of: llama3, mixtral");
+  }
+  c.vocab_size = vocab_size;
+  return c;
+}
+
+std::string structure_difference(const HFModelConfig& a, const HFModelConfig& b) {
+  auto d = [](const char* k, int64_t x, int64_t y) {
+    return x == y ? std::string() : std::string(k) + ": " + std::to_string(x) + " vs " + std::to_string(y);
+  };
+  if (a.architecture != b.architecture) return "architecture: " + a.architecture + " vs " + b.architecture;
+  for (const std::string& s :
+       {d("hidden_size", a.hidden_size, b.hidden_size), d("intermediate_size", a.intermediate_size, b.intermediate_size),
+        d("num_attention_heads", a.num_attention_heads, b.num_attention_heads),
+        d("num_key_value_heads", a.num_key_value_heads, b.num_key_value_heads),
+        d("num_hidden_layers", a.num_hidden_layers, b.num_hidden_layers), d("vocab_size", a.vocab_size, b.vocab_size),
+        d("num_local_experts", a.num_local_experts, b.num_local_experts),
+        d("num_experts_per_tok", a.num_experts_per_tok, b.num_experts_per_tok)})
+    if (!s.empty()) return s;
+  return "";
+}
+
+std::string find_flavor(const HFModelConfig& c) {
+  const auto names = c.moe() ? mixtral::mixtral_flavor_names() : llama::llama3_flavor_names();
+  for (const auto& f : names)
+    if (structure_difference(hf_config_for(c.model_name(), f, c.vocab_size), c).empty()) return f;
+  return "";
+}
+
+ParamList ctitan_params(const HFModelConfig& c) {
+  const int64_t D = c.hidden_size, hd = c.head_dim(), H = c.num_attention_heads, KV = c.num_key_value_heads;
+  const int64_t F = c.intermediate_size, V = c.vocab_size, E = c.num_local_experts;
+  ParamList p;
+  p.push_back({"tok_embeddings.weight", {V, D}});
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string l = "layers." + std::to_string(i) + ".";
+    p.push_back({l + "attention.wq.weight", {H * hd, D}});
+    p.push_back({l + "attention.wk.weight", {KV * hd, D}});
+    p.push_back({l + "attention.wv.weight", {KV * hd, D}});
+    p.push_back({l + "attention.wo.weight", {D, H * hd}});
+    if (c.moe()) {
+      p.push_back({l + "moe.router.gate.weight", {E, D}});
+      p.push_back({l + "moe.experts.w1", {E, F, D}});
+      p.push_back({l + "moe.experts.w2", {E, D, F}});
+      p.push_back({l + "moe.experts.w3", {E, F, D}});
+    } else {
+      p.push_back({l + "feed_forward.w1.weight", {F, D}});
+      p.push_back({l + "feed_forward.w2.weight", {D, F}});
+      p.push_back({l + "feed_forward.w3.weight", {F, D}});
+    }
+    p.push_back({l + "attention_norm.weight", {D}});
+    p.push_back({l + "ffn_norm.weight", {D}});
+  }
+  p.push_back({"norm.weight", {D}});
+  p.push_back({"output.weight", {V, D}});
+  return p;
+}
+
+std::vector<HFPiece> hf_pieces(const std::string& fqn, const std::vector<int64_t>& shape, const HFModelConfig& c) {
+  const int64_t rows = shape.empty() ? 1 : shape[0];
+  auto whole = [&](const std::string& key, int64_t rope_heads = 0) {
+    return std::vector<HFPiece>{{key, shape, 0, rows, rope_heads}};
+  };
+  if (fqn == "tok_embeddings.weight") return whole("model.embed_tokens.weight");
+  if (fqn == "norm.weight") return whole("model.norm.weight");
+  if (fqn == "output.weight") return whole("lm_head.weight");
+  static const std::regex layer_re(R"(layers\.([0-9]+)\.(.+))");
+  std::smatch m;
+  if (std::regex_match(fqn, m, layer_re)) {
+    const std::string l = "model.layers." + std::string(m[1]) + ".", rest = m[2];
+    static const std::map<std::string, std::string> plain = {
+        {"attention.wv.weight", "self_attn.v_proj.weight"},
+        {"attention.wo.weight", "self_attn.o_proj.weight"},
+        {"feed_forward.w1.weight", "mlp.gate_proj.weight"},
+        {"feed_forward.w3.weight", "mlp.up_proj.weight"},
+        {"feed_forward.w2.weight", "mlp.down_proj.weight"},
+        {"attention_norm.weight", "input_layernorm.weight"},
+        {"ffn_norm.weight", "post_attention_layernorm.weight"},
+        {"moe.router.gate.weight", "block_sparse_moe.gate.weight"}};
+    if (rest == "attention.wq.weight") return whole(l + "self_attn.q_proj.weight", c.num_attention_heads);
+    if (rest == "attention.wk.weight") return whole(l + "self_attn.k_proj.weight", c.num_key_value_heads);
+    if (auto it = plain.find(rest); it != plain.end()) return whole(l + it->second);
+    if (rest == "moe.experts.w1" || rest == "moe.experts.w2" || rest == "moe.experts.w3") {
+      std::vector<HFPiece> out;
+      const std::vector<int64_t> expert_shape(shape.begin() + 1, shape.end());
+      for (int64_t j = 0; j < rows; ++j)
+        out.push_back({l + "block_sparse_moe.experts." + std::to_string(j) + "." + rest.substr(12) + ".weight",
+                       expert_shape, j, j + 1, 0});
+      return out;
+    }
+  }
+  throw UserError("HF interop: ctitan parameter " + fqn + " has no Hugging Face name");
+}
+
+at::Tensor rope_rows_to_hf(const at::Tensor& w, int64_t heads) {
+  const int64_t rows = w.size(0), cols = w.size(1);
+  TORCH_CHECK(rows % (2 * heads) == 0, "[hf] ", rows, " rows do not split into ", heads, " heads of even size");
+  return w.view({heads, rows / heads / 2, 2, cols}).transpose(1, 2).reshape({rows, cols}).clone();
+}
+
+at::Tensor rope_rows_from_hf(const at::Tensor& w, int64_t heads) {
+  const int64_t rows = w.size(0), cols = w.size(1);
+  TORCH_CHECK(rows % (2 * heads) == 0, "[hf] ", rows, " rows do not split into ", heads, " heads of even size");
+  return w.view({heads, 2, rows / heads / 2, cols}).transpose(1, 2).reshape({rows, cols}).clone();
+}
+
+// ---- export -------------------------------------------------------------------------------------
+
+std::string write_hf_files(const std::string& dir, HFModelConfig c, const ParamList& params, const std::string& dtype,
+                           const std::function<at::Tensor(const std::string&)>& read_full,
+                           const std::map<std::string, std::string>& metadata) {
+  const std::string st_dtype = st_dtype_of(dtype);
+  const ParamList want = ctitan_params(c);
+  std::map<std::string, std::vector<int64_t>> have(params.begin(), params.end());
+  for (const auto& [fqn, shape] : want) {
+    auto it = have.find(fqn);
+    if (it == have.end()) throw UserError("HF export: the model has no parameter " + fqn + " (" + c.architecture + " needs it)");
+    if (it->second != shape)
+      throw UserError("HF export: " + fqn + " has shape " + shape_str(it->second) + ", config.json describes " +
+                      shape_str(shape));
+    have.erase(it);
+  }
+  if (!have.empty()) throw UserError("HF export: parameter " + have.begin()->first + " has no place in " + c.architecture);
+
+  std::vector<safetensors::TensorSpec> specs;
+  uint64_t total = 0;
+  for (const auto& [fqn, shape] : want)
+    for (const auto& piece : hf_pieces(fqn, shape, c)) {
+      specs.push_back({piece.key, st_dtype, piece.shape});
+      uint64_t n = safetensors::dtype_size(st_dtype);
+      for (int64_t d : piece.shape) n *= static_cast<uint64_t>(d);
+      total += n;
+    }
+  std::map<std::string, std::string> meta = metadata;
+  meta["format"] = "pt";
+  const std::string file = "model.safetensors";
+  safetensors::Writer w((fs::path(dir) / file).string(), specs, meta);
+  torch::NoGradGuard no_grad;
+  for (const auto& [fqn, shape] : want) {
+    at::Tensor t = read_full(fqn).to(torch_dtype_of(dtype)).contiguous();
+    TORCH_CHECK(t.sizes().vec() == shape, "[hf] read ", fqn, " with shape ", t.sizes(), ", expected ", shape_str(shape));
+    for (const auto& piece : hf_pieces(fqn, shape, c)) {
+      at::Tensor part = piece.rope_heads ? rope_rows_to_hf(t, piece.rope_heads)
+                                         : t.narrow(0, piece.row_begin, piece.row_end - piece.row_begin).contiguous();
+      w.write(piece.key, part.data_ptr(), static_cast<size_t>(part.numel()) * part.element_size());
+    }
+  }
+  w.commit();
+
+  std::vector<std::string> keys;
+  for (const auto& s : specs) keys.push_back(s.name);
+  std::sort(keys.begin(), keys.end());
+  std::string index = "{\n  \"metadata\": {\"total_size\": " + std::to_string(total) + "},\n  \"weight_map\": {\n";
+  for (size_t i = 0; i < keys.size(); ++i)
+    index += "    " + json::quote(keys[i]) + ": \"" + file + "\"" + (i + 1 < keys.size() ? "," : "") + "\n";
+  index += "  }\n}\n";
+  ckpt::write_file_durable((fs::path(dir) / "model.safetensors.index.json").string(), index);
+  c.torch_dtype = dtype;
+  ckpt::write_file_durable((fs::path(dir) / "config.json").string(), c.to_json());
+  return index;
+}
+
+std::string write_hf_from_checkpoint(const CheckpointReader& r, const std::string& dir, const std::string& dtype) {
+  const auto& m = r.meta();
+  if (!r.has("tok_embeddings.weight"))
+    throw UserError("checkpoint " + r.path() + " has no tok_embeddings.weight: not a model ctitan exports to HF");
+  const HFModelConfig c = hf_config_for(m.model_name, m.model_flavor, r.entry("tok_embeddings.weight").shape.at(0));
+  ParamList params;
+  for (const auto& [key, e] : m.entries)
+    if (!e.is_bytes && is_model_key(key)) params.push_back({key, e.shape});
+  const std::string d = dtype.empty() ? r.entry("tok_embeddings.weight").dtype : dtype;
+  return write_hf_files(dir, c, params, d, [&r](const std::string& fqn) { return r.read_tensor(fqn); },
+                        {{"ctitan.model", m.model_name + " " + m.model_flavor}, {"ctitan.step", std::to_string(m.step)}});
+}
+
+// ---- import -------------------------------------------------------------------------------------
+
+bool is_hf_folder(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return false;
+  for (const auto& de : fs::directory_iterator(path, ec))
+    if (de.path().extension() == ".safetensors") return true;
+  return false;
+}
+
+HFCheckpoint::HFCheckpoint(std::string dir) : dir_(std::move(dir)) {
+  std::error_code ec;
+  if (!fs::is_directory(dir_, ec)) throw UserError("HF checkpoint " + dir_ + " is not a folder");
+  const fs::path cfg = fs::path(dir_) / "config.json";
+  if (!fs::exists(cfg, ec)) throw UserError("HF checkpoint " + dir_ + " has no config.json");
+  config_ = HFModelConfig::parse(ckpt::read_whole_file(cfg.string()), cfg.string());
+  std::vector<std::string> names;
+  for (const auto& de : fs::directory_iterator(dir_, ec))
+    if (de.path().extension() == ".safetensors") names.push_back(de.path().filename().string());
+  std::sort(names.begin(), names.end());
+  if (names.empty()) throw UserError("HF checkpoint " + dir_ + " holds no *.safetensors file");
+  for (const auto& n : names) {
+    files_.push_back(safetensors::read_header((fs::path(dir_) / n).string()));
+    const auto& h = files_.back();
+    for (size_t t = 0; t < h.tensors.size(); ++t) {
+      auto [it, fresh] = where_.emplace(h.tensors[t].name, std::make_pair(files_.size() - 1, t));
+      if (!fresh)
+        throw RuntimeFailure("HF checkpoint " + dir_ + ": tensor " + h.tensors[t].name + " is in both " +
+                             fs::path(files_[it->second.first].file).filename().string() + " and " + n);
+    }
+  }
+  metadata_ = files_.front().metadata;
+  const fs::path index = fs::path(dir_) / "model.safetensors.index.json";
+  if (fs::exists(index, ec)) {
+    json::Value root;
+    std::string err;
+    const std::string where = "HF checkpoint index " + index.string();
+    if (!json::parse(ckpt::read_whole_file(index.string()), &root, &err) || root.type != json::Value::Type::Object)
+      throw RuntimeFailure(where + " is not a JSON object" + (err.empty() ? "" : ": " + err));
+    const json::Value* map = root.find("weight_map");
+    if (!map || map->type != json::Value::Type::Object) throw RuntimeFailure(where + " has no weight_map object");
+    std::set<std::string> listed;
+    for (const auto& [key, file] : map->members) {
+      auto it = where_.find(key);
+      if (file.type != json::Value::Type::String || it == where_.end() ||
+          fs::path(files_[it->second.first].file).filename().string() != file.text)
+        throw RuntimeFailure(where + " maps " + key + " to " + (file.type == json::Value::Type::String ? file.text : "?") +
+                             ", which does not hold it");
+      listed.insert(key);
+    }
+    for (const auto& [key, loc] : where_)
+      if (!listed.count(key)) throw RuntimeFailure(where + " does not list tensor " + key);
+  }
+}
+
+std::vector<std::string> HFCheckpoint::keys() const {
+  std::vector<std::string> k;
+  for (const auto& kv : where_) k.push_back(kv.first);
+  return k;
+}
+
+std::string HFCheckpoint::resolve(const std::string& key) const {
+  // Tied embeddings (e.g. Llama 3.2 1B): no lm_head.weight, the output reuses embed_tokens.
+  if (key == "lm_head.weight" && !where_.count(key) && config_.tie_word_embeddings) return "model.embed_tokens.weight";
+  return key;
+}
+
+const safetensors::TensorInfo& HFCheckpoint::info(const std::string& key) const {
+  auto it = where_.find(resolve(key));
+  if (it == where_.end()) throw RuntimeFailure("HF checkpoint " + dir_ + " has no tensor " + key);
+  return files_[it->second.first].tensors[it->second.second];
+}
+
+std::string HFCheckpoint::file_of(const std::string& key) const {
+  auto it = where_.find(resolve(key));
+  if (it == where_.end()) throw RuntimeFailure("HF checkpoint " + dir_ + " has no tensor " + key);
+  return files_[it->second.first].file;
+}
+
+at::Tensor HFCheckpoint::read(const std::string& key) const {
+  const auto& t = info(key);
+  const auto& h = files_[where_.at(resolve(key)).first];
+  auto out = torch::empty(t.shape, torch::TensorOptions().dtype(scalar_type_of(t.dtype, h.file + " tensor " + key)));
+  safetensors::read_bytes(h, t, 0, t.end - t.begin, out.data_ptr());
+  return out;
+}
+
+void HFCheckpoint::check_param(const std::string& fqn, const std::vector<int64_t>& shape) const {
+  for (const auto& piece : hf_pieces(fqn, shape, config_)) {
+    auto it = where_.find(resolve(piece.key));
+    if (it == where_.end())
+      throw UserError("HF checkpoint " + dir_ + " has no tensor " + piece.key + " (ctitan's " + fqn + ")");
+    const auto& t = files_[it->second.first].tensors[it->second.second];
+    if (t.shape != piece.shape)
+      throw UserError("HF checkpoint " + dir_ + ": " + piece.key + " has shape " + shape_str(t.shape) +
+                      ", this run's " + fqn + " needs " + shape_str(piece.shape));
+    scalar_type_of(t.dtype, "HF checkpoint " + dir_ + ": " + piece.key);
+  }
+}
+
+void HFCheckpoint::read_param_rows(const std::string& fqn, const std::vector<int64_t>& shape, int64_t begin,
+                                   int64_t end, const at::Tensor& dest) const {
+  torch::NoGradGuard no_grad;
+  const int64_t rows = shape.empty() ? 1 : shape[0], rn = row_numel(shape);
+  TORCH_CHECK(0 <= begin && begin <= end && end <= rows, "[hf] rows [", begin, ", ", end, ") of ", fqn,
+              " outside [0, ", rows, ")");
+  TORCH_CHECK(dest.is_contiguous(), "[hf] destination of ", fqn, " must be contiguous");
+  at::Tensor d2 = dest.dim() == 0 ? dest.view({1, 1}) : dest.view({dest.size(0), -1});
+  TORCH_CHECK(d2.size(0) >= end - begin && d2.size(1) == rn, "[hf] destination of ", fqn, " has the wrong shape");
+  for (const auto& piece : hf_pieces(fqn, shape, config_)) {
+    const int64_t s = std::max(begin, piece.row_begin), t = std::min(end, piece.row_end);
+    if (s >= t) continue;
+    const auto& info_ = info(piece.key);
+    const auto& h = files_[where_.at(resolve(piece.key)).first];
+    const at::ScalarType st = scalar_type_of(info_.dtype, h.file + " tensor " + piece.key);
+    at::Tensor src;
+    if (piece.rope_heads) {
+      // Rows of one head come from all over the HF tensor: read it whole and reorder.
+      src = rope_rows_from_hf(read(piece.key), piece.rope_heads).view({rows, rn}).narrow(0, s, t - s);
+    } else {
+      const uint64_t row_bytes = static_cast<uint64_t>(rn) * safetensors::dtype_size(info_.dtype);
+      src = torch::empty({t - s, rn}, torch::TensorOptions().dtype(st));
+      safetensors::read_bytes(h, info_, (s - piece.row_begin) * row_bytes, (t - piece.row_begin) * row_bytes,
+                              src.data_ptr());
+    }
+    d2.narrow(0, s - begin, t - s).copy_(src);
+  }
+  if (d2.size(0) > end - begin) d2.narrow(0, end - begin, d2.size(0) - (end - begin)).zero_();
+}
+
+at::Tensor HFCheckpoint::read_param(const std::string& fqn, const std::vector<int64_t>& shape) const {
+  const auto pieces = hf_pieces(fqn, shape, config_);
+  const auto& first = info(pieces.at(0).key);
+  auto out = torch::empty(shape, torch::TensorOptions().dtype(scalar_type_of(first.dtype, dir_ + " tensor " + first.name)));
+  read_param_rows(fqn, shape, 0, shape.empty() ? 1 : shape[0], out);
+  return out;
+}
+
+std::vector<std::string> HFCheckpoint::unused_keys(const ParamList& params) const {
+  std::set<std::string> used;
+  for (const auto& [fqn, shape] : params)
+    for (const auto& p : hf_pieces(fqn, shape, config_)) used.insert(resolve(p.key));
+  std::vector<std::string> out;
+  for (const auto& kv : where_)
+    if (!used.count(kv.first)) out.push_back(kv.first);
+  return out;
+}
+
+}  // namespace ctitan

@@ -1,0 +1,157 @@
+// Hugging Face interop: the model as a folder of safetensors files with HF's names, plus a
+// config.json, written from and read into ctitan's parameters (torchtitan's state-dict
+// adapter, done here in C++).
+//
+//   <folder>/model.safetensors               every tensor (HF names, export dtype)
+//   <folder>/model.safetensors.index.json    {"metadata": {"total_size": n}, "weight_map": {...}}
+//   <folder>/config.json                     LlamaForCausalLM / MixtralForCausalLM fields
+//   <folder>/COMPLETE                        (step folders of a run) written last, see format.h
+// Reading accepts any folder of *.safetensors files with a config.json (the index is
+// checked when present), so checkpoints from HF's hub load too.
+//
+// Names (Llama; HF ← ctitan):
+//   model.embed_tokens.weight                       tok_embeddings.weight
+//   model.layers.{i}.self_attn.{q,k,v,o}_proj.weight layers.{i}.attention.{wq,wk,wv,wo}.weight
+//   model.layers.{i}.mlp.{gate,up,down}_proj.weight  layers.{i}.feed_forward.{w1,w3,w2}.weight
+//   model.layers.{i}.input_layernorm.weight          layers.{i}.attention_norm.weight
+//   model.layers.{i}.post_attention_layernorm.weight layers.{i}.ffn_norm.weight
+//   model.norm.weight, lm_head.weight                norm.weight, output.weight
+// Mixtral: the attention and norms as Llama, and per block
+//   model.layers.{i}.block_sparse_moe.gate.weight           layers.{i}.moe.router.gate.weight
+//   model.layers.{i}.block_sparse_moe.experts.{j}.w{1,2,3}.weight  row j of
+//                                                            layers.{i}.moe.experts.w{1,2,3}
+// (ctitan's grouped [E, ...] expert tensors are split into E HF tensors). ctitan's
+// expert_bias (auxiliary-loss-free balancing) has no HF counterpart and is not exported; with
+// moe.expert_bias_update_rate unset, as in the shipped configs, it is zero anyway.
+//
+// Rotary embedding layout: ctitan (as Meta's Llama and torchtitan) rotates interleaved pairs
+// (0,1), (2,3), ... of each head; HF's rotate_half pairs dimension i with i + hd/2. HF's
+// q_proj / k_proj therefore hold wq / wk with each head's rows reordered:
+//   HF row h·hd + j·hd/2 + i  =  ctitan row h·hd + 2i + j      (i < hd/2, j ∈ {0, 1})
+// (torchtitan's _permute: view [H, hd/2, 2, D], swap dims 1 and 2); loading reverses it.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/Tensor.h>
+
+#include "checkpoint/safetensors.h"
+#include "models/rope_args.h"
+
+namespace ctitan {
+
+class CheckpointReader;
+
+// What config.json says about the model (the fields ctitan writes and checks).
+struct HFModelConfig {
+  std::string architecture;  // LlamaForCausalLM | MixtralForCausalLM
+  int64_t hidden_size = 0, intermediate_size = 0, num_attention_heads = 0, num_key_value_heads = 0,
+          num_hidden_layers = 0, vocab_size = 0, max_position_embeddings = 0;
+  double rms_norm_eps = 1e-5, rope_theta = 10000;
+  std::optional<RoPEScalingArgs> rope_scaling;  // rope_type "llama3"
+  int64_t num_local_experts = 0, num_experts_per_tok = 0;  // Mixtral
+  double router_aux_loss_coef = 0;
+  bool tie_word_embeddings = false;
+  std::string torch_dtype = "float32";
+
+  bool moe() const { return architecture == "MixtralForCausalLM"; }
+  int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  std::string model_name() const { return moe() ? "mixtral" : "llama3"; }
+  std::string to_json() const;
+  // UserError "<where>: ..." when a needed field is missing or malformed.
+  static HFModelConfig parse(const std::string& text, const std::string& where);
+};
+
+// The config of ctitan's model `name` ("llama3" | "mixtral") of `flavor`, with the vocabulary
+// the run's tokenizer gave it. UserError for an unknown name or flavor.
+HFModelConfig hf_config_for(const std::string& model_name, const std::string& flavor, int64_t vocab_size);
+// The flavor of `name` whose structure (sizes, heads, layers, experts) the config describes, or
+// "" when none does.
+std::string find_flavor(const HFModelConfig& c);
+// "" when a and b describe the same structure (sizes, heads, layers, experts, vocabulary),
+// else the first difference: "num_hidden_layers: 6 vs 4".
+std::string structure_difference(const HFModelConfig& a, const HFModelConfig& b);
+
+// ctitan's parameters of the model the config describes (names and shapes), in the order
+// of named_parameters().
+using ParamList = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+ParamList ctitan_params(const HFModelConfig& c);
+
+// One HF tensor holding rows [row_begin, row_end) of a ctitan parameter (dim 0): the whole
+// parameter, or one expert of a grouped expert tensor. rope_heads > 0: the rows are stored
+// in HF's rotary order for that many heads (q_proj, k_proj).
+struct HFPiece {
+  std::string key;
+  std::vector<int64_t> shape;
+  int64_t row_begin = 0, row_end = 0;
+  int64_t rope_heads = 0;
+};
+// UserError when `fqn` has no HF name.
+std::vector<HFPiece> hf_pieces(const std::string& fqn, const std::vector<int64_t>& shape, const HFModelConfig& c);
+
+// w [H·hd, D] in ctitan's rotary order -> HF's, and back (torchtitan's _permute /
+// _reverse_permute). New tensors.
+at::Tensor rope_rows_to_hf(const at::Tensor& w, int64_t heads);
+at::Tensor rope_rows_from_hf(const at::Tensor& w, int64_t heads);
+
+// Writes model.safetensors, model.safetensors.index.json and config.json (durably) into
+// the existing folder `dir`. params must be exactly ctitan_params(c) (UserError naming the
+// first difference otherwise); read_full(fqn) returns a parameter's full tensor. Tensors
+// are written in `dtype` (float32 | bfloat16 | float16); metadata goes to __metadata__
+// next to "format": "pt". Returns the index file's text (for the COMPLETE marker).
+std::string write_hf_files(const std::string& dir, HFModelConfig c, const ParamList& params, const std::string& dtype,
+                           const std::function<at::Tensor(const std::string&)>& read_full,
+                           const std::map<std::string, std::string>& metadata);
+
+// The model of a ctitan checkpoint (any saved sharding) as HF files in the existing folder
+// `dir`, in `dtype` ("" = as saved). __metadata__ records "ctitan.model" = "<name> <flavor>"
+// and "ctitan.step". Returns the index text.
+std::string write_hf_from_checkpoint(const CheckpointReader& r, const std::string& dir, const std::string& dtype);
+
+// True when `path` is a folder holding a *.safetensors file.
+bool is_hf_folder(const std::string& path);
+
+// A folder of safetensors files and a config.json, opened for reading (headers validated,
+// the index checked against the files when present).
+class HFCheckpoint {
+ public:
+  // UserError when the folder or config.json is missing or holds no *.safetensors; a
+  // RuntimeFailure naming the file for any malformed safetensors file or index.
+  explicit HFCheckpoint(std::string dir);
+  const std::string& path() const { return dir_; }
+  const HFModelConfig& config() const { return config_; }
+  // __metadata__ of the first file (ctitan writes "ctitan.model" = "<name> <flavor>",
+  // "ctitan.step").
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  std::vector<std::string> keys() const;  // sorted
+  const safetensors::TensorInfo& info(const std::string& key) const;  // RuntimeFailure when absent
+  std::string file_of(const std::string& key) const;
+  at::Tensor read(const std::string& key) const;  // the whole tensor, file dtype
+
+  // ctitan's view. UserError unless every HF tensor of `fqn` exists with the right shape and
+  // a floating dtype.
+  void check_param(const std::string& fqn, const std::vector<int64_t>& shape) const;
+  // Global rows [begin, end) of parameter fqn (shape = its global shape) into
+  // dest[0 : end-begin], converted to dest's dtype; rows of dest past that zeroed (FSDP
+  // padding). Only the rows needed are read, except for q/k projections (whole tensor).
+  void read_param_rows(const std::string& fqn, const std::vector<int64_t>& shape, int64_t begin, int64_t end,
+                       const at::Tensor& dest) const;
+  at::Tensor read_param(const std::string& fqn, const std::vector<int64_t>& shape) const;  // file dtype
+  // HF keys no ctitan parameter in `params` uses (e.g. rotary_emb.inv_freq).
+  std::vector<std::string> unused_keys(const ParamList& params) const;
+
+ private:
+  std::string resolve(const std::string& key) const;  // lm_head.weight -> embed_tokens when tied
+  std::string dir_;
+  HFModelConfig config_;
+  std::vector<safetensors::Header> files_;
+  std::map<std::string, std::pair<size_t, size_t>> where_;  // key -> (file, tensor index)
+  std::map<std::string, std::string> metadata_;
+};
+
+}  // namespace ctitan
