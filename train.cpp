@@ -424,8 +424,12 @@ std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, 
     }
     par.shard = Comm::single("local");
   }
-  auto opts = fsdp_options(cfg.parallelism.fsdp_reshard_after_forward, cfg.training.mixed_precision_param,
-                           cfg.training.mixed_precision_reduce);
+  // One process: freeing the bf16 copies after forward saves little and costs a second cast
+  // in backward, so "default" keeps them (explicit "always" still frees).
+  const std::string reshard = par.dims.dp() <= 1 && cfg.parallelism.fsdp_reshard_after_forward == "default"
+                                  ? "never"
+                                  : cfg.parallelism.fsdp_reshard_after_forward;
+  auto opts = fsdp_options(reshard, cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce);
   opts.prefetch = cfg.parallelism.fsdp_prefetch;
   auto fsdp = std::make_shared<FSDP>(model.units(), par.shard, par.replicate, opts);
   model.set_unit_wrapper(fsdp->wrapper());

@@ -1,17 +1,119 @@
 #include "components/optimizer.h"
 
+#include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 #include "config/errors.h"
 
 namespace ctitan {
 
+namespace {
+
+// Elements per work item of the fused loops: fixed (not derived from the thread count), so
+// reductions add the same partial sums in the same order whatever the threads.
+constexpr int64_t kChunk = 1 << 16;
+
+// torch::optim::AdamW's update in one pass over (param, grad, exp_avg, exp_avg_sq) instead
+// of ~ten: same state objects and keys (checkpoints cannot tell them apart), same formula
+// in the same order of operations, float32 arithmetic per element:
+//   p ← p·(1 − lr·wd);  m ← β1·m + (1 − β1)·g;  v ← β2·v + (1 − β2)·g²;
+//   p ← p − (lr / bc1) · m / (√v / √bc2 + eps),  bc_i = 1 − β_i^step.
+// The eleven-pass version reads and writes 33M-parameter state ~14 times per step; on a
+// memory-bound CPU that is a measurable share of a step.
+class FusedAdamW : public torch::optim::AdamW {
+ public:
+  using torch::optim::AdamW::AdamW;
+
+  torch::Tensor step(LossClosure closure = nullptr) override {
+    TORCH_CHECK(closure == nullptr, "[optimizer] FusedAdamW takes no closure");
+    torch::NoGradGuard no_grad;
+    for (auto& group : param_groups_) {
+      const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+      TORCH_CHECK(!o.amsgrad(), "[optimizer] FusedAdamW does not implement amsgrad");
+      for (auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        TORCH_CHECK(p.scalar_type() == torch::kFloat && p.is_contiguous() && p.grad().is_contiguous() &&
+                        p.grad().scalar_type() == torch::kFloat,
+                    "[optimizer] FusedAdamW needs contiguous float32 parameters and gradients");
+        auto& st = state_for(p);
+        st.step(st.step() + 1);
+        update(p, p.grad(), st.exp_avg(), st.exp_avg_sq(), o, st.step());
+      }
+    }
+    return {};
+  }
+
+ private:
+  torch::optim::AdamWParamState& state_for(const torch::Tensor& p) {
+    const auto key = c10::guts::to_string(p.unsafeGetTensorImpl());  // torch's key
+    auto it = state_.find(key);
+    if (it == state_.end()) {
+      auto s = std::make_unique<torch::optim::AdamWParamState>();
+      s->step(0);
+      s->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+      s->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+      it = state_.emplace(key, std::move(s)).first;
+    }
+    return static_cast<torch::optim::AdamWParamState&>(*it->second);
+  }
+
+  static void update(const torch::Tensor& p, const torch::Tensor& g, const torch::Tensor& m,
+                     const torch::Tensor& v, const torch::optim::AdamWOptions& o, int64_t step) {
+    const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
+    const float decay = static_cast<float>(1.0 - o.lr() * o.weight_decay());
+    const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2);
+    const float c1 = static_cast<float>(1.0 - b1), c2 = static_cast<float>(1.0 - b2);
+    const double bc1 = 1.0 - std::pow(b1, static_cast<double>(step));
+    const double bc2 = 1.0 - std::pow(b2, static_cast<double>(step));
+    const float sqrt_bc2 = static_cast<float>(std::sqrt(bc2));
+    const float eps = static_cast<float>(o.eps());
+    const float step_size = static_cast<float>(o.lr() / bc1);
+    float* P = p.data_ptr<float>();
+    const float* G = g.data_ptr<float>();
+    float* M = m.data_ptr<float>();
+    float* V = v.data_ptr<float>();
+    at::parallel_for(0, p.numel(), kChunk, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float gi = G[i];
+        const float pi = P[i] * decay;
+        const float mi = M[i] * fb1 + gi * c1;
+        const float vi = V[i] * fb2 + gi * gi * c2;
+        M[i] = mi;
+        V[i] = vi;
+        P[i] = pi - step_size * (mi / (std::sqrt(vi) / sqrt_bc2 + eps));
+      }
+    });
+  }
+};
+
+// Σ x² of a float32 tensor in float64, one pass: fixed-size chunks summed in index order.
+double sum_of_squares(const torch::Tensor& t) {
+  const auto c = t.contiguous();
+  if (c.scalar_type() != torch::kFloat) return c.to(torch::kFloat64).pow(2).sum().item<double>();
+  const float* x = c.data_ptr<float>();
+  const int64_t n = c.numel(), chunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> partial(chunks, 0.0);
+  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; ++k) {
+      double acc = 0.0;
+      for (int64_t i = k * kChunk, end = std::min(n, (k + 1) * kChunk); i < end; ++i)
+        acc += static_cast<double>(x[i]) * x[i];
+      partial[k] = acc;
+    }
+  });
+  double total = 0.0;
+  for (double v : partial) total += v;
+  return total;
+}
+
+}  // namespace
+
 std::unique_ptr<torch::optim::Optimizer> build_optimizer(std::vector<torch::Tensor> params,
                                                          const OptimizerSpec& s) {
   if (s.name == "AdamW") {
     auto o = torch::optim::AdamWOptions(s.lr).betas({s.beta1, s.beta2}).eps(s.eps).weight_decay(
         s.weight_decay);
-    return std::make_unique<torch::optim::AdamW>(std::move(params), o);
+    return std::make_unique<FusedAdamW>(std::move(params), o);
   }
   if (s.name == "Adam") {
     auto o = torch::optim::AdamOptions(s.lr).betas({s.beta1, s.beta2}).eps(s.eps).weight_decay(
@@ -47,12 +149,9 @@ double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
                       const std::function<double(double)>& all_reduce_sum) {
   torch::NoGradGuard no_grad;
   // Sum of squares in fp64 so the norm does not depend on how the sum is split (shards).
-  auto total = torch::zeros({}, torch::kFloat64);
-  for (const auto& p : params) {
-    const auto& g = p.grad();
-    if (g.defined()) total += g.to(torch::kFloat64).pow(2).sum();
-  }
-  double sq = total.item<double>();
+  double sq = 0.0;
+  for (const auto& p : params)
+    if (p.grad().defined()) sq += sum_of_squares(p.grad());
   if (all_reduce_sum) sq = all_reduce_sum(sq);
   const double norm = std::sqrt(sq);
   if (max_norm > 0 && std::isfinite(norm)) {

@@ -156,7 +156,9 @@ void check_block_parity(torch::ScalarType dtype, double fwd_tol, double grad_tol
 // ---------------------------------------------------------------------------------------
 TEST(LlamaArgs, FlavorsMatchTorchtitan) {
   const auto names = llama3_flavor_names();
-  EXPECT_EQ(names, (std::vector<std::string>{"debugmodel", "33M", "150M", "8B", "70B", "405B"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"debugmodel", "debugmodel_gqa", "33M", "150M", "8B", "70B", "405B"}));
+  EXPECT_EQ(llama3_flavor("debugmodel_gqa").kv_heads(), 8);
+  EXPECT_EQ(llama3_flavor("debugmodel_gqa").dim, 256);
 
   const auto d = llama3_flavor("debugmodel");
   EXPECT_EQ(d.dim, 256);
@@ -195,7 +197,7 @@ TEST(LlamaArgs, BadFlavorErrorText) {
     FAIL() << "expected UserError";
   } catch (const UserError& e) {
     EXPECT_STREQ(e.what(),
-                 "unknown model.flavor \"7B\" for llama3; valid: debugmodel, 33M, 150M, 8B, 70B, 405B");
+                 "unknown model.flavor \"7B\" for llama3; valid: debugmodel, debugmodel_gqa, 33M, 150M, 8B, 70B, 405B");
   }
 }
 

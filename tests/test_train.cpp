@@ -95,7 +95,7 @@ TEST_F(TrainE2E, BadConfigExitsTwoWithOneLineAndWritesNothing) {
       {" --lr_scheduler.decay_type exp", "lr_scheduler.decay_type = \"exp\" is not one of: linear, sqrt, cosine"},
       {" --training.steps 0", "training.steps = 0 is out of range (must be >= 1)"},
       {" --training.global_batch_size 6", "training.global_batch_size=6 is not a multiple of local_batch_size (4) × dp (1)"},
-      {" --model.flavor 9B", "unknown model.flavor \"9B\" for llama3; valid: debugmodel, 33M, 150M, 8B, 70B, 405B"},
+      {" --model.flavor 9B", "unknown model.flavor \"9B\" for llama3; valid: debugmodel, debugmodel_gqa, 33M, 150M, 8B, 70B, 405B"},
       {" --compile.enable", "not supported yet: compile.enable = true (ctitan supports: false)"},
   };
   for (const auto& c : cases) {

@@ -50,11 +50,16 @@ TransformerModelArgs make_small(int64_t dim, int64_t n_layers, int64_t n_heads, 
 }  // namespace
 
 std::vector<std::string> llama3_flavor_names() {
-  return {"debugmodel", "33M", "150M", "8B", "70B", "405B"};
+  return {"debugmodel", "debugmodel_gqa", "33M", "150M", "8B", "70B", "405B"};
 }
 
 TransformerModelArgs llama3_flavor(const std::string& flavor) {
   if (flavor == "debugmodel") return make_debugmodel();
+  if (flavor == "debugmodel_gqa") {  // ctitan's: debugmodel with 8 kv heads (the perf bench's model)
+    auto a = make_debugmodel();
+    a.n_kv_heads = 8;
+    return a;
+  }
   if (flavor == "33M") return make_small(512, 8, 8, 4);
   if (flavor == "150M") return make_small(1024, 12, 16, 8);
   if (flavor == "8B") return make_large(4096, 32, 32, 1.3, 1024);
