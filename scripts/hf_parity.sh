@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# HF parity check (not a unit test): train briefly on 2 FSDP ranks with
+# checkpoint.last_save_in_hf, then compare ctitan's logits on a sentence of Moby-Dick with
+# an independent HF-convention forward in Python over the exported safetensors
+# (scripts/hf_parity.py, Debian's python3-torch), and check that the consolidated .pt
+# export, read by torch.load, holds the same tensors. Llama debug model, then Mixtral's.
+#
+#   scripts/hf_parity.sh                # both models; exit 0 when every check passes
+#   MODELS=llama3 scripts/hf_parity.sh  # one of them
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+cd "$CTITAN_ROOT"
+ctitan_ensure_deps
+ctitan_build train checkpoint_tool ctitan_spm_shim >&2
+ctitan_ensure_default_corpus
+/usr/bin/python3 -c 'import torch' 2>/dev/null || { echo "hf_parity: needs Debian's python3-torch (scripts/install_deps.sh --bench)" >&2; exit 2; }
+
+OUT="$(mktemp -d)"
+trap 'rm -rf "$OUT"' EXIT
+TOOL="$CTITAN_BUILD_DIR/checkpoint_tool"
+TEXT="Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my purse, and nothing particular to interest me on shore, I thought I would sail about a little and see the watery part of the world."
+TOKENS=$(echo "$TEXT" | spm_encode --model="$CTITAN_DEFAULT_TOKENIZER" --output_format=id | tr ' ' ',')
+
+status=0
+for model in ${MODELS:-llama3 mixtral}; do
+  config=train_configs/debug_model.toml
+  [[ $model == mixtral ]] && config=train_configs/mixtral_debug.toml
+  dump="$OUT/$model"
+  CONFIG_FILE=$config NPROC=2 "$CTITAN_ROOT/scripts/run_train.sh" --training.steps 20 --training.seq_len 64 \
+    --training.local_batch_size 2 --lr_scheduler.warmup_steps 2 --metrics.log_freq 20 --debug.seed 3 \
+    --checkpoint.enable --checkpoint.interval 1000 --checkpoint.last_save_in_hf \
+    --job.dump_folder "$dump" >"$dump.log" 2>&1 \
+    || { echo "hf_parity: training $model failed:" >&2; tail -20 "$dump.log" >&2; exit 1; }
+  hf="$dump/checkpoint/step-20"
+  "$TOOL" logits "$hf" "$TOKENS" "$OUT/$model.logits.safetensors" >/dev/null
+  "$TOOL" convert "$hf" "$OUT/$model.pt" >/dev/null
+  /usr/bin/python3 "$CTITAN_ROOT/scripts/hf_parity.py" --hf "$hf" --logits "$OUT/$model.logits.safetensors" \
+    --pt "$OUT/$model.pt" || status=1
+done
+exit $status
