@@ -20,6 +20,7 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
+#include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/torch.h>
 
 #include "checkpoint/checkpoint.h"
@@ -274,6 +275,22 @@ void maybe_trace_batch(const Batch& b, int64_t rank, int64_t step) {
     out << ' ' << b.labels[i * b.seq + b.seq - 1] << '\n';
   }
   out.flush();
+}
+
+// profiling.enable_profiling: every profile_freq-th step is recorded by LibTorch's profiler
+// (op names, shapes off) into a Chrome trace, in torchtitan's folder layout.
+std::string profile_path(const JobConfig& cfg, int64_t rank, int64_t step) {
+  return (std::filesystem::path(cfg.job.dump_folder) / cfg.profiling.save_traces_folder /
+          ("iteration_" + std::to_string(step)) / ("rank" + std::to_string(rank) + "_trace.json"))
+      .string();
+}
+
+std::unique_ptr<torch::autograd::profiler::RecordProfile> maybe_profile(const JobConfig& cfg, int64_t rank,
+                                                                         int64_t step) {
+  if (!cfg.profiling.enable_profiling || step % cfg.profiling.profile_freq != 0) return nullptr;
+  const std::string path = profile_path(cfg, rank, step);
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  return std::make_unique<torch::autograd::profiler::RecordProfile>(path);
 }
 
 // The process groups of a job: world, FSDP shard group, HSDP replicate group.
@@ -570,6 +587,7 @@ int run(const std::vector<std::string>& argv) {
   int64_t last_step = first_step - 1;
   for (int64_t step = first_step; step <= cfg.training.steps; ++step) {
     CommContext::set_step(step);
+    std::unique_ptr<torch::autograd::profiler::RecordProfile> profile = maybe_profile(cfg, launch.rank, step);
     set_learning_rate(*optimizer, lr_sched.current_lr());
     optimizer->zero_grad();
     double loss_sum = 0.0, lb_sum = 0.0;
@@ -651,6 +669,10 @@ int run(const std::vector<std::string>& argv) {
       window_tokens = 0;
       data_s = 0;
       activation_gib = 0;
+    }
+    if (profile) {
+      profile.reset();  // writes the trace
+      spdlog::info("profiler trace of step {} written to {}", step, profile_path(cfg, launch.rank, step));
     }
     train_state.step = step;
     train_state.ntokens_seen += B * T * accum * dp_world;

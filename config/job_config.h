@@ -135,11 +135,12 @@ struct Profiling {
 
   template <class V>
   void visit_keys(V& v) {
-    v(enable_profiling, "enable_profiling", false, "Collect profiler traces",
-      supported_only({"false"}));
+    v(enable_profiling, "enable_profiling", false,
+      "Record every profile_freq-th step with LibTorch's profiler: a Chrome trace per rank in "
+      "<dump_folder>/<save_traces_folder>/iteration_<step>/ (scripts/profile_summary.py sums it by op)");
     v(save_traces_folder, "save_traces_folder", "profile_traces", "Folder for profiler traces");
     v(profile_freq, "profile_freq", 10, "Collect a trace every this many steps", at_least(1));
-    v(profiler_active, "profiler_active", 1, "Steps the profiler records per cycle", at_least(1));
+    v(profiler_active, "profiler_active", 1, "Steps the profiler records per cycle", at_least(1).supported_only({"1"}));
     v(profiler_warmup, "profiler_warmup", 3, "Profiler warm-up steps before each active step",
       at_least(0));
     v(enable_memory_snapshot, "enable_memory_snapshot", false, "Dump memory snapshots",

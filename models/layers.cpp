@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "models/flash_attention.h"
+#include "models/fused_ops.h"
 #include "models/init.h"
 #include "models/recompute.h"
 
@@ -47,9 +48,8 @@ void RMSNormImpl::reset_parameters() {
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  const auto xc = x.to(compute_dtype(x));
-  const auto inv_rms = torch::rsqrt(xc.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return (xc * inv_rms).to(x.scalar_type()) * weight;
+  // One fused pass (models/fused_ops.h) computing the formula in the header.
+  return fused_rms_norm(x, weight, eps);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -87,22 +87,7 @@ torch::Tensor precompute_freqs_cis(int64_t head_dim, int64_t end, double theta,
 }
 
 torch::Tensor apply_rotary_emb(const torch::Tensor& x, const torch::Tensor& freqs_cis) {
-  TORCH_CHECK(x.dim() == 4, "[models] apply_rotary_emb expects x [B, T, h, hd], got ",
-              x.sizes());
-  const int64_t T = x.size(1), hd = x.size(3);
-  TORCH_CHECK(freqs_cis.dim() == 3 && freqs_cis.size(0) >= T && freqs_cis.size(1) * 2 == hd &&
-                  freqs_cis.size(2) == 2,
-              "[models] freqs_cis ", freqs_cis.sizes(), " does not fit x ", x.sizes());
-  const auto dt = compute_dtype(x);
-  // [T, 1, hd/2] so it broadcasts over batch and heads.
-  const auto table = freqs_cis.narrow(0, 0, T).to(dt);
-  const auto cos = table.select(-1, 0).unsqueeze(1);
-  const auto sin = table.select(-1, 1).unsqueeze(1);
-  // Pairs (0,1), (2,3), ...: view [B, T, h, hd/2, 2].
-  const auto pairs = x.to(dt).reshape({x.size(0), T, x.size(2), hd / 2, 2});
-  const auto a = pairs.select(-1, 0), b = pairs.select(-1, 1);
-  const auto out = torch::stack({a * cos - b * sin, a * sin + b * cos}, -1);
-  return out.flatten(3).to(x.scalar_type());
+  return fused_rotary_emb(x, freqs_cis);  // one pass, float32 rotation, same formula
 }
 
 torch::Tensor repeat_kv(const torch::Tensor& x, int64_t n_rep) {
@@ -161,7 +146,7 @@ FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t hidden_dim) {
 }
 
 torch::Tensor FeedForwardImpl::forward(const torch::Tensor& x) {
-  return w2(torch::silu(w1(x)) * w3(x));
+  return w2(fused_silu_mul(w1(x), w3(x)));
 }
 
 void FeedForwardImpl::init_weights(double init_std) {

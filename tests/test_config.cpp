@@ -700,8 +700,9 @@ TEST(ConfigSupported, FeaturesNotBuiltYetAreRefusedWithTheSupportedValues) {
             "not supported yet: compile.enable = true (ctitan supports: false)");
   EXPECT_EQ(refused([](JobConfig& c) { c.model.converters = {"float8"}; }),
             "not supported yet: model.converters = [\"float8\"] (ctitan supports: [])");
-  EXPECT_EQ(refused([](JobConfig& c) { c.profiling.enable_profiling = true; }),
-            "not supported yet: profiling.enable_profiling = true (ctitan supports: false)");
+  EXPECT_EQ(refused([](JobConfig& c) { c.profiling.enable_profiling = true; }), "no error");
+  EXPECT_EQ(refused([](JobConfig& c) { c.profiling.profiler_active = 2; }),
+            "not supported yet: profiling.profiler_active = 2 (ctitan supports: 1)");
   EXPECT_EQ(refused([](JobConfig& c) { c.metrics.enable_tensorboard = true; }),
             "not supported yet: metrics.enable_tensorboard = true (ctitan supports: false)");
   EXPECT_EQ(refused([](JobConfig& c) { c.metrics.enable_wandb = true; }),

@@ -11,6 +11,7 @@
 
 #include "config/errors.h"
 #include "models/flash_attention.h"
+#include "models/fused_ops.h"
 #include "models/init.h"
 #include "models/layers.h"
 #include "models/llama/args.h"
@@ -708,4 +709,87 @@ TEST(FlashAttention, NeverMaterialisesTheScoreMatrix) {
   naive_attention(in.q, in.k, in.v, in.g);
   at::removeCallback(handle);
   EXPECT_GE(tl_max_output_numel, full_scores);
+}
+
+// ---- Fused element-wise layers (models/fused_ops.h) against their ATen formulas ---------
+namespace {
+
+// The formulas the fused loops replace, in plain ATen ops (float32 math for bf16 inputs).
+torch::Tensor aten_rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  const auto xc = x.scalar_type() == torch::kDouble ? x : x.to(torch::kFloat);
+  return (xc * torch::rsqrt(xc.pow(2).mean(-1, true) + eps)).to(x.scalar_type()) * w;
+}
+torch::Tensor aten_rope(const torch::Tensor& x, const torch::Tensor& table) {
+  const auto dt = x.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+  const int64_t T = x.size(1);
+  const auto cos = table.narrow(0, 0, T).select(-1, 0).unsqueeze(1).to(dt);
+  const auto sin = table.narrow(0, 0, T).select(-1, 1).unsqueeze(1).to(dt);
+  const auto p = x.to(dt).reshape({x.size(0), T, x.size(2), -1, 2});
+  const auto a = p.select(-1, 0), b = p.select(-1, 1);
+  return torch::stack({a * cos - b * sin, a * sin + b * cos}, -1).flatten(3).to(x.scalar_type());
+}
+
+// Runs f on leaf copies of the inputs; returns the output and the inputs' gradients for
+// the upstream gradient g.
+std::vector<torch::Tensor> value_and_grads(const std::function<torch::Tensor(std::vector<torch::Tensor>&)>& f,
+                                           const std::vector<torch::Tensor>& inputs, const torch::Tensor& g) {
+  std::vector<torch::Tensor> leaves;
+  for (const auto& t : inputs) leaves.push_back(t.detach().clone().requires_grad_(true));
+  const auto y = f(leaves);
+  (y.to(torch::kDouble) * g.to(torch::kDouble)).sum().backward();
+  std::vector<torch::Tensor> out{y.detach()};
+  for (const auto& l : leaves) out.push_back(l.grad());
+  return out;
+}
+
+void expect_fused_matches(const char* what, const std::function<torch::Tensor(std::vector<torch::Tensor>&)>& fused,
+                          const std::function<torch::Tensor(std::vector<torch::Tensor>&)>& ref,
+                          const std::vector<torch::Tensor>& inputs, const torch::Tensor& g, double tol) {
+  const auto a = value_and_grads(fused, inputs, g), b = value_and_grads(ref, inputs, g);
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].scalar_type(), b[i].scalar_type()) << what << " #" << i;
+    ASSERT_EQ(a[i].sizes(), b[i].sizes()) << what << " #" << i;
+    const double scale = std::max(1e-6, b[i].to(torch::kDouble).abs().max().item<double>());
+    EXPECT_LT(max_abs_diff(a[i], b[i]) / scale, tol) << what << (i ? " gradient of input " : " output ") << i;
+  }
+}
+
+}  // namespace
+
+TEST(FusedOps, MatchAtenFormulasInEveryDtype) {
+  const auto table = precompute_freqs_cis(16, 64, 10000.0);
+  // bf16: one rounding of the result (2^-8) may differ where the formulas round in between.
+  for (auto [dt, tol] : {std::pair{torch::kDouble, 1e-12}, std::pair{torch::kFloat, 2e-6},
+                         std::pair{torch::kBFloat16, 1.6e-2}}) {
+    torch::manual_seed(11);
+    const auto x = torch::randn({3, 37, 96}).to(dt), w = (1 + 0.3 * torch::randn({96})).to(dt);
+    const auto g = torch::randn({3, 37, 96});
+    expect_fused_matches(
+        "rms_norm", [](auto& v) { return fused_rms_norm(v[0], v[1], 1e-5); },
+        [](auto& v) { return aten_rms_norm(v[0], v[1], 1e-5); }, {x, w}, g, tol);
+    const auto q = torch::randn({2, 33, 4, 16}).to(dt), gq = torch::randn({2, 33, 4, 16});
+    expect_fused_matches(
+        "rope", [&](auto& v) { return fused_rotary_emb(v[0], table); },
+        [&](auto& v) { return aten_rope(v[0], table); }, {q}, gq, tol);
+    const auto a = torch::randn({5, 70}).to(dt) * 3, b = torch::randn({5, 70}).to(dt), ga = torch::randn({5, 70});
+    expect_fused_matches(
+        "silu_mul", [](auto& v) { return fused_silu_mul(v[0], v[1]); },
+        [](auto& v) { return torch::silu(v[0]) * v[1]; }, {a, b}, ga, tol);
+  }
+}
+
+TEST(FusedOps, RmsNormWeightGradientIsReproducible) {
+  // Rows split into fixed chunks: the same sums in the same order on 1 or 2 threads.
+  torch::manual_seed(5);
+  const auto x = torch::randn({300, 64}), w = torch::randn({64}), g = torch::randn({300, 64});
+  auto grad_w = [&](int threads) {
+    at::set_num_threads(threads);
+    auto wl = w.clone().requires_grad_(true);
+    (fused_rms_norm(x, wl, 1e-5) * g).sum().backward();
+    return wl.grad();
+  };
+  const int before = at::get_num_threads();
+  const auto one = grad_w(1), two = grad_w(2);
+  at::set_num_threads(before);
+  EXPECT_TRUE(torch::equal(one, two));
 }

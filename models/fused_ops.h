@@ -1,0 +1,22 @@
+// Fused element-wise layers with hand-written forward and backward loops: each is one pass
+// over its input where the ATen formula takes 6-15 kernels, casts and temporaries (the
+// bf16 casts around the float32 math included). Numerics: float32 arithmetic for bf16 and
+// float32 inputs (float64 for float64), results rounded once to the input dtype.
+#pragma once
+#include <torch/torch.h>
+
+namespace ctitan {
+
+// y = (x · rsqrt(mean(x², -1) + eps)) rounded to x's dtype, times weight (in x's dtype), as
+// RMSNormImpl's formula. x [..., D], weight [D] (x's dtype) → [..., D].
+torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
+// Rotates each interleaved pair (x[2i], x[2i+1]) at position t by the angle whose (cos, sin)
+// is freqs_cis[t, i]: (a, b) → (a cos − b sin, a sin + b cos).
+// x [B, T, h, hd], freqs_cis float32 [>= T, hd/2, 2] → [B, T, h, hd] in x's dtype.
+torch::Tensor fused_rotary_emb(const torch::Tensor& x, const torch::Tensor& freqs_cis);
+
+// silu(a) · b (SwiGLU's gate), a and b of the same shape and dtype.
+torch::Tensor fused_silu_mul(const torch::Tensor& a, const torch::Tensor& b);
+
+}  // namespace ctitan
