@@ -244,10 +244,12 @@ void write_effective_config(const JobConfig& cfg) {
   spdlog::info("effective config written to {}", path);
 }
 
-// Test hook: CTITAN_FAULT=<kind>:<rank>:<step> makes that rank misbehave mid-step, so tests
-// can check what the job does. kind: raise (an exception), kill (SIGKILL), hang (sleeps for
-// an hour), term | int | usr1 (the process sends itself that stop signal).
-void maybe_inject_fault(int64_t rank, int64_t step) {
+// Test hook: CTITAN_FAULT=<kind>:<rank>:<step> makes that rank misbehave mid-step, after its
+// backward, so tests can check what the job does. kind: raise (an exception), kill (SIGKILL),
+// hang (sleeps for an hour), term | int | usr1 (the process sends itself that stop signal),
+// nan | inf (its loss becomes NaN / inf), nangrad (a gradient element becomes NaN), spike
+// (its reported loss is multiplied by 10).
+void maybe_inject_fault(int64_t rank, int64_t step, double& loss, const std::vector<torch::Tensor>& params) {
   const char* f = std::getenv("CTITAN_FAULT");
   if (!f || !*f) return;
   char kind[16] = {0};
@@ -259,6 +261,17 @@ void maybe_inject_fault(int64_t rank, int64_t step) {
   if (k == "term" || k == "int" || k == "usr1") {
     request_stop_for_test(k == "term" ? SIGTERM : k == "int" ? SIGINT : SIGUSR1);
     return;
+  }
+  if (k == "nan" || k == "inf" || k == "spike") {
+    loss = k == "nan" ? std::nan("") : k == "inf" ? HUGE_VAL : 10 * loss;
+    return;
+  }
+  if (k == "nangrad") {
+    for (const auto& p : params)
+      if (p.grad().defined() && p.grad().numel() > 0) {
+        p.grad().view(-1)[0] = std::nan("");
+        return;
+      }
   }
   throw RuntimeFailure("injected fault (CTITAN_FAULT=" + std::string(f) + ")");
 }
@@ -582,6 +595,9 @@ int run(const std::vector<std::string>& argv) {
   spdlog::info("training {} steps: global batch {} × {} tokens ({} ranks × {} micro-batches of {})",
                cfg.training.steps, B * dp_world * accum, T, dp_world, accum, B);
 
+  LossSpikeDetector spikes(cfg.training.loss_spike_factor);
+  double spike_mean = 0;
+  int64_t skipped_steps = 0;  // non-finite steps skipped (training.on_nonfinite = "skip")
   StopRequest stop;
   bool stop_saved = false;
   int64_t last_step = first_step - 1;
@@ -616,14 +632,29 @@ int run(const std::vector<std::string>& argv) {
       }
       window_tokens += B * T;
     }
-    maybe_inject_fault(launch.rank, step);
+    maybe_inject_fault(launch.rank, step, loss_sum, params);
+    // Both values are the same on every rank (a world mean; a norm all-reduced over the
+    // shards, whose replicas hold equal gradients), so every rank takes the same branch.
     const double loss_mean = world_mean(par, loss_sum, "loss");
-    if (!std::isfinite(loss_mean))
-      throw RuntimeFailure("step " + std::to_string(step) + ": loss is " + std::to_string(loss_mean) +
-                           "; stopping (HINT: lower optimizer.lr or training.max_norm)");
     const double grad_norm = clip_grad_norm(params, cfg.training.max_norm, grad_sq_all_reduce);
     const double lr = lr_sched.current_lr();
-    optimizer->step();
+    if (std::isfinite(loss_mean) && std::isfinite(grad_norm)) {
+      optimizer->step();
+      if (launch.rank == 0 && (spike_mean = spikes.observe(loss_mean)) > 0)
+        spdlog::warn("step {}: loss spike: {:.4f} is {:.1f}x the mean of the previous steps ({:.4f}; "
+                     "training.loss_spike_factor = {})",
+                     step, loss_mean, loss_mean / spike_mean, spike_mean, cfg.training.loss_spike_factor);
+    } else {
+      const std::string what = "step " + std::to_string(step) + ": " +
+                               (std::isfinite(loss_mean) ? "gradient norm is " + std::to_string(grad_norm)
+                                                         : "loss is " + std::to_string(loss_mean));
+      if (cfg.training.on_nonfinite == "stop")
+        throw RuntimeFailure(what + "; stopping (HINT: lower optimizer.lr or training.max_norm, or set "
+                                    "training.on_nonfinite = \"skip\")");
+      ++skipped_steps;  // the batch is dropped; the schedule and the step count go on
+      spdlog::warn("{}; skipped: no optimizer update ({} step{} skipped in this run)", what, skipped_steps,
+                   skipped_steps == 1 ? "" : "s");
+    }
     lr_sched.step();
     if (model.moe()) {  // expert-bias update and counter reset, from every rank's load
       expert_load = model.tokens_per_expert();
@@ -657,6 +688,7 @@ int run(const std::vector<std::string>& argv) {
       if (fsdp) m.extra.emplace_back("comm_wait_s", maxes[1]);
       m.extra.emplace_back("state_gib", state_gib);
       m.extra.emplace_back("activation_gib", maxes[3]);
+      if (skipped_steps) m.extra.emplace_back("skipped_steps", static_cast<double>(skipped_steps));
       if (model.moe()) {
         // Load-balance loss (1 = balanced; mean over ranks) and the tokens-per-expert
         // spread of the last step: max / mean load of the most unbalanced layer.

@@ -64,4 +64,19 @@ void MetricsLogger::log(const StepMetrics& m) {
   }
 }
 
+double LossSpikeDetector::observe(double loss) {
+  if (!std::isfinite(loss)) return 0;
+  double mean = 0;
+  for (double l : recent_) mean += l;
+  mean = recent_.empty() ? 0 : mean / static_cast<double>(recent_.size());
+  const bool spike = factor_ > 0 && recent_.size() >= kMinHistory && loss > factor_ * mean;
+  if (recent_.size() < kWindow) {
+    recent_.push_back(loss);
+  } else {
+    recent_[next_] = loss;
+    next_ = (next_ + 1) % kWindow;
+  }
+  return spike ? mean : 0;
+}
+
 }  // namespace ctitan

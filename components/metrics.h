@@ -37,6 +37,23 @@ class MetricsLogger {
   int64_t total_steps_;
 };
 
+// Loss spikes: a step whose loss exceeds `factor` × the mean of the previous kWindow finite
+// losses (once there are at least kMinHistory of them) is a spike. Only a warning: a spike
+// is often the data, and stopping is the non-finite check's job.
+class LossSpikeDetector {
+ public:
+  static constexpr size_t kWindow = 20, kMinHistory = 5;
+  explicit LossSpikeDetector(double factor) : factor_(factor) {}  // factor 0: never
+  // Records `loss` (non-finite losses are ignored); returns the mean it was compared with
+  // when it is a spike, else 0.
+  double observe(double loss);
+
+ private:
+  double factor_;
+  std::vector<double> recent_;  // ring of the last kWindow losses
+  size_t next_ = 0;
+};
+
 // "1h02m" / "3m05s" / "12s".
 std::string format_duration(double seconds);
 

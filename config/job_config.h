@@ -282,6 +282,8 @@ struct Training {
   std::string mixed_precision_reduce;
   int64_t gc_freq;
   bool gc_debug;
+  std::string on_nonfinite;    // ctitan only
+  double loss_spike_factor;    // ctitan only
   DataLoader dataloader;
 
   template <class V>
@@ -310,6 +312,13 @@ struct Training {
     v(gc_freq, "gc_freq", 50, "Python GC interval in torchtitan (no effect in ctitan)",
       at_least(1));
     v(gc_debug, "gc_debug", false, "Python GC debugging in torchtitan (no effect in ctitan)");
+    v(on_nonfinite, "on_nonfinite", "stop",
+      "ctitan: a NaN/inf loss or gradient norm stops the run naming the step, or skips the step "
+      "(no optimizer update; counted and logged)",
+      one_of({"stop", "skip"}));
+    v(loss_spike_factor, "loss_spike_factor", 3.0,
+      "ctitan: warn when a step's loss exceeds this times the mean of the previous 20 steps; 0 = never",
+      greater_than(1).or_value(0));
     v.table(dataloader, "dataloader", "Data-loader settings");
   }
   CTITAN_CONFIG_DEFAULTS(Training)

@@ -137,6 +137,26 @@ TEST(Metrics, JsonLineHasTheContractFields) {
   EXPECT_EQ(format_duration(185), "3m05s");
 }
 
+// A spike is a loss above factor × the mean of the previous (up to) 20 finite losses, once
+// 5 are known; non-finite losses are ignored; factor 0 never warns.
+TEST(Metrics, LossSpikeDetector) {
+  LossSpikeDetector d(3.0);
+  EXPECT_EQ(d.observe(2.0), 0.0);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(d.observe(100.0), 0.0) << "fewer than 5 losses known";
+  EXPECT_EQ(d.observe(std::nan("")), 0.0);  // ignored, not recorded
+  EXPECT_EQ(d.observe(2.0), 0.0);           // 5th value: still fewer than 5 before it
+  // History 2, 100, 100, 100, 2: mean 60.8.
+  EXPECT_EQ(d.observe(182.0), 0.0);  // < 3 × 60.8 = 182.4
+  EXPECT_DOUBLE_EQ(d.observe(250.0), (2 + 100 * 3 + 2 + 182.0) / 6.0);  // > 3 × 81
+  // The window keeps the last 20: after 20 ones the mean is exactly 1.
+  for (int i = 0; i < 20; ++i) d.observe(1.0);
+  EXPECT_EQ(d.observe(2.9), 0.0);
+  EXPECT_DOUBLE_EQ(d.observe(3.3), (19 + 2.9) / 20.0);  // 3.3 > 3 × 1.095
+  LossSpikeDetector never(0.0);
+  for (int i = 0; i < 10; ++i) never.observe(1.0);
+  EXPECT_EQ(never.observe(1e9), 0.0);
+}
+
 TEST(System, BlasIsDetectedAndMemoryIsRead) {
   auto info = detect_blas();
   EXPECT_FALSE(info.library.empty());  // Debian's LibTorch resolves sgemm_ from libblas.so.3

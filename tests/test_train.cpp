@@ -15,6 +15,7 @@
 #include <regex>
 #include <sstream>
 
+#include "checkpoint/checkpoint.h"
 #include "tests/e2e.h"
 #include "tests/multiprocess.h"
 
@@ -50,6 +51,14 @@ class TrainE2E : public ::testing::Test {
 };
 fs::path TrainE2E::root_;
 std::string TrainE2E::corpus_, TrainE2E::tokenizer_;
+
+// The argv of the train binary for spawn_processes.
+std::vector<std::string> train_argv(const std::string& args) {
+  std::vector<std::string> argv = {kTrain};
+  std::istringstream is(args);
+  for (std::string a; is >> a;) argv.push_back(a);
+  return argv;
+}
 
 TEST_F(TrainE2E, TwentyStepsLossFalls) {
   const std::string dump = (root_ / "run20").string();
@@ -121,6 +130,47 @@ TEST_F(TrainE2E, NonFiniteLossStopsNamingTheStep) {
   EXPECT_TRUE(std::regex_search(r.out, std::regex("error: step [0-9]+: loss is (nan|inf|-nan)"))) << r.out;
 }
 
+// training.on_nonfinite on 2 ranks, with a NaN injected on rank 1 only: "stop" (default)
+// stops both ranks naming the step; "skip" drops the step on both (no update: the model and
+// optimizer state saved after step 3 are bitwise those saved after step 2), counts and logs it,
+// and training goes on. An injected spike in the reported loss is a warning.
+TEST_F(TrainE2E, NonFiniteStepsStopOrSkipOnEveryRank) {
+  const std::string dump = (root_ / "nonfinite").string();
+  auto rs = spawn_processes(train_argv(args(dump, 5)), 2, {{"CTITAN_FAULT", "nan:1:3"}});
+  for (const auto& r : rs) {
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("error: step 3: loss is nan; stopping"), std::string::npos) << r.output;
+  }
+  fs::remove_all(dump);
+  rs = spawn_processes(train_argv(args(dump, 6) + " --training.on_nonfinite skip --checkpoint.enable "
+                                                  "--checkpoint.interval 1 --checkpoint.no_last_save_model_only"),
+                       2, {{"CTITAN_FAULT", "nangrad:1:3"}});
+  ASSERT_TRUE(all_ok(rs));
+  for (const auto& r : rs)
+    EXPECT_NE(r.output.find("step 3: gradient norm is nan; skipped: no optimizer update (1 step skipped in this run)"),
+              std::string::npos)
+        << r.output;
+  EXPECT_EQ(jsonl_field(dump + "/metrics.jsonl", "step").size(), 6u);
+  EXPECT_EQ(jsonl_field(dump + "/metrics.jsonl", "skipped_steps").size(), 4u) << "steps 3-6 report the count";
+  ctitan::CheckpointReader s2(dump + "/checkpoint/step-2"), s3(dump + "/checkpoint/step-3"),
+      s4(dump + "/checkpoint/step-4");
+  int compared = 0;
+  for (const auto& [key, e] : s3.meta().entries) {
+    if (e.is_bytes || (key.rfind("layers.", 0) != 0 && key.rfind("optimizer.", 0) != 0)) continue;
+    EXPECT_TRUE(s2.read_tensor(key).equal(s3.read_tensor(key))) << key << " changed in the skipped step";
+    compared += !s3.read_tensor(key).equal(s4.read_tensor(key));
+  }
+  EXPECT_GT(compared, 20) << "step 4 updates the parameters and moments again";
+
+  fs::remove_all(dump);
+  auto r = sh("CTITAN_FAULT=spike:0:8 " + kTrain + args(dump, 8) + " --training.loss_spike_factor 2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex("warning step 8: loss spike: [0-9.]+ is [0-9.]+x the mean of the "
+                                                  "previous steps \\([0-9.]+; training.loss_spike_factor = 2\\)")))
+      << r.out;
+  EXPECT_EQ(r.out.find("loss spike", r.out.find("loss spike") + 1), std::string::npos) << "one warning only";
+}
+
 TEST_F(TrainE2E, TwoRanksThroughTheLauncher) {
   const std::string dump = (root_ / "two").string();
   auto r = sh("NPROC=2 CTITAN_BUILD_DIR=" + fs::path(kTrain).parent_path().string() + " CONFIG_FILE=" + kSrc +
@@ -153,14 +203,6 @@ TEST_F(TrainE2E, FailingRankStopsTheJob) {
       EXPECT_NE(r.out.find("injected fault"), std::string::npos) << r.out;
     }
   }
-}
-
-// The argv of the train binary for spawn_processes.
-std::vector<std::string> train_argv(const std::string& args) {
-  std::vector<std::string> argv = {kTrain};
-  std::istringstream is(args);
-  for (std::string a; is >> a;) argv.push_back(a);
-  return argv;
 }
 
 // Without the launcher: rank 1 killed mid-step; rank 0 must exit non-zero within
