@@ -437,6 +437,21 @@ std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const P
   return c;
 }
 
+// The periodic save. A save that failed on some rank fails on every rank alike, leaving the
+// previous checkpoint intact (a disk full, an I/O error; a dead rank is a CollectiveFailure,
+// never continued from). checkpoint.on_save_failure = "continue" logs it and goes on to the
+// next save, except after the last step, where nothing would come after it.
+void maybe_save(CheckpointManager& manager, int64_t step, bool last_step, const std::string& on_failure) {
+  try {
+    manager.save(step, last_step);
+  } catch (const CollectiveFailure&) {
+    throw;
+  } catch (const RuntimeFailure& e) {
+    if (on_failure != "continue" || last_step) throw;
+    spdlog::warn("{}; training continues (checkpoint.on_save_failure = \"continue\")", e.what());
+  }
+}
+
 // FSDP over the shard group (HSDP: plus the replicate group) whenever there is more than
 // one data-parallel rank. Applied from outside the model: it wraps the model's units.
 std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, Parallelism& par) {
@@ -708,7 +723,7 @@ int run(const std::vector<std::string>& argv) {
     }
     train_state.step = step;
     train_state.ntokens_seen += B * T * accum * dp_world;
-    ckpt->manager->save(step, step == cfg.training.steps);
+    maybe_save(*ckpt->manager, step, step == cfg.training.steps, cfg.checkpoint.on_save_failure);
     last_step = step;
     if (step < cfg.training.steps && (stop = agree_on_stop(par)).signal) {
       spdlog::warn("stopping after step {} of {}: {} on rank {}", step, cfg.training.steps,

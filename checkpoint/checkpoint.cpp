@@ -80,9 +80,12 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Test hook: CTITAN_CHECKPOINT_FAULT=<raise|kill>:<rank>:<step> makes that rank fail halfway
-// through writing its file of that step's checkpoint.
-void maybe_fault_in_save(int64_t rank, int64_t step) {
+// Test hook: CTITAN_CHECKPOINT_FAULT=<kind>:<rank>:<step> makes that rank fail halfway through
+// writing `file`, its file of that step's checkpoint. kind: raise (an exception), kill
+// (SIGKILL), enospc (the write fails as a full disk makes it fail), fill (fills the file system
+// under the staging folder with a filler file, so that the rest of the write hits a real
+// ENOSPC; refused where more than 256 MiB are free: meant for a small tmpfs).
+void maybe_fault_in_save(int64_t rank, int64_t step, const std::string& file) {
   const char* f = std::getenv("CTITAN_CHECKPOINT_FAULT");
   if (!f || !*f) return;
   char kind[16] = {0};
@@ -92,6 +95,25 @@ void maybe_fault_in_save(int64_t rank, int64_t step) {
   if (k == "kill") raise(SIGKILL);
   if (k == "raise")
     throw RuntimeFailure("injected fault while writing the checkpoint (CTITAN_CHECKPOINT_FAULT=" + std::string(f) + ")");
+  if (k == "enospc")  // the text of ckpt::DurableFileWriter's error for a failed write
+    throw RuntimeFailure("checkpoint: cannot write " + file + ".tmp: " + std::strerror(ENOSPC));
+  if (k == "fill") {
+    const std::string filler = file + ".filler";  // in the staging folder: removed with it
+    if (ckpt::disk_space(filler).free > (256u << 20))
+      throw RuntimeFailure("CTITAN_CHECKPOINT_FAULT=fill refuses to fill a file system with more than 256 MiB free");
+    const int fd = ::open(filler.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    std::vector<char> block(1 << 16, 0);
+    while (fd >= 0 && ::write(fd, block.data(), block.size()) > 0) {
+    }
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+// What a failed save leaves to resume from, for its error message.
+std::string previous_checkpoint_note(const std::string& folder) {
+  const auto scan = ckpt::scan_folder(folder);
+  return scan.complete.empty() ? "no earlier complete checkpoint exists"
+                               : "the previous checkpoint step-" + std::to_string(scan.complete.back()) + " is intact";
 }
 
 std::string entry_line(const EntryMeta& e) {
@@ -110,7 +132,7 @@ std::string write_rank_file(const std::vector<StateEntry>& entries, const std::s
   std::vector<EntryMeta> metas;
   for (size_t i = 0; i < entries.size(); ++i) {
     const StateEntry& e = entries[i];
-    if (i == entries.size() / 2) maybe_fault_in_save(rank, step);
+    if (i == entries.size() / 2) maybe_fault_in_save(rank, step, (fs::path(stage) / name).string());
     EntryMeta m;
     m.key = e.key;
     m.rule = e.rule;
@@ -143,7 +165,7 @@ std::string write_rank_file(const std::vector<StateEntry>& entries, const std::s
     m.chunks.push_back(c);
     metas.push_back(std::move(m));
   }
-  if (entries.size() < 2) maybe_fault_in_save(rank, step);
+  if (entries.size() < 2) maybe_fault_in_save(rank, step, (fs::path(stage) / name).string());
   w.commit();
   std::string frag = "file " + name + " " + std::to_string(w.size()) + " " + ckpt::hex32(w.crc()) + "\n";
   for (const auto& m : metas) frag += entry_line(m);
@@ -645,8 +667,28 @@ void CheckpointManager::finalize() {
 void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool model_only, bool async, bool hf) {
   const auto t0 = std::chrono::steady_clock::now();
   const std::string tag = "checkpoint_save:step-" + std::to_string(step);
+  const std::string what = "checkpoint save of step " + std::to_string(step);
+  // What this rank will write: its own entries (replicated ones only on rank 0).
+  StateDict sd;
+  for (const auto& [name, s] : components_)
+    if (!model_only || name == "model") s->state_dict(sd);
+  std::vector<StateEntry> entries;
+  uint64_t bytes = 0;
+  for (auto& e : sd.entries()) {
+    if (e.rule == Rule::Replicated) e.save_here = comm_.rank == 0;
+    if (!e.save_here) continue;
+    if (e.is_bytes) {
+      bytes += e.bytes.size();
+    } else {
+      if (e.rule == Rule::Sharded) e.tensor = e.tensor.narrow(0, 0, e.row_end - e.row_begin);
+      bytes += static_cast<uint64_t>(e.tensor.numel()) * e.tensor.element_size();
+    }
+    entries.push_back(std::move(e));
+  }
+
   // Round 1: every rank agrees it saves this step (a rank on another path is reported, not
-  // waited for), and rank 0 has prepared an empty staging folder before anyone writes.
+  // waited for), rank 0 has prepared an empty staging folder, and every file system has room
+  // for what the ranks writing to it will write. Nothing is written before this passes.
   std::string prep = "ok";
   const std::string stage = ckpt::staging_dir(folder, step);
   if (comm_.rank == 0) {
@@ -658,17 +700,51 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
       prep = "error " + one_line(e.what());
     }
   }
-  const std::string mine = "begin " + std::to_string(step) + " " + prep;
+  const ckpt::DiskSpace space = ckpt::disk_space(folder);
+  const uint64_t need = bytes + ckpt::kSaveOverheadBytes;
+  const std::string mine = "begin " + std::to_string(step) + " " + std::to_string(need) + " " +
+                           std::to_string(space.free) + " " + space.id + " " + prep;
   auto all = agree(mine, tag + ":begin");
+  struct Begin {
+    uint64_t need = 0, free = 0;
+    std::string fs, prep;
+  };
+  std::vector<Begin> begins(static_cast<size_t>(comm_.world_size));
   for (int64_t r = 0; r < comm_.world_size; ++r) {
-    const std::string want = "begin " + std::to_string(step) + " ";
-    if (all[r].rfind(want, 0) != 0)
-      throw RuntimeFailure("checkpoint save of step " + std::to_string(step) + ": rank " + std::to_string(r) +
-                           " is not saving this step (it sent \"" + one_line(all[r]) + "\"): the ranks took different paths");
+    std::istringstream in(all[r]);
+    std::string word;
+    int64_t their_step = -1;
+    Begin& b = begins[static_cast<size_t>(r)];
+    if (!(in >> word >> their_step >> b.need >> b.free >> b.fs) || word != "begin" || their_step != step)
+      throw RuntimeFailure(what + ": rank " + std::to_string(r) + " is not saving this step (it sent \"" +
+                           one_line(all[r]) + "\"): the ranks took different paths");
+    std::getline(in >> std::ws, b.prep);
   }
-  if (all[0] != mine.substr(0, mine.size() - prep.size()) + "ok")
-    throw RuntimeFailure("checkpoint save of step " + std::to_string(step) + " failed on rank 0: " +
-                         all[0].substr(all[0].find(' ', 6) + 1));
+  auto abandon = [&](const std::string& why, const std::string& hint) {
+    if (comm_.rank == 0) {
+      std::error_code ec;
+      fs::remove_all(stage, ec);
+    }
+    throw RuntimeFailure(what + " " + why + " (" + previous_checkpoint_note(folder) + ")" + hint);
+  };
+  if (begins[0].prep != "ok") abandon("failed on rank 0: " + begins[0].prep.substr(6), "");
+  // Ranks sharing a file system (same host and device) need the sum of their bytes there.
+  std::map<std::string, std::pair<uint64_t, std::vector<int64_t>>> per_fs;
+  for (int64_t r = 0; r < comm_.world_size; ++r) {
+    auto& [sum, ranks] = per_fs[begins[r].fs];
+    sum += begins[r].need;
+    ranks.push_back(r);
+  }
+  for (const auto& [id, use] : per_fs) {
+    const Begin& b = begins[static_cast<size_t>(use.second.front())];
+    if (id == "unknown" || use.first <= b.free) continue;
+    std::vector<std::string> rs;
+    for (int64_t r : use.second) rs.push_back(std::to_string(r));
+    abandon("refused: not enough free space for " + folder + " on " + (rs.size() == 1 ? "rank " : "ranks ") +
+            join(rs, ", ") + ": needs " + ckpt::bytes_text(use.first) + ", " + ckpt::bytes_text(b.free) +
+            " free; nothing was written",
+            " HINT: free space, lower checkpoint.keep_latest_k or move checkpoint.folder");
+  }
 
   pending_ = std::make_unique<Pending>();
   Pending& p = *pending_;
@@ -679,23 +755,11 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
   p.model_only = model_only;
   p.hf = hf;
   p.t0 = t0;
-  StateDict sd;
-  for (const auto& [name, s] : components_)
-    if (!model_only || name == "model") s->state_dict(sd);
-  for (auto& e : sd.entries()) {
-    if (e.rule == Rule::Replicated) e.save_here = comm_.rank == 0;
-    if (!e.save_here) continue;
-    if (!e.is_bytes) {
-      // Only the real rows; a copy when the write runs in the background (training goes
-      // on modifying the live tensors).
-      if (e.rule == Rule::Sharded) e.tensor = e.tensor.narrow(0, 0, e.row_end - e.row_begin);
-      e.tensor = async ? e.tensor.contiguous().clone() : e.tensor.contiguous();
-      p.bytes += static_cast<uint64_t>(e.tensor.numel()) * e.tensor.element_size();
-    } else {
-      p.bytes += e.bytes.size();
-    }
-    p.entries.push_back(std::move(e));
-  }
+  p.bytes = bytes;
+  // A copy when the write runs in the background (training goes on modifying the tensors).
+  for (auto& e : entries)
+    if (!e.is_bytes) e.tensor = async ? e.tensor.contiguous().clone() : e.tensor.contiguous();
+  p.entries = std::move(entries);
   auto work = [this, &p] {
     try {
       p.status = "ok\n" + write_rank_file(p.entries, p.stage, comm_.rank, p.step);
@@ -738,11 +802,7 @@ void CheckpointManager::complete_save() {
   std::vector<std::string> failed;
   for (int64_t r = 0; r < comm_.world_size; ++r)
     if (all[r].rfind("ok\n", 0) != 0) failed.push_back("rank " + std::to_string(r) + ": " + all[r].substr(6));
-  const auto scan_before = ckpt::scan_folder(p.folder);
-  const std::string previous =
-      scan_before.complete.empty() ? "no earlier complete checkpoint exists"
-                                   : "the previous checkpoint step-" + std::to_string(scan_before.complete.back()) +
-                                         " is intact";
+  const std::string previous = previous_checkpoint_note(p.folder);
   if (!failed.empty()) {
     if (comm_.rank == 0) {
       std::error_code ec;

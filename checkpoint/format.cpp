@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -125,6 +126,29 @@ std::string read_whole_file(const std::string& path) {
   std::stringstream ss;
   ss << f.rdbuf();
   return ss.str();
+}
+
+DiskSpace disk_space(const std::string& path) {
+  std::error_code ec;
+  fs::path p = fs::absolute(path, ec);
+  while (!p.empty() && !fs::exists(p, ec) && p != p.parent_path()) p = p.parent_path();
+  struct statvfs sv {};
+  struct stat st {};
+  if (p.empty() || ::statvfs(p.c_str(), &sv) != 0 || ::stat(p.c_str(), &st) != 0) return {};
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  DiskSpace d;
+  d.free = static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize;
+  d.id = std::string(host) + ":" + std::to_string(static_cast<uint64_t>(st.st_dev));
+  for (char& c : d.id)
+    if (c == ' ') c = '_';
+  return d;
+}
+
+std::string bytes_text(uint64_t bytes) {
+  char mib[32];
+  std::snprintf(mib, sizeof mib, "%.1f", static_cast<double>(bytes) / (1 << 20));
+  return std::to_string(bytes) + " bytes (" + mib + " MiB)";
 }
 
 DurableFileWriter::DurableFileWriter(std::string path) : path_(std::move(path)), tmp_(path_ + ".tmp") {

@@ -78,6 +78,20 @@ class DurableFileWriter {
   bool committed_ = false;
 };
 
+// ---- free space ---------------------------------------------------------------------------
+// The space left for unprivileged writers on the file system holding `path` (or its nearest
+// existing parent) and an id of that file system ("<host>:<device>"), or id "unknown" when
+// it cannot be read. A save checks that the ranks writing to one file system fit in it.
+struct DiskSpace {
+  uint64_t free = 0;
+  std::string id = "unknown";
+};
+DiskSpace disk_space(const std::string& path);
+// Added to each rank's data bytes when checking: metadata, marker, file system blocks.
+constexpr uint64_t kSaveOverheadBytes = 1 << 20;
+// "63963136 bytes (61.0 MiB)".
+std::string bytes_text(uint64_t bytes);
+
 // ---- metadata ----------------------------------------------------------------------------
 enum class Rule { Sharded, Replicated, PerRank };
 const char* rule_name(Rule r);

@@ -426,6 +426,7 @@ struct Checkpoint {
   bool create_seed_checkpoint;
   bool load_only;
   std::string dataloader_reshard;  // ctitan only
+  std::string on_save_failure;     // ctitan only
 
   template <class V>
   void visit_keys(V& v) {
@@ -466,6 +467,10 @@ struct Checkpoint {
     v(dataloader_reshard, "dataloader_reshard", "error",
       "ctitan: resuming on another dp degree: error, or redistribute the document stream",
       one_of({"error", "redistribute"}));
+    v(on_save_failure, "on_save_failure", "stop",
+      "ctitan: a save that fails on any rank (disk full, I/O error) stops the run, or training "
+      "continues to the next save (the last save and a stop request's always end the run)",
+      one_of({"stop", "continue"}));
   }
   CTITAN_CONFIG_DEFAULTS(Checkpoint)
 };

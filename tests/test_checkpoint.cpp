@@ -814,6 +814,89 @@ TEST_F(CheckpointE2E, FailuresDuringSaveKeepThePreviousCheckpoint) {
   }
 }
 
+// A disk that fills during a save (an injected ENOSPC on rank 1): the save fails on both
+// ranks naming the rank and the error, nothing of it stays, step-2 is intact; the run stops
+// (exit 1) or, with checkpoint.on_save_failure = "continue", trains on and saves later.
+TEST_F(CheckpointE2E, DiskFullDuringSaveStopsOrContinues) {
+  const std::string dump = (root_ / "enospc").string();
+  const std::map<std::string, std::string> fault = {{"CTITAN_CHECKPOINT_FAULT", "enospc:1:4"}};
+  auto rs = ranks(2, args(dump, 6) + " --checkpoint.interval 2", fault);
+  for (const auto& r : rs) {
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("error: checkpoint save of step 4 failed on rank 1: checkpoint: cannot write " + dump +
+                            "/checkpoint/step-4.partial/rank1.bin.tmp: No space left on device (the previous "
+                            "checkpoint step-2 is intact)"),
+              std::string::npos)
+        << r.output;
+  }
+  auto scan = ckpt::scan_folder(dump + "/checkpoint");
+  EXPECT_EQ(scan.complete, (std::vector<int64_t>{2}));
+  EXPECT_TRUE(scan.staging.empty() && scan.incomplete.empty());
+  fs::remove_all(dump);
+  rs = ranks(2, args(dump, 6) + " --checkpoint.interval 2 --checkpoint.on_save_failure continue", fault);
+  ASSERT_TRUE(ctitan::testing::all_ok(rs));
+  EXPECT_NE(rs[0].output.find("No space left on device (the previous checkpoint step-2 is intact); training "
+                              "continues (checkpoint.on_save_failure = \"continue\")"),
+            std::string::npos)
+      << rs[0].output;
+  EXPECT_EQ(ckpt::scan_folder(dump + "/checkpoint").complete, (std::vector<int64_t>{2, 6}));
+}
+
+// A real small file system (a tmpfs; the test is skipped where it cannot be mounted). Too
+// little space: the check before the save refuses it on every rank, naming the folder, the
+// bytes needed and free, before writing anything. Enough space, but the disk fills during the
+// write (CTITAN_CHECKPOINT_FAULT=fill takes the rest): the kernel's ENOSPC fails the save on
+// every rank, the previous checkpoint stays intact and the filler goes with the staging folder.
+TEST_F(CheckpointE2E, SmallFileSystem) {
+  const std::string mnt = (root_ / "tmpfs").string();
+  fs::create_directories(mnt);
+  auto mount = [&](const std::string& size) {
+    return sh("mount -t tmpfs -o size=" + size + " ctitan_test " + mnt).code == 0;
+  };
+  if (!mount("40m")) GTEST_SKIP() << "cannot mount a tmpfs here (needs root)";
+  struct Unmount {
+    std::string dir;
+    ~Unmount() { sh("umount " + dir); }
+  } unmount{mnt};
+  // A full save of 2 ranks is ~61 MiB (model 5.3M parameters + Adam moments, fp32).
+  const std::string dump = mnt + "/run";
+  auto rs = ranks(2, args(dump, 4) + " --checkpoint.interval 2");
+  for (const auto& r : rs) {
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_TRUE(std::regex_search(
+        r.output, std::regex("error: checkpoint save of step 2 refused: not enough free space for " + dump +
+                             "/checkpoint on ranks 0, 1: needs [0-9]+ bytes \\([0-9.]+ MiB\\), [0-9]+ bytes "
+                             "\\([0-9.]+ MiB\\) free; nothing was written \\(no earlier complete checkpoint exists\\) HINT: ")))
+        << r.output;
+  }
+  EXPECT_FALSE(fs::exists(dump + "/checkpoint/step-2.partial"));
+  // "continue": training goes on, and the final model-only save (~21 MiB) fits.
+  fs::remove_all(dump);
+  rs = ranks(2, args(dump, 4) + " --checkpoint.interval 2 --checkpoint.on_save_failure continue");
+  ASSERT_TRUE(ctitan::testing::all_ok(rs));
+  EXPECT_EQ(ckpt::scan_folder(dump + "/checkpoint").complete, (std::vector<int64_t>{4}));
+
+  // Room for two full saves: step 2 is saved; step 4 passes the check but the disk fills
+  // during its write and the write runs out of space for real.
+  fs::remove_all(dump);
+  sh("umount " + mnt);
+  ASSERT_TRUE(mount("140m"));
+  rs = ranks(2, args(dump, 6) + " --checkpoint.interval 2", {{"CTITAN_CHECKPOINT_FAULT", "fill:1:4"}});
+  for (const auto& r : rs) {
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("error: checkpoint save of step 4 failed on rank"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("No space left on device"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("(the previous checkpoint step-2 is intact)"), std::string::npos) << r.output;
+  }
+  const auto scan = ckpt::scan_folder(dump + "/checkpoint");
+  EXPECT_EQ(scan.complete, (std::vector<int64_t>{2}));
+  EXPECT_TRUE(scan.staging.empty());
+  EXPECT_GT(ckpt::disk_space(dump).free, 60u << 20) << "the filler was removed with the staging folder";
+  auto again = ranks(2, args(dump, 6) + " --checkpoint.interval 100");  // then only the model-only save
+  ASSERT_TRUE(ctitan::testing::all_ok(again));
+  EXPECT_NE(again[0].output.find("checkpoint: loaded step 2"), std::string::npos) << again[0].output;
+}
+
 // Model-only saves on 2 ranks start fresh runs on 1 and 3 ranks; resuming training state from
 // one is a clear error (another flavor: CheckpointFaults.CorruptionIsReported...; in-process).
 TEST_F(CheckpointE2E, WeightsOnlyLoadsOnOtherDegrees) {
