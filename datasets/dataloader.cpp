@@ -51,6 +51,8 @@ void DataLoader::fill(size_t need) {
     if (!reader_.next(&doc)) {
       // End of data. The stream held next_document documents; rank r owns some iff r < N.
       const int64_t total = reader_.position().next_document;
+      if (total == 0)
+        throw UserError("dataset " + name_ + " holds no documents (its files are empty or only blank lines)");
       if (total <= dp_rank_) {
         throw UserError("dataset " + name_ + " has " + std::to_string(total) +
                         " documents, too few for dp degree " + std::to_string(dp_world_) +

@@ -2,6 +2,7 @@
 #include "datasets/text_source.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 
@@ -30,6 +31,41 @@ std::string known_list() {
 bool blank(const std::string& line) {
   return std::all_of(line.begin(), line.end(),
                      [](char c) { return c == ' ' || c == '\t' || c == '\f' || c == '\v'; });
+}
+
+// Offset of the first byte that does not belong to well-formed UTF-8 (RFC 3629: no overlong
+// forms, no surrogates, nothing above U+10FFFF), or npos.
+size_t invalid_utf8_at(const std::string& s) {
+  const auto* b = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned c = b[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len = 0;
+    unsigned lo = 0x80, hi = 0xBF;  // allowed range of the second byte
+    if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0) lo = 0xA0;  // overlong
+      if (c == 0xED) hi = 0x9F;  // surrogates
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0) lo = 0x90;  // overlong
+      if (c == 0xF4) hi = 0x8F;  // above U+10FFFF
+    } else {
+      return i;
+    }
+    if (i + len > n) return i;
+    if (b[i + 1] < lo || b[i + 1] > hi) return i;
+    for (size_t k = 2; k < len; ++k)
+      if (b[i + k] < 0x80 || b[i + k] > 0xBF) return i;
+    i += len;
+  }
+  return std::string::npos;
 }
 
 }  // namespace
@@ -168,6 +204,15 @@ bool DocumentReader::read_line(std::string* line) {
   pos_.line += 1;
   if (at_start && line->compare(0, 3, "\xEF\xBB\xBF") == 0) line->erase(0, 3);
   if (!line->empty() && line->back() == '\r') line->pop_back();
+  // Text only: a binary or wrongly encoded file is named, not tokenized into noise.
+  if (const size_t nul = line->find('\0'); nul != std::string::npos)
+    fail_line("a NUL byte at column " + std::to_string(nul + 1) + ": binary data, not text");
+  if (const size_t bad = invalid_utf8_at(*line); bad != std::string::npos) {
+    char hex[8];
+    std::snprintf(hex, sizeof hex, "0x%02x", static_cast<unsigned char>((*line)[bad]));
+    fail_line(std::string("not valid UTF-8 (byte ") + hex + " at column " + std::to_string(bad + 1) +
+              "); convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8");
+  }
   return true;
 }
 

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -391,6 +392,45 @@ TEST(TextSource, BadJsonlLinesNameFileAndLine) {
   }
 }
 
+// Files that are not UTF-8 text: a NUL byte (binary data) or an ill-formed UTF-8 sequence
+// is an error naming the file, line, column and byte; well-formed multi-byte text passes.
+TEST(TextSource, BinaryAndNonUtf8FilesNameTheByte) {
+  struct Case {
+    std::string bytes, expect;
+    int column;  // in the .txt file; 10 more in the .jsonl line ({"text": " comes first)
+  };
+  const std::vector<Case> bad = {
+      {std::string("ab\0cd", 5), "a NUL byte at column %: binary data, not text", 3},
+      {"caf\xe9 au lait", "not valid UTF-8 (byte 0xe9 at column %)", 4},         // Latin-1
+      {"x \xc0\xaf y", "not valid UTF-8 (byte 0xc0 at column %)", 3},            // overlong '/'
+      {"\xed\xa0\x80 surrogate", "not valid UTF-8 (byte 0xed at column %)", 1}, // U+D800
+      {"big \xf4\x90\x80\x80", "not valid UTF-8 (byte 0xf4 at column %)", 5},  // > U+10FFFF
+      {"cut \xe6\xb8", "not valid UTF-8 (byte 0xe6 at column %)", 5},            // truncated
+      {"\x80 stray continuation", "not valid UTF-8 (byte 0x80 at column %)", 1},
+  };
+  for (size_t i = 0; i < bad.size(); ++i) {
+    for (const std::string ext : {".txt", ".jsonl"}) {
+      const bool txt = ext == ".txt";
+      const std::string first = txt ? "fine line" : "{\"text\": \"fine\"}";
+      const std::string body = txt ? bad[i].bytes : "{\"text\": \"" + bad[i].bytes + "\"}";
+      const std::string path =
+          write_file(Env::dir_ / "nonutf8" / ("b" + std::to_string(i) + ext), first + "\n\n" + body + "\n");
+      std::string expect = bad[i].expect;
+      expect.replace(expect.find('%'), 1, std::to_string(bad[i].column + (txt ? 0 : 10)));
+      EXPECT_EQ(user_error_text([&] { all_documents(path); }).rfind("dataset: " + path + ":3: " + expect, 0), 0u)
+          << ext << " case " << i;
+    }
+  }
+  // Random bytes: an error, never a crash or a tokenized mess.
+  std::mt19937 rng(7);
+  std::string noise(4096, '\0');
+  for (char& c : noise) c = static_cast<char>(rng());
+  const std::string bin = write_file(Env::dir_ / "nonutf8" / "random.txt", noise);
+  EXPECT_NE(user_error_text([&] { all_documents(bin); }).find("dataset: " + bin + ":"), std::string::npos);
+  const std::string good = write_file(Env::dir_ / "nonutf8" / "good.txt", "港 🐳 \xc3\xa9\n");
+  EXPECT_EQ(all_documents(good), (std::vector<std::string>{"港 🐳 é"}));
+}
+
 TEST(TextSource, FolderListingAndErrors) {
   const fs::path d = Env::dir_ / "mixed";
   write_file(d / "b.jsonl", "{\"text\": \"from b\"}\n{\"text\": \"b again\"}\n");
@@ -536,6 +576,15 @@ TEST(DataLoader, RanksTakeDisjointDocumentsCoveringTheCorpus) {
   std::map<std::string, int> corpus;
   for (const auto& d : docs) corpus[d] += 1;
   EXPECT_EQ(seen, corpus);  // every document on exactly one rank, none invented
+}
+
+TEST(DataLoader, EmptyOrBlankFilesAreAUserError) {
+  for (const std::string body : {"", "\n\n  \n\t\n"}) {
+    const std::string src = write_file(Env::dir_ / "blank" / "b.txt", body);
+    DataLoader dl(tok(), src, 4, 1, 0, 1, "blank");
+    EXPECT_EQ(user_error_text([&] { dl.next_window(); }),
+              "dataset blank holds no documents (its files are empty or only blank lines)");
+  }
 }
 
 TEST(DataLoader, TooFewDocumentsForTheRanksIsAUserError) {
