@@ -140,9 +140,9 @@ std::string write_rank_file(const std::vector<StateEntry>& entries, const std::s
     ChunkMeta c;
     c.file = name;
     if (e.is_bytes) {
-      c.offset = w.append(e.bytes.data(), e.bytes.size());
       c.nbytes = e.bytes.size();
       c.crc = ckpt::crc32(e.bytes.data(), e.bytes.size());
+      c.offset = w.append(e.bytes.data(), e.bytes.size(), c.crc);
     } else {
       at::Tensor t = e.tensor;
       if (e.rule == Rule::Sharded) {
@@ -158,9 +158,9 @@ std::string write_rank_file(const std::vector<StateEntry>& entries, const std::s
       t = t.detach().contiguous();
       m.dtype = dtype_name(t.scalar_type());
       const size_t n = static_cast<size_t>(t.numel()) * t.element_size();
-      c.offset = w.append(t.data_ptr(), n);
       c.nbytes = n;
-      c.crc = ckpt::crc32(t.data_ptr(), n);
+      c.crc = ckpt::crc32(t.data_ptr(), n);  // once: the file's CRC is combined from it
+      c.offset = w.append(t.data_ptr(), n, c.crc);
     }
     m.chunks.push_back(c);
     metas.push_back(std::move(m));
@@ -303,8 +303,14 @@ void CheckpointReader::require_tensor(const std::string& key, const std::vector<
 }
 
 std::string CheckpointReader::read_chunk(const EntryMeta& e, const ChunkMeta& c) const {
-  const std::string path = (fs::path(dir_) / c.file).string();
   std::string buf(c.nbytes, '\0');
+  read_chunk_into(e, c, buf.data());
+  return buf;
+}
+
+void CheckpointReader::read_chunk_into(const EntryMeta& e, const ChunkMeta& c, void* dst) const {
+  const std::string path = (fs::path(dir_) / c.file).string();
+  char* buf = static_cast<char*>(dst);
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw RuntimeFailure("checkpoint: cannot open " + path + ": " + std::strerror(errno));
   size_t done = 0;
@@ -318,13 +324,13 @@ std::string CheckpointReader::read_chunk(const EntryMeta& e, const ChunkMeta& c)
     done += static_cast<size_t>(r);
   }
   ::close(fd);
-  const uint32_t crc = ckpt::crc32(buf.data(), buf.size());
+  bytes_read_ += c.nbytes;
+  const uint32_t crc = ckpt::crc32(buf, c.nbytes);
   if (crc != c.crc)
     throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: " + c.file + " bytes [" + std::to_string(c.offset) +
                          ", " + std::to_string(c.offset + c.nbytes) + ") holding " + e.key +
                          " fail their CRC-32 check (recorded " + ckpt::hex32(c.crc) + ", computed " +
                          ckpt::hex32(crc) + ")");
-  return buf;
 }
 
 void CheckpointReader::read_rows(const std::string& key, int64_t begin, int64_t end, const at::Tensor& dest) const {
@@ -342,6 +348,11 @@ void CheckpointReader::read_rows(const std::string& key, int64_t begin, int64_t 
   for (const ChunkMeta& c : e.chunks) {
     const int64_t s = std::max(begin, c.row_begin), t = std::min(end, c.row_end);
     if (s >= t) continue;
+    if (s == c.row_begin && t == c.row_end && st == d2.scalar_type()) {
+      // The whole chunk lands in the destination as stored: read it there (no staging copy).
+      read_chunk_into(e, c, d2.narrow(0, s - begin, t - s).data_ptr());
+      continue;
+    }
     std::string bytes = read_chunk(e, c);
     auto src = torch::from_blob(bytes.data(), {c.row_end - c.row_begin, rn}, torch::TensorOptions().dtype(st));
     d2.narrow(0, s - begin, t - s).copy_(src.narrow(0, s - c.row_begin, t - s));
@@ -591,6 +602,7 @@ struct CheckpointManager::Pending {
   std::thread thread;
   std::string status;  // "ok\n<fragment>" or "error <message>"
   uint64_t bytes = 0;
+  double write_s = 0;  // this rank's file: write + fsync (the background part when async)
   std::chrono::steady_clock::time_point t0;
 };
 
@@ -761,11 +773,13 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
     if (!e.is_bytes) e.tensor = async ? e.tensor.contiguous().clone() : e.tensor.contiguous();
   p.entries = std::move(entries);
   auto work = [this, &p] {
+    const auto tw = std::chrono::steady_clock::now();
     try {
       p.status = "ok\n" + write_rank_file(p.entries, p.stage, comm_.rank, p.step);
     } catch (const std::exception& e) {
       p.status = "error " + one_line(e.what());
     }
+    p.write_s = seconds_since(tw);
     p.entries.clear();  // release the copies
   };
   if (async)
@@ -878,8 +892,10 @@ void CheckpointManager::complete_save() {
     pending_.reset();
     throw RuntimeFailure(what + " failed on rank 0 while committing: " + committed[0].substr(6) + " (" + previous + ")");
   }
-  spdlog::info("checkpoint: saved step {}{} to {} ({:.1f} MiB on this rank, {:.2f} s)", p.step,
-               p.hf ? " (model only, HF safetensors)" : p.model_only ? " (model only)" : "", p.final_dir, p.bytes / double(1 << 20), seconds_since(p.t0));
+  // Sync: the total is the whole collective save; async: it spans the training steps in between.
+  spdlog::info("checkpoint: saved step {}{} to {} ({:.1f} MiB on this rank, {:.2f} s; file written in {:.2f} s)",
+               p.step, p.hf ? " (model only, HF safetensors)" : p.model_only ? " (model only)" : "", p.final_dir,
+               p.bytes / double(1 << 20), seconds_since(p.t0), p.write_s);
   last_saved_step_ = p.step;
   const std::string folder = p.folder;
   const bool regular = folder == opt_.folder;
@@ -1048,9 +1064,10 @@ LoadResult CheckpointManager::load() {
   res.path = path;
   res.model_only = model_only;
   for (const auto& t : todo) res.components.push_back(t.first);
-  spdlog::info("checkpoint: loaded step {} from {} in {:.2f} s (saved by {} ranks, dp {}×{}; now {} ranks): {}", m.step,
-               path, seconds_since(t0), m.world_size, m.dp_replicate, m.dp_shard, comm_.world_size,
-               join(res.components, ", "));
+  spdlog::info("checkpoint: loaded step {} from {} in {:.2f} s, {:.1f} MiB read on this rank (saved by {} ranks, dp "
+               "{}×{}; now {} ranks): {}",
+               m.step, path, seconds_since(t0), reader->bytes_read() / double(1 << 20), m.world_size, m.dp_replicate,
+               m.dp_shard, comm_.world_size, join(res.components, ", "));
   // Test hook: write what was just loaded, as this job holds it, to another folder, so a
   // test can compare it with the checkpoint it came from.
   if (const char* dump = std::getenv("CTITAN_CHECKPOINT_DUMP_LOADED"); dump && *dump) {

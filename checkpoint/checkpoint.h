@@ -21,6 +21,7 @@
 //               "redistribute" (DataLoaderState below).
 // The on-disk format is in checkpoint/format.h.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -106,11 +107,14 @@ class CheckpointReader {
   at::Tensor read_tensor(const std::string& key) const;  // the whole tensor, saved dtype
   int64_t read_int(const std::string& key) const;        // a scalar integer entry
   std::string read_bytes(const std::string& key) const;
+  uint64_t bytes_read() const { return bytes_read_; }  // chunk bytes read so far
 
  private:
   std::string read_chunk(const ckpt::EntryMeta& e, const ckpt::ChunkMeta& c) const;
+  void read_chunk_into(const ckpt::EntryMeta& e, const ckpt::ChunkMeta& c, void* dst) const;  // CRC-checked
   std::string dir_;
   ckpt::Metadata meta_;
+  mutable std::atomic<uint64_t> bytes_read_{0};
 };
 
 // A component with state: torchtitan's Stateful, plus the check that runs on every rank

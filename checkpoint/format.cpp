@@ -100,6 +100,45 @@ uint32_t crc32(const void* data, size_t n, uint32_t crc) {
   return ~crc;
 }
 
+namespace {
+
+// The CRC register as a vector over GF(2): appending zero bits is linear in it. m[j] is the
+// image of bit j; products and squares of these 32 x 32 matrices are 32 vector products.
+using Gf2Matrix = std::array<uint32_t, 32>;
+
+uint32_t gf2_times(const Gf2Matrix& m, uint32_t v) {
+  uint32_t out = 0;
+  for (int j = 0; v; ++j, v >>= 1)
+    if (v & 1) out ^= m[j];
+  return out;
+}
+
+Gf2Matrix gf2_square(const Gf2Matrix& m) {
+  Gf2Matrix sq;
+  for (int j = 0; j < 32; ++j) sq[j] = gf2_times(m, m[j]);
+  return sq;
+}
+
+}  // namespace
+
+uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  if (len_b == 0) return crc_a;
+  // One zero bit through the reflected register: shift right, fold in the polynomial.
+  Gf2Matrix bit;
+  bit[0] = 0xEDB88320u;
+  for (int j = 1; j < 32; ++j) bit[j] = 1u << (j - 1);
+  Gf2Matrix op = gf2_square(gf2_square(gf2_square(bit)));  // one zero byte
+  // The pre- and post-conditioning (~) cancel: crc(A·B) = zeros^len_b(crc(A)) ^ crc(B).
+  uint32_t r = crc_a;
+  for (uint64_t n = len_b;;) {
+    if (n & 1) r = gf2_times(op, r);
+    n >>= 1;
+    if (!n) break;
+    op = gf2_square(op);
+  }
+  return r ^ crc_b;
+}
+
 std::string hex32(uint32_t v) {
   char buf[16];
   std::snprintf(buf, sizeof buf, "%08x", v);
@@ -161,10 +200,12 @@ DurableFileWriter::~DurableFileWriter() {
   if (!committed_) ::unlink(tmp_.c_str());
 }
 
-uint64_t DurableFileWriter::append(const void* data, size_t n) {
+uint64_t DurableFileWriter::append(const void* data, size_t n) { return append(data, n, crc32(data, n)); }
+
+uint64_t DurableFileWriter::append(const void* data, size_t n, uint32_t crc_of_data) {
   const uint64_t at = size_;
   write_all(fd_, data, n, tmp_);
-  crc_ = crc32(data, n, crc_);
+  crc_ = crc32_combine(crc_, crc_of_data, n);
   size_ += n;
   return at;
 }

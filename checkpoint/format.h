@@ -47,6 +47,9 @@ constexpr int64_t kFormatVersion = 1;
 
 // CRC-32 (IEEE 802.3, zlib's), continued from `crc` (0 to start).
 uint32_t crc32(const void* data, size_t n, uint32_t crc = 0);
+// CRC-32 of A followed by B from crc32(A), crc32(B) and B's length, without reading either
+// (a chunk's checksum, computed once, also extends the file's).
+uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 std::string hex32(uint32_t v);
 
 // ---- durable files -----------------------------------------------------------------------
@@ -66,6 +69,7 @@ class DurableFileWriter {
   DurableFileWriter(const DurableFileWriter&) = delete;
   DurableFileWriter& operator=(const DurableFileWriter&) = delete;
   uint64_t append(const void* data, size_t n);  // returns the offset the data starts at
+  uint64_t append(const void* data, size_t n, uint32_t crc_of_data);  // CRC already known
   void commit();
   uint64_t size() const { return size_; }
   uint32_t crc() const { return crc_; }

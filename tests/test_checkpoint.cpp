@@ -183,6 +183,24 @@ TEST(CheckpointFormat, Crc32MatchesTheStandardCheckValue) {
   // Continuation equals one pass.
   const std::string s = "the quick brown fox jumps over the lazy dog, twice over";
   EXPECT_EQ(ckpt::crc32(s.data() + 10, s.size() - 10, ckpt::crc32(s.data(), 10)), ckpt::crc32(s.data(), s.size()));
+  // Combining two parts' CRCs (what the writer does per chunk) equals one pass, any split.
+  std::string big(70000, '\0');
+  std::mt19937 rng(5);
+  for (char& c : big) c = static_cast<char>(rng());
+  for (size_t cut : {size_t{0}, size_t{1}, size_t{7}, size_t{4096}, size_t{69999}, big.size()})
+    EXPECT_EQ(ckpt::crc32_combine(ckpt::crc32(big.data(), cut), ckpt::crc32(big.data() + cut, big.size() - cut),
+                                  big.size() - cut),
+              ckpt::crc32(big.data(), big.size()))
+        << cut;
+  // And a file written through DurableFileWriter with precomputed chunk CRCs has the CRC of its bytes.
+  const auto dir = temp_dir("crc");
+  ckpt::DurableFileWriter w((dir / "f").string());
+  w.append(big.data(), 1000, ckpt::crc32(big.data(), 1000));
+  w.append(big.data() + 1000, big.size() - 1000);
+  w.commit();
+  EXPECT_EQ(w.crc(), ckpt::crc32(big.data(), big.size()));
+  EXPECT_EQ(ckpt::read_whole_file((dir / "f").string()), big);
+  fs::remove_all(dir);
 }
 
 TEST(CheckpointFormat, MetadataRoundTripsAndRejectsDamage) {
