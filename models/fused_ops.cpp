@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 
 namespace ctitan {
 namespace {
@@ -18,6 +19,35 @@ using torch::autograd::variable_list;
 int64_t rows_per_chunk(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_len)); }
 
 torch::ScalarType acc_dtype(torch::ScalarType t) { return t == torch::kDouble ? torch::kDouble : torch::kFloat; }
+
+// Branch-free bf16 conversions, so the compiler can vectorise the loops below (c10's
+// BFloat16 constructor branches on NaN).
+inline float widen(c10::BFloat16 h) {
+  const uint32_t bits = static_cast<uint32_t>(h.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float widen(float f) { return f; }
+inline double widen(double d) { return d; }
+
+template <class T>
+inline T narrow_to(float f);
+template <>
+inline float narrow_to<float>(float f) { return f; }
+template <>
+inline c10::BFloat16 narrow_to<c10::BFloat16>(float f) {  // round to nearest even, NaN kept NaN
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
+}
+template <class T>
+inline T narrow_to(double d);
+template <>
+inline double narrow_to<double>(double d) { return d; }
+
 
 // ---- RMSNorm ----------------------------------------------------------------------------
 class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
@@ -38,13 +68,13 @@ class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
         for (int64_t n = b; n < e; ++n) {
           const scalar_t* xr = X + n * D;
           double ss = 0;  // float64 sum: the statistic is then exact to float32 rounding
-          for (int64_t d = 0; d < D; ++d) ss += static_cast<double>(xr[d]) * static_cast<double>(xr[d]);
+          for (int64_t d = 0; d < D; ++d) ss += static_cast<double>(widen(xr[d])) * static_cast<double>(widen(xr[d]));
           const acc_t r = static_cast<acc_t>(1.0 / std::sqrt(ss / static_cast<double>(D) + eps));
           R[n] = r;
           scalar_t* yr = Y + n * D;
           for (int64_t d = 0; d < D; ++d) {
-            const scalar_t normed = static_cast<scalar_t>(static_cast<acc_t>(xr[d]) * r);
-            yr[d] = static_cast<scalar_t>(static_cast<acc_t>(normed) * static_cast<acc_t>(W[d]));
+            const acc_t normed = widen(narrow_to<scalar_t>(widen(xr[d]) * r));
+            yr[d] = narrow_to<scalar_t>(normed * widen(W[d]));
           }
         }
       });
@@ -78,17 +108,17 @@ class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
             const acc_t r = R[n];
             acc_t dot = 0;  // Σ dxhat · xhat
             for (int64_t d = 0; d < D; ++d) {
-              const acc_t xhat = static_cast<acc_t>(xr[d]) * r;
-              const acc_t g = static_cast<acc_t>(gr[d]);
-              pw[d] += g * static_cast<acc_t>(static_cast<scalar_t>(xhat));
-              dot += g * static_cast<acc_t>(W[d]) * xhat;
+              const acc_t xhat = widen(xr[d]) * r;
+              const acc_t g = widen(gr[d]);
+              pw[d] += g * widen(narrow_to<scalar_t>(xhat));
+              dot += g * widen(W[d]) * xhat;
             }
             const acc_t mean_dot = dot / static_cast<acc_t>(D);
             scalar_t* dxr = DX + n * D;
             for (int64_t d = 0; d < D; ++d) {
-              const acc_t xhat = static_cast<acc_t>(xr[d]) * r;
-              const acc_t dxhat = static_cast<acc_t>(gr[d]) * static_cast<acc_t>(W[d]);
-              dxr[d] = static_cast<scalar_t>(r * (dxhat - xhat * mean_dot));
+              const acc_t xhat = widen(xr[d]) * r;
+              const acc_t dxhat = widen(gr[d]) * widen(W[d]);
+              dxr[d] = narrow_to<scalar_t>(r * (dxhat - xhat * mean_dot));
             }
           }
         }
@@ -119,9 +149,9 @@ Tensor rotate_pairs(const Tensor& x, const Tensor& table, int64_t sign) {
           scalar_t* orow = O + (bt * H + h) * hd;
           for (int64_t i = 0; i < half; ++i) {
             const acc_t c = cs[2 * i], s = sg * cs[2 * i + 1];
-            const acc_t a = static_cast<acc_t>(xr[2 * i]), v = static_cast<acc_t>(xr[2 * i + 1]);
-            orow[2 * i] = static_cast<scalar_t>(a * c - v * s);
-            orow[2 * i + 1] = static_cast<scalar_t>(a * s + v * c);
+            const acc_t a = widen(xr[2 * i]), v = widen(xr[2 * i + 1]);
+            orow[2 * i] = narrow_to<scalar_t>(a * c - v * s);
+            orow[2 * i + 1] = narrow_to<scalar_t>(a * s + v * c);
           }
         }
       }
@@ -142,54 +172,6 @@ class RotaryFn : public torch::autograd::Function<RotaryFn> {
   }
 };
 
-// ---- SwiGLU gate ------------------------------------------------------------------------
-class SiluMulFn : public torch::autograd::Function<SiluMulFn> {
- public:
-  static Tensor forward(AutogradContext* ctx, const Tensor& a_in, const Tensor& b_in) {
-    const auto a = a_in.contiguous(), b = b_in.contiguous();
-    auto y = torch::empty_like(a);
-    const int64_t n = a.numel();
-    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, a.scalar_type(), "ctitan_silu_mul", [&] {
-      using acc_t = at::opmath_type<scalar_t>;
-      const scalar_t *A = a.data_ptr<scalar_t>(), *Bp = b.data_ptr<scalar_t>();
-      scalar_t* Y = y.data_ptr<scalar_t>();
-      at::parallel_for(0, n, 16384, [&](int64_t s, int64_t e) {
-        for (int64_t i = s; i < e; ++i) {
-          const acc_t x = static_cast<acc_t>(A[i]);
-          const scalar_t act = static_cast<scalar_t>(x / (acc_t(1) + std::exp(-x)));
-          Y[i] = static_cast<scalar_t>(static_cast<acc_t>(act) * static_cast<acc_t>(Bp[i]));
-        }
-      });
-    });
-    ctx->save_for_backward({a, b});
-    return y;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const Tensor &a = saved[0], &b = saved[1];
-    const auto dy = grads[0].to(a.scalar_type()).contiguous();
-    auto da = torch::empty_like(a), db = torch::empty_like(b);
-    const int64_t n = a.numel();
-    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, a.scalar_type(), "ctitan_silu_mul_backward", [&] {
-      using acc_t = at::opmath_type<scalar_t>;
-      const scalar_t *A = a.data_ptr<scalar_t>(), *Bp = b.data_ptr<scalar_t>(), *G = dy.data_ptr<scalar_t>();
-      scalar_t *DA = da.data_ptr<scalar_t>(), *DB = db.data_ptr<scalar_t>();
-      at::parallel_for(0, n, 16384, [&](int64_t s, int64_t e) {
-        for (int64_t i = s; i < e; ++i) {
-          const acc_t x = static_cast<acc_t>(A[i]), g = static_cast<acc_t>(G[i]);
-          const acc_t sig = acc_t(1) / (acc_t(1) + std::exp(-x));
-          const acc_t act = static_cast<acc_t>(static_cast<scalar_t>(x * sig));
-          // d silu / dx = σ(x) · (1 + x · (1 − σ(x)))
-          DA[i] = static_cast<scalar_t>(g * static_cast<acc_t>(Bp[i]) * sig * (acc_t(1) + x * (acc_t(1) - sig)));
-          DB[i] = static_cast<scalar_t>(g * act);
-        }
-      });
-    });
-    return {da, db};
-  }
-};
-
 }  // namespace
 
 torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
@@ -205,12 +187,6 @@ torch::Tensor fused_rotary_emb(const torch::Tensor& x, const torch::Tensor& freq
                   freqs_cis.size(2) == 2,
               "[models] freqs_cis ", freqs_cis.sizes(), " does not fit x ", x.sizes());
   return RotaryFn::apply(x, freqs_cis);
-}
-
-torch::Tensor fused_silu_mul(const torch::Tensor& a, const torch::Tensor& b) {
-  TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(),
-              "[models] fused_silu_mul: ", a.sizes(), " and ", b.sizes(), " differ");
-  return SiluMulFn::apply(a, b);
 }
 
 }  // namespace ctitan

@@ -16,7 +16,4 @@ torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight
 // x [B, T, h, hd], freqs_cis float32 [>= T, hd/2, 2] → [B, T, h, hd] in x's dtype.
 torch::Tensor fused_rotary_emb(const torch::Tensor& x, const torch::Tensor& freqs_cis);
 
-// silu(a) · b (SwiGLU's gate), a and b of the same shape and dtype.
-torch::Tensor fused_silu_mul(const torch::Tensor& a, const torch::Tensor& b);
-
 }  // namespace ctitan

@@ -146,7 +146,8 @@ FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t hidden_dim) {
 }
 
 torch::Tensor FeedForwardImpl::forward(const torch::Tensor& x) {
-  return w2(fused_silu_mul(w1(x), w3(x)));
+  // ATen's silu and mul: a fused scalar loop measured slower than ATen's vectorised exp.
+  return w2(torch::silu(w1(x)) * w3(x));
 }
 
 void FeedForwardImpl::init_weights(double init_std) {
