@@ -3,7 +3,6 @@
 // Every stage is a build_* / maybe_* call; the details live in the component folders.
 //
 // Dimensions used in comments: B = local batch size, T = seq_len, V = vocab size.
-#include <malloc.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -32,6 +31,7 @@
 #include "components/system.h"
 #include "config/errors.h"
 #include "config/job_config.h"
+#include "config/text.h"
 #include "datasets/dataloader.h"
 #include "datasets/tokenizer.h"
 #include "models/llama/args.h"
@@ -42,6 +42,7 @@
 #include "parallelisms/fsdp.h"
 #include "parallelisms/launch_env.h"
 #include "parallelisms/parallel_dims.h"
+#include "train.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -315,13 +316,17 @@ struct Parallelism {
   int64_t dp_rank = 0;
 };
 
+ParallelDims build_parallel_dims(const JobConfig& cfg, int64_t world_size) {
+  const auto& c = cfg.parallelism;
+  return ParallelDims::build(c.data_parallel_replicate_degree, c.data_parallel_shard_degree,
+                             c.context_parallel_degree, c.tensor_parallel_degree, c.pipeline_parallel_degree,
+                             world_size);
+}
+
 Parallelism build_parallelism(const JobConfig& cfg) {
   Parallelism p;
   p.env = detect_launch_env(environment_map());
-  const auto& c = cfg.parallelism;
-  p.dims = ParallelDims::build(c.data_parallel_replicate_degree, c.data_parallel_shard_degree,
-                               c.context_parallel_degree, c.tensor_parallel_degree,
-                               c.pipeline_parallel_degree, p.env.world_size);
+  p.dims = build_parallel_dims(cfg, p.env.world_size);
   if (!p.env.distributed()) return p;
   p.dist = init_distributed(p.env, std::chrono::seconds(cfg.comm.init_timeout_seconds));
   // Every rank creates every group, in the same order (group creation is collective).
@@ -506,21 +511,39 @@ std::shared_ptr<ActivationCheckpoint> maybe_apply_ac(TrainModel& model, const Jo
   return ac;
 }
 
-int run(const std::vector<std::string>& argv) {
+// job.validate_only: the checks a run makes before it writes anything — the config, the
+// launch environment against the parallelism degrees, the batch arithmetic, the tokenizer
+// (loaded) and the model built on its vocabulary, the dataset (found) — then one line on
+// `out` and exit 0. No communication between ranks, no output folder.
+int validate_only(const JobConfig& cfg, std::ostream& out) {
+  const LaunchEnv env = detect_launch_env(environment_map());
+  const ParallelDims dims = build_parallel_dims(cfg, env.world_size);
+  const int64_t accum = gradient_accumulation_steps(cfg, dims.dp());
+  const DataPipeline data = build_data(cfg, std::min(env.rank, dims.dp() - 1), dims.dp());
+  build_model_args(cfg, *data.tokenizer);
+  out << "config ok: " << (cfg.job.config_file.empty() ? "defaults" : cfg.job.config_file) << "; " << cfg.model.name
+      << " " << cfg.model.flavor << "; " << env.world_size << " rank(s), dp " << dims.dp() << " x " << accum
+      << " micro-batch(es); tokenizer " << data.tokenizer->model_path() << " (vocab "
+      << data.tokenizer->vocab_size() << "); dataset " << data.source << std::endl;
+  return 0;
+}
+
+int run(const std::vector<std::string>& argv, std::ostream& out) {
   // ---- config -----------------------------------------------------------------------
   ConfigLoadResult loaded = load_job_config(argv);
   if (loaded.help_requested) {
-    std::cout << job_config_help();
+    out << job_config_help();
     return 0;
   }
   const JobConfig cfg = loaded.config;
   if (cfg.job.print_config) {
-    std::cout << job_config_to_toml(cfg);
+    out << job_config_to_toml(cfg);
     return 0;
   }
   check_supported(cfg);
   check_checkpoint_config(cfg);
   build_model_args_check(cfg);
+  if (cfg.job.validate_only) return validate_only(cfg, out);
   // Before any thread exists: SIGTERM / SIGINT / SIGUSR1 become a stop request.
   install_stop_signal_watcher();
 
@@ -749,38 +772,27 @@ int run(const std::vector<std::string>& argv) {
 }
 
 }  // namespace
-}  // namespace ctitan
 
-int main(int argc, char** argv) {
-  // libgomp reads OMP_WAIT_POLICY when it is loaded, before main. Its default lets idle
-  // OpenMP workers spin, stealing the cores OpenBLAS's own threads need for the matmuls
-  // (debug model, 2 cores: 987 → 1,548 tokens/s with PASSIVE). Set it and start again,
-  // same pid, unless the user chose a policy.
-  if (!std::getenv("OMP_WAIT_POLICY")) {
-    setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
-    execv("/proc/self/exe", argv);  // returns only on failure: then run as we are
-  }
-  // Fixed mmap threshold: glibc otherwise raises it after large frees, so memory that
-  // FSDP releases (full parameters after sharding, unsharded units after use) would stay
-  // in the heap and in RSS instead of going back to the system.
-  mallopt(M_MMAP_THRESHOLD, 1 << 20);
-  std::vector<std::string> args(argv + 1, argv + argc);
+int train_main(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+  // Failures are one line of text, whatever user input they quote (control bytes escaped).
   try {
-    return ctitan::run(args);
-  } catch (const ctitan::UserError& e) {
-    std::cerr << e.what() << std::endl;
+    return run(args, out);
+  } catch (const UserError& e) {
+    err << printable_line(e.what()) << std::endl;
     return 2;
-  } catch (const ctitan::CollectiveFailure& e) {
-    std::cerr << "error: " << e.what() << std::endl;
+  } catch (const CollectiveFailure& e) {
+    err << "error: " << printable_line(e.what()) << std::endl;
     return 3;
-  } catch (const ctitan::RuntimeFailure& e) {
-    std::cerr << "error: " << e.what() << std::endl;
+  } catch (const RuntimeFailure& e) {
+    err << "error: " << printable_line(e.what()) << std::endl;
     return 1;
   } catch (const c10::Error& e) {
-    std::cerr << "error: " << e.what_without_backtrace() << std::endl;
+    err << "error: " << printable_line(e.what_without_backtrace()) << std::endl;
     return 1;
   } catch (const std::exception& e) {
-    std::cerr << "error: " << e.what() << std::endl;
+    err << "error: " << printable_line(e.what()) << std::endl;
     return 1;
   }
 }
+
+}  // namespace ctitan

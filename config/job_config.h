@@ -105,6 +105,7 @@ struct Job {
   std::string dump_folder;
   std::string description;
   bool print_config;
+  bool validate_only;  // ctitan only
   std::string save_config_file;
   std::string custom_config_module;
 
@@ -116,6 +117,9 @@ struct Job {
     v(description, "description", "default job", "Free-text description of the job");
     v(print_config, "print_config", false,
       "Print the effective config as TOML and exit 0 without training", alias("print_args"));
+    v(validate_only, "validate_only", false,
+      "ctitan: check the config, launch environment, tokenizer and dataset as a run would, print "
+      "\"config ok: ...\" and exit 0 without training or writing anything");
     v(save_config_file, "save_config_file", "",
       "Extra file name under dump_folder to save the effective config to (\"\" = None)");
     v(custom_config_module, "custom_config_module", "",

@@ -7,6 +7,7 @@
 #include <filesystem>
 
 #include "config/errors.h"
+#include "config/text.h"
 #include "datasets/json_lite.h"
 
 namespace ctitan {
@@ -31,41 +32,6 @@ std::string known_list() {
 bool blank(const std::string& line) {
   return std::all_of(line.begin(), line.end(),
                      [](char c) { return c == ' ' || c == '\t' || c == '\f' || c == '\v'; });
-}
-
-// Offset of the first byte that does not belong to well-formed UTF-8 (RFC 3629: no overlong
-// forms, no surrogates, nothing above U+10FFFF), or npos.
-size_t invalid_utf8_at(const std::string& s) {
-  const auto* b = reinterpret_cast<const unsigned char*>(s.data());
-  const size_t n = s.size();
-  for (size_t i = 0; i < n;) {
-    const unsigned c = b[i];
-    if (c < 0x80) {
-      ++i;
-      continue;
-    }
-    size_t len = 0;
-    unsigned lo = 0x80, hi = 0xBF;  // allowed range of the second byte
-    if (c >= 0xC2 && c <= 0xDF) {
-      len = 2;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      len = 3;
-      if (c == 0xE0) lo = 0xA0;  // overlong
-      if (c == 0xED) hi = 0x9F;  // surrogates
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      len = 4;
-      if (c == 0xF0) lo = 0x90;  // overlong
-      if (c == 0xF4) hi = 0x8F;  // above U+10FFFF
-    } else {
-      return i;
-    }
-    if (i + len > n) return i;
-    if (b[i + 1] < lo || b[i + 1] > hi) return i;
-    for (size_t k = 2; k < len; ++k)
-      if (b[i + k] < 0x80 || b[i + k] > 0xBF) return i;
-    i += len;
-  }
-  return std::string::npos;
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include "config/config_value.h"
 #include "config/errors.h"
 #include "config/job_config.h"
+#include "config/text.h"
 
 namespace ctitan {
 namespace {
@@ -727,3 +728,14 @@ TEST(ConfigSupported, FeaturesNotBuiltYetAreRefusedWithTheSupportedValues) {
 
 }  // namespace
 }  // namespace ctitan
+
+// Errors quote user input; printed through printable_line they stay one line of text.
+TEST(ConfigText, PrintableLineEscapesControlAndNonUtf8Bytes) {
+  EXPECT_EQ(ctitan::printable_line("plain, 港 🐳 é"), "plain, 港 🐳 é");
+  EXPECT_EQ(ctitan::printable_line("a\nb\rc\td"), "a\\nb\\rc\\td");
+  EXPECT_EQ(ctitan::printable_line(std::string("x\0y\x01\x7f", 5)), "x\\x00y\\x01\\x7f");
+  EXPECT_EQ(ctitan::printable_line("caf\xe9 \xff\xfe \xc0\xaf \xe6\xb8"), "caf\\xe9 \\xff\\xfe \\xc0\\xaf \\xe6\\xb8");
+  EXPECT_EQ(ctitan::printable_line("\xed\xa0\x80"), "\\xed\\xa0\\x80");  // a surrogate
+  EXPECT_EQ(ctitan::invalid_utf8_at("ok \xf4\x8f\xbf\xbf"), std::string::npos);  // U+10FFFF
+  EXPECT_EQ(ctitan::invalid_utf8_at("ok \xf4\x90\x80\x80"), 3u);
+}

@@ -11,11 +11,15 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <regex>
 #include <sstream>
 
 #include "checkpoint/checkpoint.h"
+#include "config/job_config.h"
+#include "config/text.h"
+#include "train.h"
 #include "tests/e2e.h"
 #include "tests/multiprocess.h"
 
@@ -304,6 +308,234 @@ TEST_F(TrainE2E, SecondSignalExitsAtOnce) {
   EXPECT_LT(std::stoi(m[2]), 2000) << r.out;
   EXPECT_NE(r.out.find("received SIGTERM again: exiting now, without a checkpoint"), std::string::npos) << r.out;
   EXPECT_FALSE(fs::exists(dump + "/checkpoint")) << r.out;
+}
+
+// ---- input fuzzing -------------------------------------------------------------------------
+// Malformed TOML files and command lines through the entry the train executable runs
+// (ctitan::train_main, in-process), with job.validate_only appended so that a case the
+// checks accept stops before training. Every case must return 0 (accepted) or 2 with exactly
+// one line on stderr; never 1 (an unexpected exception), a crash or a hang. A sample also
+// runs through the real binary: same exit code, one line of stderr.
+class InputFuzz {
+ public:
+  InputFuzz(uint64_t seed, std::string tokenizer, std::string corpus)
+      : rng_(seed), tokenizer_(std::move(tokenizer)), corpus_(std::move(corpus)), keys_(ctitan::job_config_keys()) {
+    for (const auto& e : fs::directory_iterator(kSrc + "/train_configs")) configs_.push_back(read(e.path()));
+    std::sort(configs_.begin(), configs_.end());
+  }
+
+  struct Case {
+    std::string what;                // the kind of case, for failure messages
+    std::optional<std::string> toml;  // written to a file and passed as --job.config_file
+    std::vector<std::string> args;   // command-line arguments
+  };
+
+  Case next() {
+    Case c;
+    switch (pick(9)) {
+      case 0: c.what = "random TOML"; c.toml = random_toml(); break;
+      case 8: c.what = "config with a replaced value"; c.toml = replaced_value(); break;
+      case 1: c.what = "truncated config"; c.toml = truncated(); break;
+      case 2: c.what = "mutated config"; c.toml = mutated(); break;
+      case 3: c.what = "binary garbage"; c.toml = garbage(pick(3000)); break;
+      case 4: c.what = "non-UTF-8 TOML"; c.toml = non_utf8_toml(); break;
+      case 5: c.what = "real config + random overrides"; c.toml = config(); c.args = random_args(1 + pick(4)); break;
+      case 6: c.what = "random overrides"; c.args = random_args(1 + pick(6)); break;
+      default: c.what = "random TOML + overrides"; c.toml = random_toml(); c.args = random_args(1 + pick(3)); break;
+    }
+    // Half the cases point at a real tokenizer and corpus (so that some pass every check);
+    // the fuzzed arguments come after and may override them.
+    if (pick(2)) {
+      c.args.insert(c.args.begin(), {"--model.tokenizer_path", tokenizer_, "--training.dataset_path", corpus_});
+    }
+    return c;
+  }
+
+ private:
+  static std::string read(const fs::path& p) {
+    std::ifstream f(p, std::ios::binary);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+  }
+  size_t pick(size_t n) { return n ? rng_() % n : 0; }
+  template <class T>
+  const T& any(const std::vector<T>& v) { return v[pick(v.size())]; }
+  const std::string& config() { return any(configs_); }
+
+  std::string key_name() {  // a real key, a near miss, or made up
+    const std::string& k = any(keys_);
+    switch (pick(6)) {
+      case 0: return k + "x";
+      case 1: return k.substr(0, k.size() - 1);
+      case 2: return "section" + std::to_string(pick(9)) + ".key";
+      case 3: return k.substr(0, k.find('.')) + ".no_" + k.substr(k.find('.') + 1);
+      default: return k;
+    }
+  }
+  std::string toml_value() {
+    static const std::vector<std::string> v = {
+        "0", "1", "-1", "2", "7", "2147483648", "9223372036854775807", "-9223372036854775808",
+        "99999999999999999999", "1e400", "-1e400", "0.0", "-0.5", "3.14", "1e-30", "nan", "inf", "-inf",
+        "true", "false", "\"\"", "\"x\"", "\"debugmodel\"", "\"float32\"", "\"stop\"", "\"none\"", "\"full\"",
+        "\"a\\nb\"", "\"tab\\there\"", "\"\\u0000\"", "\"\\uD800\"", "\"港\"", "'literal'", "\"\"\"multi\nline\"\"\"",
+        "[]", "[1, 2]", "[\"a\", \"b\"]", "[[1]]", "[1, \"a\"]", "{a = 1}", "1979-05-27T07:32:00Z", "07:32:00",
+        "\"unterminated", "[1, 2", "{a = ", "0x1F", "0o777", "0b101", "1_000", "+5", "--5", "1.", ".5", "TRUE",
+        "\"" + std::string(5000, 'y') + "\""};
+    return any(v);
+  }
+  std::string cli_value() {
+    static const std::vector<std::string> v = {
+        "0", "1", "-1", "7", "1e400", "99999999999999999999", "nan", "inf", "-0", "0.5", "true", "false",
+        "yes", "", " ", "x", "debugmodel", "float32", "a,b,c", ",", "[1,2]", "line\nbreak", "tab\there",
+        "\xff\xfe", "caf\xe9", "\xc0\xaf", std::string(3000, 'z'), "--", "-5", "1 2", "3e3", "0x10",
+        "/nonexistent/file.model", "港"};
+    return any(v);
+  }
+  std::vector<std::string> random_args(size_t n) {
+    std::vector<std::string> a;
+    for (size_t i = 0; i < n; ++i) {
+      switch (pick(7)) {
+        case 0: a.push_back("--" + key_name() + "=" + cli_value()); break;
+        case 1: a.push_back("--" + key_name()); break;
+        case 2: a.push_back(any(std::vector<std::string>{"-x", "--", "---a", "--=", "--.", "--training.", "--.steps",
+                                                         "bare", "", "-", "--help=1", "--job.config_file"}));
+                break;
+        case 3: a.push_back(std::string("--") + "\xff\x01" + key_name()); break;
+        default: a.push_back("--" + key_name()); a.push_back(cli_value()); break;
+      }
+    }
+    return a;
+  }
+  std::string random_toml() {
+    std::string t;
+    const size_t lines = pick(15);
+    for (size_t i = 0; i < lines; ++i) {
+      const std::string k = key_name();
+      const size_t dot = k.find('.');
+      switch (pick(8)) {
+        case 0: t += "[" + k.substr(0, dot) + "]\n"; break;
+        case 1: t += "[[" + k.substr(0, dot) + "]]\n"; break;
+        case 2: t += k + " = " + toml_value() + "\n"; break;   // dotted key at top level
+        case 3: t += "\"" + k + "\" = " + toml_value() + "\n"; break;
+        case 4: t += k.substr(dot + 1) + " " + toml_value() + "\n"; break;  // no '='
+        default: t += "[" + k.substr(0, dot) + "]\n" + k.substr(dot + 1) + " = " + toml_value() + "\n"; break;
+      }
+    }
+    return t;
+  }
+  std::string replaced_value() {  // one `key = value` line of a real config gets another value
+    std::string c = config();
+    std::vector<size_t> eqs;
+    for (size_t at = c.find(" = "); at != std::string::npos; at = c.find(" = ", at + 1)) eqs.push_back(at);
+    if (eqs.empty()) return c;
+    const size_t at = any(eqs) + 3;
+    const size_t end = c.find('\n', at);
+    return c.substr(0, at) + toml_value() + (end == std::string::npos ? "" : c.substr(end));
+  }
+  std::string truncated() {
+    const std::string& c = config();
+    return c.substr(0, pick(c.size() + 1));
+  }
+  std::string mutated() {
+    std::string c = config();
+    const size_t edits = 1 + pick(8);
+    for (size_t i = 0; i < edits && !c.empty(); ++i) {
+      const size_t at = pick(c.size());
+      switch (pick(5)) {
+        case 0: c[at] = static_cast<char>(rng_()); break;
+        case 1: c.erase(at, 1 + pick(20)); break;
+        case 2: c.insert(at, 1, any(std::vector<char>{'"', '[', ']', '=', '\n', '#', '\\', '\'', '{', '.'})); break;
+        case 3: c.insert(at, garbage(1 + pick(16))); break;
+        default: c.insert(at, c.substr(pick(c.size()), pick(40))); break;
+      }
+    }
+    return c;
+  }
+  std::string garbage(size_t n) {
+    std::string g(n, '\0');
+    for (char& ch : g) ch = static_cast<char>(rng_());
+    return g;
+  }
+  std::string non_utf8_toml() {
+    static const std::vector<std::string> bad = {"\xff", "\xc0\x80", "\xed\xa0\x80", "\xf4\x90\x80\x80", "\xe6\xb8",
+                                                 "\x80", "\xfe\xff", std::string("\0", 1)};
+    std::string c = config();
+    const size_t at = pick(c.size());
+    return c.substr(0, at) + any(bad) + c.substr(at);
+  }
+
+  std::mt19937_64 rng_;
+  std::string tokenizer_, corpus_;
+  std::vector<std::string> keys_, configs_;
+};
+
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+TEST_F(TrainE2E, InputFuzzExitsZeroOrTwoWithOneLine) {
+  constexpr int kCases = 2000, kEvery = 100;  // in-process; every 100th also through the binary
+  InputFuzz fuzz(20240611, tokenizer_, corpus_);
+  const std::string dir = (root_ / "fuzz").string();
+  fs::create_directories(dir);
+  const std::string dump = dir + "/never_written";
+  int accepted = 0, rejected = 0, binary_runs = 0;
+  double slowest = 0;
+  const auto t_all = std::chrono::steady_clock::now();
+  for (int i = 0; i < kCases; ++i) {
+    InputFuzz::Case c = fuzz.next();
+    std::vector<std::string> args = c.args;
+    if (c.toml) {
+      const std::string path = dir + "/case" + std::to_string(i) + ".toml";
+      std::ofstream(path, std::ios::binary) << *c.toml;
+      args.insert(args.begin(), {"--job.config_file", path});
+    }
+    args.insert(args.begin(), {"--job.dump_folder", dump});
+    args.push_back("--job.validate_only");  // last: the command line's last word wins
+    std::ostringstream out, err;
+    const auto t0 = std::chrono::steady_clock::now();
+    const int code = ctitan::train_main(args, out, err);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    slowest = std::max(slowest, s);
+    std::string shown;
+    for (const auto& a : args) shown += " " + shell_quote(a);
+    const std::string e = err.str();
+    ASSERT_TRUE(code == 0 || code == 2) << "case " << i << " (" << c.what << ") exit " << code << ": " << e
+                                        << "\nargs:" << shown;
+    if (std::getenv("CTITAN_FUZZ_PRINT")) std::printf("%d %s | %d | %s", i, c.what.c_str(), code, e.c_str());
+    if (code == 2) {
+      ++rejected;
+      EXPECT_EQ(std::count(e.begin(), e.end(), '\n'), 1) << "case " << i << " (" << c.what << "): " << e;
+      EXPECT_GT(e.size(), 10u) << "case " << i;
+      const std::string line = e.substr(0, e.size() - 1);
+      EXPECT_EQ(ctitan::printable_line(line), line) << "case " << i << ": control or non-UTF-8 bytes in " << e;
+    } else {
+      ++accepted;
+      EXPECT_TRUE(e.empty()) << "case " << i << ": " << e;
+    }
+    EXPECT_LT(s, 2.0) << "case " << i << " (" << c.what << ") took " << s << " s";
+    if (i % kEvery == 0) {  // the real binary: same code, one line of stderr
+      ++binary_runs;
+      const std::string o = dir + "/out", er = dir + "/err";
+      auto r = sh("{ OMP_WAIT_POLICY=PASSIVE timeout 60 " + kTrain + shown + " >" + o + " 2>" + er + " </dev/null; echo \"exit $?\"; }");
+      const std::string be = ctitan::testing::read_file(er);
+      EXPECT_NE(r.out.find("exit " + std::to_string(code)), std::string::npos)
+          << "case " << i << " (" << c.what << "): binary " << r.out << be << "\nin-process " << code << ": " << e;
+      if (code == 2) {
+        EXPECT_EQ(std::count(be.begin(), be.end(), '\n'), 1) << "case " << i << ": " << be;
+      }
+    }
+  }
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_all).count();
+  EXPECT_FALSE(fs::exists(dump)) << "validate_only wrote the dump folder";
+  EXPECT_GT(accepted, 10) << "the generator should also make inputs the checks accept";
+  EXPECT_GT(rejected, kCases / 2);
+  std::printf("input fuzz: %d cases (%d accepted, %d rejected with exit 2), %d also through the binary; "
+              "%.1f s in all, slowest in-process case %.3f s\n",
+              kCases, accepted, rejected, binary_runs, total, slowest);
 }
 
 }  // namespace
