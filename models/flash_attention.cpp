@@ -1,7 +1,13 @@
 #include "models/flash_attention.h"
 
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <vector>
 
 namespace ctitan {
 namespace {
@@ -25,54 +31,167 @@ struct Tile {
   int64_t k0, nk;  // key positions
 };
 
-// True where the key lies in the future of the row's query position.
-Tensor future_mask(const Tile& t, int64_t rep) {
-  const auto opts = torch::TensorOptions().dtype(torch::kLong);
-  const auto qpos = torch::arange(t.nq * rep, opts).div(rep, "floor") + t.q0;  // [rows]
-  const auto kpos = torch::arange(t.nk, opts) + t.k0;                          // [nk]
-  return kpos.unsqueeze(0) > qpos.unsqueeze(1);                                // [rows, nk]
+// ---- Fused tile kernels ------------------------------------------------------------------
+// The softmax part of a tile in one pass over its scores (the ATen version took ~9 kernels:
+// cast, mask, max, maximum, sub, exp, sum, cast, ...). Loops are written so the compiler
+// vectorises them (this file is built with -O3 -fno-trapping-math, as LibTorch's kernels).
+inline float widen(c10::BFloat16 h) {
+  const uint32_t bits = static_cast<uint32_t>(h.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float widen(float f) { return f; }
+inline double widen(double d) { return d; }
+template <class T>
+inline T narrow_to(float f) {
+  return static_cast<T>(f);
+}
+template <>
+inline c10::BFloat16 narrow_to<c10::BFloat16>(float f) {  // round to nearest even, NaN kept NaN
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
+}
+template <class T>
+inline T narrow_to(double d) {
+  return static_cast<T>(d);
 }
 
-// Float32 scores of one tile, future keys at -inf. qs: the tile's (scaled) query rows.
-Tensor tile_scores(const Tensor& qs, const Tensor& kg, const Tile& t, int64_t rep) {
-  auto s = at::bmm(qs, kg.narrow(1, t.k0, t.nk).transpose(1, 2)).to(stat_dtype(qs));
-  if (t.k0 + t.nk - 1 > t.q0) s.masked_fill_(future_mask(t, rep), kNegInf);
-  return s;  // [B·KV, nq·rep, nk]
+// e^x in float32 within ~2 ulp, branch-free: x = n·ln2 + r, e^r by its degree-7 Taylor
+// polynomial (|r| <= ln2/2), 2^n written into the exponent. Below -87 (e^x < 2^-125, where
+// the exponent trick stops working) the result is 0, as for the masked keys' -inf.
+inline float exp_fast(float x) {
+  const bool under = x < -87.0f;
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  const float big = x * 1.44269504088896341f + 12582912.0f;  // n in big's low mantissa bits
+  const float n = big - 12582912.0f;
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;  // ln2 in two parts
+  float p = 1.0f / 5040;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  uint32_t bb;
+  std::memcpy(&bb, &big, sizeof bb);
+  const uint32_t e = (bb - 0x4B400000u + 127u) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return under ? 0.0f : p * scale;
+}
+inline double exp_fast(double x) { return std::exp(x); }
+
+// Keys visible to row `row` of tile t: positions k0 .. min(q, k0 + nk - 1) → a count.
+inline int64_t visible_keys(const Tile& t, int64_t row, int64_t rep) {
+  const int64_t q = t.q0 + row / rep;
+  return std::max<int64_t>(0, std::min<int64_t>(t.nk, q - t.k0 + 1));
+}
+
+// Forward, one tile: s [BKV, rows, nk] (input dtype) → p = exp(s − m_new) in the input dtype
+// (0 on future keys); m (running max), l (running sum) updated in place; alpha = e^(m_old −
+// m_new) for rescaling the accumulator (first tile: m starts at -inf, l at 0).
+void softmax_tile_forward(const Tensor& s, Tensor& p, const Tensor& m, const Tensor& l, const Tensor& alpha,
+                          const Tile& t, int64_t rep) {
+  const int64_t BKV = s.size(0), rows = s.size(1), nk = s.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, s.scalar_type(), "ctitan_softmax_tile", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* S = s.data_ptr<scalar_t>();
+    scalar_t* P = p.data_ptr<scalar_t>();
+    acc_t *M = m.data_ptr<acc_t>(), *L = l.data_ptr<acc_t>(), *A = alpha.data_ptr<acc_t>();
+    at::parallel_for(0, BKV * rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t vis = visible_keys(t, i % rows, rep);
+        const scalar_t* __restrict__ sr = S + i * nk;
+        scalar_t* __restrict__ pr = P + i * nk;
+        acc_t mx = -std::numeric_limits<acc_t>::infinity();
+        for (int64_t j = 0; j < vis; ++j) mx = std::max(mx, widen(sr[j]));
+        const acc_t m_old = M[i], m_new = std::max(m_old, mx);
+        acc_t sum = 0;
+        for (int64_t j = 0; j < vis; ++j) {
+          const acc_t v = exp_fast(widen(sr[j]) - m_new);
+          sum += v;
+          pr[j] = narrow_to<scalar_t>(v);
+        }
+        for (int64_t j = vis; j < nk; ++j) pr[j] = scalar_t(0);
+        const acc_t a = m_old == -std::numeric_limits<acc_t>::infinity() ? acc_t(0) : exp_fast(m_old - m_new);
+        A[i] = a;
+        L[i] = L[i] * a + sum;
+        M[i] = m_new;
+      }
+    });
+  });
+}
+
+// Backward, one strip: s and dp [BKV, rows, nk] (input dtype), lse [BKV·rows] → p = e^(s −
+// lse) and dS = p ∘ (dp − D) with D = Σ p ∘ dp (the same rounded dp both times, as
+// autograd's softmax backward), both in the input dtype, 0 on future keys.
+void softmax_strip_backward(const Tensor& s, const Tensor& dp, const Tensor& lse, Tensor& p, Tensor& ds,
+                            const Tile& t, int64_t rep) {
+  const int64_t BKV = s.size(0), rows = s.size(1), nk = s.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, s.scalar_type(), "ctitan_softmax_strip_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t *S = s.data_ptr<scalar_t>(), *DP = dp.data_ptr<scalar_t>();
+    const acc_t* LSE = lse.data_ptr<acc_t>();
+    scalar_t *P = p.data_ptr<scalar_t>(), *DS = ds.data_ptr<scalar_t>();
+    at::parallel_for(0, BKV * rows, 16, [&](int64_t b, int64_t e) {
+      std::vector<acc_t> prob(nk);
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t vis = visible_keys(t, i % rows, rep);
+        const scalar_t* __restrict__ sr = S + i * nk;
+        const scalar_t* __restrict__ dpr = DP + i * nk;
+        scalar_t* __restrict__ pr = P + i * nk;
+        scalar_t* __restrict__ dsr = DS + i * nk;
+        acc_t* __restrict__ pb = prob.data();
+        const acc_t lse_i = LSE[i];
+        acc_t D = 0;
+        for (int64_t j = 0; j < vis; ++j) {
+          const acc_t v = exp_fast(widen(sr[j]) - lse_i);
+          pb[j] = v;
+          D += v * widen(dpr[j]);
+          pr[j] = narrow_to<scalar_t>(v);
+        }
+        for (int64_t j = 0; j < vis; ++j) dsr[j] = narrow_to<scalar_t>(pb[j] * (widen(dpr[j]) - D));
+        for (int64_t j = vis; j < nk; ++j) pr[j] = dsr[j] = scalar_t(0);
+      }
+    });
+  });
 }
 
 class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& qg, const Tensor& kg, const Tensor& vg,
                         int64_t rep, int64_t block_q, int64_t block_k) {
-    const int64_t T = kg.size(1), hd = kg.size(2);
+    const int64_t BKV = qg.size(0), T = kg.size(1), hd = kg.size(2);
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
     const auto st = stat_dtype(qg);
     auto out = torch::empty_like(qg);
-    auto lse = torch::empty({qg.size(0), qg.size(1)}, qg.options().dtype(st));
+    auto lse = torch::empty({BKV, qg.size(1)}, qg.options().dtype(st));
     for (int64_t q0 = 0; q0 < T; q0 += block_q) {
-      const int64_t nq = std::min(block_q, T - q0), kend = q0 + nq;
-      const auto qs = qg.narrow(1, q0 * rep, nq * rep) * scale;
-      Tensor m, l, acc;  // running max, sum of exp, unnormalised output (float32)
+      const int64_t nq = std::min(block_q, T - q0), kend = q0 + nq, rows = nq * rep;
+      const auto qs = qg.narrow(1, q0 * rep, rows) * scale;
+      auto m = torch::full({BKV, rows}, kNegInf, qg.options().dtype(st));
+      auto l = torch::zeros({BKV, rows}, qg.options().dtype(st));
+      auto alpha = torch::empty({BKV, rows}, qg.options().dtype(st));
+      Tensor acc;  // unnormalised output, statistics dtype
       for (int64_t k0 = 0; k0 < kend; k0 += block_k) {
         const Tile t{q0, nq, k0, std::min(block_k, kend - k0)};
-        auto s = tile_scores(qs, kg, t, rep);
-        const auto vblk = vg.narrow(1, t.k0, t.nk);
-        if (!m.defined()) {  // key 0 is visible to every row: m is finite from here on
-          m = std::get<0>(s.max(-1));
-          auto p = s.sub_(m.unsqueeze(-1)).exp_();
-          l = p.sum(-1);
-          acc = at::bmm(p.to(vg.scalar_type()), vblk).to(st);
-        } else {
-          const auto m_new = torch::maximum(m, std::get<0>(s.max(-1)));
-          const auto alpha = (m - m_new).exp_();
-          auto p = s.sub_(m_new.unsqueeze(-1)).exp_();
-          l = l.mul_(alpha).add_(p.sum(-1));
-          acc = acc.mul_(alpha.unsqueeze(-1)).add_(at::bmm(p.to(vg.scalar_type()), vblk));
-          m = m_new;
-        }
+        // bmm operands are compact (or a transposed view of a compact tensor): a narrowed
+        // batch (batch stride != rows·cols) sends bf16 bmm to a path ~7x slower.
+        const auto kt = kg.narrow(1, t.k0, t.nk).contiguous();
+        const auto s = at::bmm(qs, kt.transpose(1, 2));  // [BKV, rows, nk]
+        auto p = torch::empty_like(s);
+        softmax_tile_forward(s, p, m, l, alpha, t, rep);
+        const auto pv = at::bmm(p, vg.narrow(1, t.k0, t.nk).contiguous());
+        acc = acc.defined() ? acc.mul_(alpha.unsqueeze(-1)).add_(pv) : pv.to(st);
       }
-      out.narrow(1, q0 * rep, nq * rep).copy_(acc.div_(l.unsqueeze(-1)));
-      lse.narrow(1, q0 * rep, nq * rep).copy_(m.add_(l.log_()));
+      out.narrow(1, q0 * rep, rows).copy_(acc.div_(l.unsqueeze(-1)));
+      lse.narrow(1, q0 * rep, rows).copy_(m.add_(l.log_()));
     }
     ctx->save_for_backward({qg, kg, vg, lse});
     ctx->saved_data["rep"] = rep;
@@ -98,19 +217,18 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
     auto dk = torch::zeros(kg.sizes(), kg.options().dtype(st));
     auto dv = torch::zeros(vg.sizes(), vg.options().dtype(st));
     for (int64_t q0 = 0; q0 < T; q0 += block_q) {
-      const int64_t nq = std::min(block_q, T - q0);
+      const int64_t nq = std::min(block_q, T - q0), rows = nq * rep;
       const Tile t{q0, nq, 0, q0 + nq};
-      const auto qblk = qg.narrow(1, q0 * rep, nq * rep);
-      const auto dob = dout.narrow(1, q0 * rep, nq * rep);
-      const auto kstrip = kg.narrow(1, 0, t.nk), vstrip = vg.narrow(1, 0, t.nk);
-      const auto p = tile_scores(qblk * scale, kg, t, rep)
-                         .sub_(lse.narrow(1, q0 * rep, nq * rep).unsqueeze(-1))
-                         .exp_();  // [B·KV, rows, keys]
-      dv.narrow(1, 0, t.nk).add_(at::bmm(p.to(dt).transpose(1, 2), dob));
-      const auto dp = at::bmm(dob, vstrip.transpose(1, 2)).to(st);
-      const auto D = (p * dp).sum(-1, /*keepdim=*/true);
-      const auto ds = p.mul_(dp.sub_(D)).to(dt);  // dS (p no longer needed)
-      dq.narrow(1, q0 * rep, nq * rep).copy_(at::bmm(ds, kstrip));
+      // Compact bmm operands, as in forward.
+      const auto qblk = qg.narrow(1, q0 * rep, rows).contiguous();
+      const auto dob = dout.narrow(1, q0 * rep, rows).contiguous();
+      const auto kstrip = kg.narrow(1, 0, t.nk).contiguous(), vstrip = vg.narrow(1, 0, t.nk).contiguous();
+      const auto s = at::bmm(qblk * scale, kstrip.transpose(1, 2));  // [BKV, rows, keys]
+      const auto dp = at::bmm(dob, vstrip.transpose(1, 2));
+      auto p = torch::empty_like(s), ds = torch::empty_like(s);
+      softmax_strip_backward(s, dp, lse.narrow(1, q0 * rep, rows).contiguous(), p, ds, t, rep);
+      dv.narrow(1, 0, t.nk).add_(at::bmm(p.transpose(1, 2), dob));
+      dq.narrow(1, q0 * rep, rows).copy_(at::bmm(ds, kstrip));
       dk.narrow(1, 0, t.nk).add_(at::bmm(ds.transpose(1, 2), qblk));
     }
     return {dq.mul_(scale).to(dt), dk.mul_(scale).to(dt), dv.to(dt), Tensor(), Tensor(), Tensor()};
