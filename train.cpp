@@ -34,6 +34,7 @@
 #include "config/text.h"
 #include "datasets/dataloader.h"
 #include "datasets/tokenizer.h"
+#include "models/fused_ops.h"
 #include "models/llama/args.h"
 #include "models/llama/model.h"
 #include "models/mixtral/model.h"
@@ -654,11 +655,10 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
       data_s += seconds_since(t_data);
 
       const double heap_before = heap_in_use_gib();
-      auto logits = model.forward(inputs).to(torch::kFloat);  // [B, T, V]
-      auto loss = torch::nn::functional::cross_entropy(
-                      logits.view({B * T, -1}), labels.view({B * T}),
-                      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) /
-                  local_tokens;
+      // Token-sum cross-entropy / local_tokens, on float32 row statistics of the logits in
+      // their compute dtype (models/fused_ops.h: no float32 copy of [B·T, V]).
+      auto logits = model.forward(inputs);  // [B, T, V]
+      auto loss = fused_cross_entropy(logits.view({B * T, -1}), labels.view({B * T}), 1.0 / local_tokens);
       // What the forward left alive for backward (activations, logits): the heap growth.
       activation_gib = std::max(activation_gib, heap_in_use_gib() - heap_before);
       loss.backward();

@@ -1,4 +1,5 @@
 #include "models/flash_attention.h"
+#include "models/kernel_math.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -12,6 +13,9 @@
 namespace ctitan {
 namespace {
 
+using kernel::exp_fast;
+using kernel::narrow_to;
+using kernel::widen;
 using torch::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -35,57 +39,6 @@ struct Tile {
 // The softmax part of a tile in one pass over its scores (the ATen version took ~9 kernels:
 // cast, mask, max, maximum, sub, exp, sum, cast, ...). Loops are written so the compiler
 // vectorises them (this file is built with -O3 -fno-trapping-math, as LibTorch's kernels).
-inline float widen(c10::BFloat16 h) {
-  const uint32_t bits = static_cast<uint32_t>(h.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float widen(float f) { return f; }
-inline double widen(double d) { return d; }
-template <class T>
-inline T narrow_to(float f) {
-  return static_cast<T>(f);
-}
-template <>
-inline c10::BFloat16 narrow_to<c10::BFloat16>(float f) {  // round to nearest even, NaN kept NaN
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-  return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
-}
-template <class T>
-inline T narrow_to(double d) {
-  return static_cast<T>(d);
-}
-
-// e^x in float32 within ~2 ulp, branch-free: x = n·ln2 + r, e^r by its degree-7 Taylor
-// polynomial (|r| <= ln2/2), 2^n written into the exponent. Below -87 (e^x < 2^-125, where
-// the exponent trick stops working) the result is 0, as for the masked keys' -inf.
-inline float exp_fast(float x) {
-  const bool under = x < -87.0f;
-  x = x < -87.0f ? -87.0f : x;
-  x = x > 88.0f ? 88.0f : x;
-  const float big = x * 1.44269504088896341f + 12582912.0f;  // n in big's low mantissa bits
-  const float n = big - 12582912.0f;
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;  // ln2 in two parts
-  float p = 1.0f / 5040;
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  uint32_t bb;
-  std::memcpy(&bb, &big, sizeof bb);
-  const uint32_t e = (bb - 0x4B400000u + 127u) << 23;
-  float scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  return under ? 0.0f : p * scale;
-}
-inline double exp_fast(double x) { return std::exp(x); }
 
 // Keys visible to row `row` of tile t: positions k0 .. min(q, k0 + nk - 1) → a count.
 inline int64_t visible_keys(const Tile& t, int64_t row, int64_t rep) {

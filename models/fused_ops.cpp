@@ -1,4 +1,5 @@
 #include "models/fused_ops.h"
+#include "models/kernel_math.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -6,10 +7,14 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 namespace ctitan {
 namespace {
 
+using kernel::exp_fast;
+using kernel::narrow_to;
+using kernel::widen;
 using torch::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -20,33 +25,6 @@ int64_t rows_per_chunk(int64_t row_len) { return std::max<int64_t>(1, 16384 / st
 
 torch::ScalarType acc_dtype(torch::ScalarType t) { return t == torch::kDouble ? torch::kDouble : torch::kFloat; }
 
-// Branch-free bf16 conversions, so the compiler can vectorise the loops below (c10's
-// BFloat16 constructor branches on NaN).
-inline float widen(c10::BFloat16 h) {
-  const uint32_t bits = static_cast<uint32_t>(h.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float widen(float f) { return f; }
-inline double widen(double d) { return d; }
-
-template <class T>
-inline T narrow_to(float f);
-template <>
-inline float narrow_to<float>(float f) { return f; }
-template <>
-inline c10::BFloat16 narrow_to<c10::BFloat16>(float f) {  // round to nearest even, NaN kept NaN
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-  return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
-}
-template <class T>
-inline T narrow_to(double d);
-template <>
-inline double narrow_to<double>(double d) { return d; }
 
 
 // ---- RMSNorm ----------------------------------------------------------------------------
@@ -172,6 +150,72 @@ class RotaryFn : public torch::autograd::Function<RotaryFn> {
   }
 };
 
+
+// ---- Cross-entropy ----------------------------------------------------------------------
+class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& logits_in, const Tensor& labels_in, double scale) {
+    const auto logits = logits_in.contiguous();
+    const auto labels = labels_in.to(torch::kLong).contiguous();
+    const int64_t N = logits.size(0), V = logits.size(1);
+    auto lse = torch::empty({N}, logits.options().dtype(acc_dtype(logits.scalar_type())));
+    auto row_loss = torch::empty({N}, logits.options().dtype(torch::kDouble));
+    const int64_t* Lb = labels.data_ptr<int64_t>();
+    for (int64_t n = 0; n < N; ++n)
+      TORCH_CHECK(Lb[n] >= 0 && Lb[n] < V, "[models] cross-entropy: label ", Lb[n], " of row ", n,
+                  " is outside the vocabulary [0, ", V, ")");
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "ctitan_cross_entropy", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      const scalar_t* X = logits.data_ptr<scalar_t>();
+      acc_t* LSE = lse.data_ptr<acc_t>();
+      double* RL = row_loss.data_ptr<double>();
+      at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
+        for (int64_t n = b; n < e; ++n) {
+          const scalar_t* __restrict__ xr = X + n * V;
+          acc_t mx = -std::numeric_limits<acc_t>::infinity();
+          for (int64_t j = 0; j < V; ++j) mx = std::max(mx, widen(xr[j]));
+          acc_t sum = 0;
+          for (int64_t j = 0; j < V; ++j) sum += exp_fast(widen(xr[j]) - mx);
+          const acc_t l = mx + std::log(sum);
+          LSE[n] = l;
+          RL[n] = static_cast<double>(l) - static_cast<double>(widen(xr[Lb[n]]));
+        }
+      });
+    });
+    ctx->save_for_backward({logits, labels, lse});
+    ctx->saved_data["scale"] = scale;
+    // Rows summed in index order: the loss does not depend on the thread count.
+    return (row_loss.sum() * scale).to(torch::kFloat);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &logits = saved[0], &labels = saved[1], &lse = saved[2];
+    const double coef = ctx->saved_data["scale"].toDouble() * grads[0].item<double>();
+    const int64_t N = logits.size(0), V = logits.size(1);
+    auto dx = torch::empty_like(logits);
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "ctitan_cross_entropy_backward", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      const scalar_t* X = logits.data_ptr<scalar_t>();
+      const acc_t* LSE = lse.data_ptr<acc_t>();
+      const int64_t* Lb = labels.data_ptr<int64_t>();
+      scalar_t* DX = dx.data_ptr<scalar_t>();
+      const acc_t c = static_cast<acc_t>(coef);
+      at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
+        for (int64_t n = b; n < e; ++n) {
+          const scalar_t* __restrict__ xr = X + n * V;
+          scalar_t* __restrict__ dr = DX + n * V;
+          const acc_t l = LSE[n];
+          for (int64_t j = 0; j < V; ++j) dr[j] = narrow_to<scalar_t>(exp_fast(widen(xr[j]) - l) * c);
+          const int64_t y = Lb[n];
+          dr[y] = narrow_to<scalar_t>((exp_fast(widen(xr[y]) - l) - acc_t(1)) * c);
+        }
+      });
+    });
+    return {dx, Tensor(), Tensor()};
+  }
+};
+
 }  // namespace
 
 torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
@@ -187,6 +231,13 @@ torch::Tensor fused_rotary_emb(const torch::Tensor& x, const torch::Tensor& freq
                   freqs_cis.size(2) == 2,
               "[models] freqs_cis ", freqs_cis.sizes(), " does not fit x ", x.sizes());
   return RotaryFn::apply(x, freqs_cis);
+}
+
+torch::Tensor fused_cross_entropy(const torch::Tensor& logits, const torch::Tensor& labels, double scale) {
+  TORCH_CHECK(logits.dim() == 2 && labels.dim() == 1 && labels.size(0) == logits.size(0),
+              "[models] cross-entropy expects logits [N, V] and labels [N], got ", logits.sizes(), " and ",
+              labels.sizes());
+  return CrossEntropyFn::apply(logits, labels, scale);
 }
 
 }  // namespace ctitan

@@ -16,4 +16,11 @@ torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight
 // x [B, T, h, hd], freqs_cis float32 [>= T, hd/2, 2] → [B, T, h, hd] in x's dtype.
 torch::Tensor fused_rotary_emb(const torch::Tensor& x, const torch::Tensor& freqs_cis);
 
+// Σ_rows (logsumexp(logits_r) − logits_r[label_r]) · scale, in float64 accumulation of
+// float32 row terms — the cross-entropy of float32-cast logits with reduction "sum" times
+// scale, without the float32 copy of the logits: one pass forward, and one pass backward
+// writing softmax − one-hot (× scale × upstream gradient) straight in the logits' dtype.
+// logits [N, V] (bf16/fp32/fp64), labels int64 [N] in [0, V) → float32 scalar.
+torch::Tensor fused_cross_entropy(const torch::Tensor& logits, const torch::Tensor& labels, double scale);
+
 }  // namespace ctitan

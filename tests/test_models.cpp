@@ -789,3 +789,25 @@ TEST(FusedOps, RmsNormWeightGradientIsReproducible) {
   at::set_num_threads(before);
   EXPECT_TRUE(torch::equal(one, two));
 }
+
+TEST(FusedOps, CrossEntropyMatchesAten) {
+  torch::manual_seed(9);
+  const int64_t N = 37, V = 301;
+  const auto labels = torch::randint(0, V, {N}, torch::kLong);
+  for (auto [dt, tol] : {std::pair{torch::kFloat, 2e-6}, std::pair{torch::kBFloat16, 1e-2}}) {
+    const auto x0 = (torch::randn({N, V}) * 3).to(dt);
+    auto a = x0.clone().requires_grad_(true), b = x0.clone().requires_grad_(true);
+    const auto mine = fused_cross_entropy(a, labels, 1.0 / N);
+    const auto ref = torch::nn::functional::cross_entropy(
+                         b.to(torch::kFloat), labels,
+                         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) /
+                     N;
+    (mine * 2.5).backward();
+    (ref * 2.5).backward();
+    EXPECT_NEAR(mine.item<double>(), ref.item<double>(), 1e-6 * std::abs(ref.item<double>()));
+    ASSERT_EQ(a.grad().scalar_type(), dt);
+    const double scale = b.grad().to(torch::kDouble).abs().max().item<double>();
+    EXPECT_LT(max_abs_diff(a.grad(), b.grad()) / scale, tol);
+  }
+  EXPECT_THROW(fused_cross_entropy(torch::randn({2, 5}), torch::tensor({0, 5}, torch::kLong), 1.0), c10::Error);
+}
