@@ -4,6 +4,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <dlfcn.h>
 
 #include <cmath>
 #include <cstring>
@@ -116,6 +117,41 @@ void softmax_strip_backward(const Tensor& s, const Tensor& dp, const Tensor& lse
   });
 }
 
+
+// Batched matmul of the tiles. bf16 goes to at::bmm (one oneDNN call for the whole batch).
+// For fp32/fp64, LibTorch 1.13 without MKL runs at::bmm as one BLAS call per batch item,
+// each split over OpenBLAS's threads — for attention tiles (B·KV items of a few hundred
+// rows × head_dim) the thread hand-off costs more than the arithmetic (measured: bmm was
+// 75% of an fp32 debug-model step). Here the batch items are spread over LibTorch's
+// threads instead, each item one single-threaded BLAS call.
+using BlasSetThreads = void (*)(int);
+BlasSetThreads openblas_threads_setter() {
+  static const auto f = reinterpret_cast<BlasSetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  return f;
+}
+using BlasGetThreads = int (*)();
+BlasGetThreads openblas_threads_getter() {
+  static const auto f = reinterpret_cast<BlasGetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  return f;
+}
+
+Tensor tile_bmm(const Tensor& a, const Tensor& b) {
+  if (a.scalar_type() == torch::kBFloat16 || a.size(0) < 2) return at::bmm(a, b);
+  auto out = torch::empty({a.size(0), a.size(1), b.size(2)}, a.options());
+  const auto set = openblas_threads_setter();
+  const auto get = openblas_threads_getter();
+  const int blas_threads = get ? get() : 1;
+  if (set) set(1);
+  at::parallel_for(0, a.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      auto o = out.select(0, i);
+      at::mm_out(o, a.select(0, i), b.select(0, i));
+    }
+  });
+  if (set) set(blas_threads);
+  return out;
+}
+
 class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& qg, const Tensor& kg, const Tensor& vg,
@@ -137,10 +173,10 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
         // bmm operands are compact (or a transposed view of a compact tensor): a narrowed
         // batch (batch stride != rows·cols) sends bf16 bmm to a path ~7x slower.
         const auto kt = kg.narrow(1, t.k0, t.nk).contiguous();
-        const auto s = at::bmm(qs, kt.transpose(1, 2));  // [BKV, rows, nk]
+        const auto s = tile_bmm(qs, kt.transpose(1, 2));  // [BKV, rows, nk]
         auto p = torch::empty_like(s);
         softmax_tile_forward(s, p, m, l, alpha, t, rep);
-        const auto pv = at::bmm(p, vg.narrow(1, t.k0, t.nk).contiguous());
+        const auto pv = tile_bmm(p, vg.narrow(1, t.k0, t.nk).contiguous());
         acc = acc.defined() ? acc.mul_(alpha.unsqueeze(-1)).add_(pv) : pv.to(st);
       }
       out.narrow(1, q0 * rep, rows).copy_(acc.div_(l.unsqueeze(-1)));
@@ -176,13 +212,13 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
       const auto qblk = qg.narrow(1, q0 * rep, rows).contiguous();
       const auto dob = dout.narrow(1, q0 * rep, rows).contiguous();
       const auto kstrip = kg.narrow(1, 0, t.nk).contiguous(), vstrip = vg.narrow(1, 0, t.nk).contiguous();
-      const auto s = at::bmm(qblk * scale, kstrip.transpose(1, 2));  // [BKV, rows, keys]
-      const auto dp = at::bmm(dob, vstrip.transpose(1, 2));
+      const auto s = tile_bmm(qblk * scale, kstrip.transpose(1, 2));  // [BKV, rows, keys]
+      const auto dp = tile_bmm(dob, vstrip.transpose(1, 2));
       auto p = torch::empty_like(s), ds = torch::empty_like(s);
       softmax_strip_backward(s, dp, lse.narrow(1, q0 * rep, rows).contiguous(), p, ds, t, rep);
-      dv.narrow(1, 0, t.nk).add_(at::bmm(p.transpose(1, 2), dob));
-      dq.narrow(1, q0 * rep, rows).copy_(at::bmm(ds, kstrip));
-      dk.narrow(1, 0, t.nk).add_(at::bmm(ds.transpose(1, 2), qblk));
+      dv.narrow(1, 0, t.nk).add_(tile_bmm(p.transpose(1, 2), dob));
+      dq.narrow(1, q0 * rep, rows).copy_(tile_bmm(ds, kstrip));
+      dk.narrow(1, 0, t.nk).add_(tile_bmm(ds.transpose(1, 2), qblk));
     }
     return {dq.mul_(scale).to(dt), dk.mul_(scale).to(dt), dv.to(dt), Tensor(), Tensor(), Tensor()};
   }
