@@ -63,15 +63,14 @@ void softmax_tile_forward(const Tensor& s, Tensor& p, const Tensor& m, const Ten
         const int64_t vis = visible_keys(t, i % rows, rep);
         const scalar_t* __restrict__ sr = S + i * nk;
         scalar_t* __restrict__ pr = P + i * nk;
-        acc_t mx = -std::numeric_limits<acc_t>::infinity();
-        for (int64_t j = 0; j < vis; ++j) mx = std::max(mx, widen(sr[j]));
+        const acc_t mx = kernel::lane_max<acc_t>(vis, -std::numeric_limits<acc_t>::infinity(),
+                                                 [&](int64_t j) { return widen(sr[j]); });
         const acc_t m_old = M[i], m_new = std::max(m_old, mx);
-        acc_t sum = 0;
-        for (int64_t j = 0; j < vis; ++j) {
+        const acc_t sum = kernel::lane_sum<acc_t>(vis, [&](int64_t j) {
           const acc_t v = exp_fast(widen(sr[j]) - m_new);
-          sum += v;
           pr[j] = narrow_to<scalar_t>(v);
-        }
+          return v;
+        });
         for (int64_t j = vis; j < nk; ++j) pr[j] = scalar_t(0);
         const acc_t a = m_old == -std::numeric_limits<acc_t>::infinity() ? acc_t(0) : exp_fast(m_old - m_new);
         A[i] = a;
@@ -103,13 +102,12 @@ void softmax_strip_backward(const Tensor& s, const Tensor& dp, const Tensor& lse
         scalar_t* __restrict__ dsr = DS + i * nk;
         acc_t* __restrict__ pb = prob.data();
         const acc_t lse_i = LSE[i];
-        acc_t D = 0;
-        for (int64_t j = 0; j < vis; ++j) {
+        const acc_t D = kernel::lane_sum<acc_t>(vis, [&](int64_t j) {
           const acc_t v = exp_fast(widen(sr[j]) - lse_i);
           pb[j] = v;
-          D += v * widen(dpr[j]);
           pr[j] = narrow_to<scalar_t>(v);
-        }
+          return v * widen(dpr[j]);
+        });
         for (int64_t j = 0; j < vis; ++j) dsr[j] = narrow_to<scalar_t>(pb[j] * (widen(dpr[j]) - D));
         for (int64_t j = vis; j < nk; ++j) pr[j] = dsr[j] = scalar_t(0);
       }

@@ -172,10 +172,9 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
       at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
         for (int64_t n = b; n < e; ++n) {
           const scalar_t* __restrict__ xr = X + n * V;
-          acc_t mx = -std::numeric_limits<acc_t>::infinity();
-          for (int64_t j = 0; j < V; ++j) mx = std::max(mx, widen(xr[j]));
-          acc_t sum = 0;
-          for (int64_t j = 0; j < V; ++j) sum += exp_fast(widen(xr[j]) - mx);
+          const acc_t mx = kernel::lane_max<acc_t>(V, -std::numeric_limits<acc_t>::infinity(),
+                                                   [&](int64_t j) { return widen(xr[j]); });
+          const acc_t sum = kernel::lane_sum<acc_t>(V, [&](int64_t j) { return exp_fast(widen(xr[j]) - mx); });
           const acc_t l = mx + std::log(sum);
           LSE[n] = l;
           RL[n] = static_cast<double>(l) - static_cast<double>(widen(xr[Lb[n]]));

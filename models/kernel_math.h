@@ -62,4 +62,36 @@ inline float exp_fast(float x) {
 }
 inline double exp_fast(double x) { return std::exp(x); }
 
+// Reductions over j in [0, n) in 8 interleaved partial lanes, combined at the end: without
+// -ffast-math GCC will not reorder a float sum or max into vector lanes itself, and a scalar
+// reduction is what made these loops slow. The order is fixed, so results are reproducible.
+template <class Acc, class F>
+inline Acc lane_sum(int64_t n, F&& f) {
+  Acc part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int k = 0; k < 8; ++k) part[k] += f(j + k);
+  Acc s = 0;
+  for (int k = 0; k < 8; ++k) s += part[k];
+  for (; j < n; ++j) s += f(j);
+  return s;
+}
+template <class Acc, class F>
+inline Acc lane_max(int64_t n, Acc init, F&& f) {
+  Acc part[8] = {init, init, init, init, init, init, init, init};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int k = 0; k < 8; ++k) {
+      const Acc v = f(j + k);
+      part[k] = v > part[k] ? v : part[k];
+    }
+  Acc m = init;
+  for (int k = 0; k < 8; ++k) m = part[k] > m ? part[k] : m;
+  for (; j < n; ++j) {
+    const Acc v = f(j);
+    m = v > m ? v : m;
+  }
+  return m;
+}
+
 }  // namespace ctitan::kernel
