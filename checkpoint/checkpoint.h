@@ -317,6 +317,7 @@ class CheckpointManager {
   CheckpointComm comm_;
   std::vector<std::pair<std::string, Stateful*>> components_;
   std::unique_ptr<Pending> pending_;
+  std::vector<at::Tensor> staging_;  // async: this rank's copy of the state, reused save to save
   int64_t last_saved_step_ = -1;
 };
 

@@ -490,6 +490,32 @@ TEST(CheckpointRetention, KeepLatestKNeverDeletesTheNewestOrOneBeingWritten) {
   fs::remove_all(dir);
 }
 
+// Async saves copy the state into staging buffers reused from save to save: each save's files
+// equal a synchronous save of the state at its step, though training changes the state while
+// the previous write is still running.
+TEST(CheckpointAsync, ReusedStagingBuffersHoldEachSavesOwnState) {
+  const auto dir = temp_dir("async_reuse");
+  auto oa = options_for(dir / "async");
+  oa.async = true;
+  const auto os = options_for(dir / "sync");
+  RankState a(0, 1, oa, CheckpointComm::single_process(), global_params());
+  RankState b(0, 1, os, CheckpointComm::single_process(), global_params());
+  for (int k = 1; k <= 3; ++k) {
+    a.step(k);
+    b.step(k);
+    a.mgr->save(k, false);  // written in the background while the next step runs
+    b.mgr->save(k, false);
+  }
+  a.mgr->finalize();
+  for (int k = 1; k <= 3; ++k)
+    EXPECT_EQ(ckpt::read_whole_file(ckpt::step_dir(oa.folder, k) + "/rank0.bin"),
+              ckpt::read_whole_file(ckpt::step_dir(os.folder, k) + "/rank0.bin"))
+        << "step " << k;
+  EXPECT_NE(ckpt::read_whole_file(ckpt::step_dir(oa.folder, 2) + "/rank0.bin"),
+            ckpt::read_whole_file(ckpt::step_dir(oa.folder, 3) + "/rank0.bin"));
+  fs::remove_all(dir);
+}
+
 // ---- faults (in-process) ----------------------------------------------------------------------
 
 TEST(CheckpointFaults, ARankRaisingDuringSaveFailsEveryRankAndKeepsThePrevious) {
