@@ -84,20 +84,6 @@ std::string inspect_checkpoint(const std::string& path, bool verify) {
   return out.str();
 }
 
-void export_consolidated(const std::string& step_path, const std::string& out_file, const std::string& dtype) {
-  CheckpointReader r(step_path);
-  c10::Dict<std::string, at::Tensor> dict;
-  for (const auto& [key, e] : r.meta().entries) {
-    if (e.is_bytes || !is_model_key(key)) continue;
-    at::Tensor t = r.read_tensor(key);
-    if (!dtype.empty()) t = t.to(export_dtype(dtype));
-    dict.insert(key, t);
-  }
-  if (dict.size() == 0) throw UserError("checkpoint " + step_path + " holds no model tensors");
-  const std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
-  ckpt::write_file_durable(out_file, std::string(bytes.begin(), bytes.end()));
-}
-
 // ---- any form in, any form out --------------------------------------------------------------
 
 namespace {
@@ -277,6 +263,11 @@ std::string shape_text(const std::vector<int64_t>& s) {
 
 }  // namespace
 
+void export_consolidated(const std::string& step_path, const std::string& out_file, const std::string& dtype) {
+  CheckpointReader check(step_path);  // a missing or incomplete step folder is reported as such
+  write_consolidated(open_model(step_path, "", ""), out_file, dtype);
+}
+
 std::string convert_checkpoint(const std::string& src, const std::string& dst, std::string to, const std::string& dtype,
                                const std::string& model, const std::string& flavor) {
   if (!dtype.empty()) export_dtype(dtype);  // validates
@@ -350,21 +341,17 @@ void dump_logits(const std::string& src, const std::vector<int64_t>& tokens, con
   const int64_t T = static_cast<int64_t>(tokens.size());
   std::shared_ptr<torch::nn::Module> module;
   std::function<at::Tensor(const at::Tensor&)> forward;
-  if (m.model_name == "mixtral") {
-    auto a = mixtral::mixtral_flavor(m.flavor);
-    a.vocab_size = vocab;
-    a.max_seq_len = T;
-    mixtral::Transformer model(a);
+  auto build = [&](auto args, auto make) {  // either family: the flavor with this vocabulary
+    args.vocab_size = vocab;
+    args.max_seq_len = T;
+    auto model = make(args);
     module = model.ptr();
     forward = [model](const at::Tensor& x) mutable { return model->forward(x); };
-  } else {
-    auto a = llama::llama3_flavor(m.flavor);
-    a.vocab_size = vocab;
-    a.max_seq_len = T;
-    llama::Transformer model(a);
-    module = model.ptr();
-    forward = [model](const at::Tensor& x) mutable { return model->forward(x); };
-  }
+  };
+  if (m.model_name == "mixtral")
+    build(mixtral::mixtral_flavor(m.flavor), [](const auto& a) { return mixtral::Transformer(a); });
+  else
+    build(llama::llama3_flavor(m.flavor), [](const auto& a) { return llama::Transformer(a); });
   module->eval();
   torch::NoGradGuard no_grad;
   for (auto& kv : module->named_parameters()) kv.value().copy_(m.read(kv.key()));
