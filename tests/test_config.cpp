@@ -716,6 +716,11 @@ TEST(ConfigSupported, FeaturesNotBuiltYetAreRefusedWithTheSupportedValues) {
             "not supported yet: optimizer.early_step_in_backward = true (ctitan supports: false)");
   EXPECT_EQ(refused([](JobConfig& c) { c.activation_checkpoint.mode = "full"; }), "no error");
   EXPECT_EQ(refused([](JobConfig& c) { c.checkpoint.enable = true; }), "no error");
+  // HF safetensors export and import are built (checkpoint/hf.h); quantized HF loads are not.
+  EXPECT_EQ(refused([](JobConfig& c) { c.checkpoint.last_save_in_hf = true; }), "no error");
+  EXPECT_EQ(refused([](JobConfig& c) { c.checkpoint.initial_load_in_hf = true; }), "no error");
+  EXPECT_EQ(refused([](JobConfig& c) { c.checkpoint.initial_load_in_hf_quantized = true; }),
+            "not supported yet: checkpoint.initial_load_in_hf_quantized = true (ctitan supports: false)");
   EXPECT_EQ(refused([](JobConfig& c) { c.checkpoint.async_mode = "async_with_pinned_mem"; }),
             "not supported yet: checkpoint.async_mode = \"async_with_pinned_mem\" (ctitan supports: "
             "\"disabled\", \"async\")");
