@@ -221,7 +221,7 @@ TrainModel build_model(const ModelArgs& a, int64_t seq_len) {
   return m;
 }
 
-// As checkpoint/train_adapters.h's sharded_params, for either model family.
+// The LR schedule of the config's [lr_scheduler] and training.steps.
 LRScheduleSpec lr_spec(const JobConfig& cfg) {
   LRScheduleSpec s;
   s.training_steps = cfg.training.steps;
