@@ -87,10 +87,19 @@ static double read_status_kib(const char* field) {
 }
 
 double peak_rss_gib() { return read_status_kib("VmHWM") / (1024.0 * 1024.0); }
+#ifdef CTITAN_SANITIZE
+// AddressSanitizer's allocator replaces malloc (mallinfo2 then reports nothing); it keeps its
+// own count (sanitizer/allocator_interface.h, which GCC 12 does not install).
+extern "C" size_t __sanitizer_get_current_allocated_bytes();
+double heap_in_use_gib() {
+  return static_cast<double>(__sanitizer_get_current_allocated_bytes()) / (1024.0 * 1024.0 * 1024.0);
+}
+#else
 double heap_in_use_gib() {
   const struct mallinfo2 mi = mallinfo2();
   return static_cast<double>(mi.uordblks + mi.hblkhd) / (1024.0 * 1024.0 * 1024.0);
 }
+#endif
 
 double current_rss_gib() { return read_status_kib("VmRSS") / (1024.0 * 1024.0); }
 

@@ -65,7 +65,13 @@ bool try_open(const std::string& path, ShimApi* api, std::string* tried) {
   }
   // DEEPBIND: the shim and libsentencepiece resolve their own symbols (protobuf's among
   // them) before the process's global ones, i.e. before libtorch's libprotobuf.
+#ifdef CTITAN_SANITIZE
+  // The sanitizer runtimes refuse RTLD_DEEPBIND; a separate link-map namespace isolates the
+  // shim even more (its own libstdc++ and malloc: only C types and its own buffers cross).
+  void* lib = ::dlmopen(LM_ID_NEWLM, path.c_str(), RTLD_NOW | RTLD_LOCAL);
+#else
   void* lib = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+#endif
   if (lib == nullptr) {
     const char* e = ::dlerror();
     note(e ? e : "dlopen failed");
