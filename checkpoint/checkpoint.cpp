@@ -108,6 +108,7 @@ void maybe_fault_in_save(int64_t rank, int64_t step, const std::string& file) {
     while (fd >= 0 && ::write(fd, block.data(), block.size()) > 0) {
     }
     if (fd >= 0) ::close(fd);
+    spdlog::warn("CTITAN_CHECKPOINT_FAULT={}: filled the file system of {}", f, filler);
   }
 }
 
@@ -1050,54 +1051,85 @@ LoadResult CheckpointManager::load() {
 
   if (from_hf) return load_hf(path, agreed);
 
+  // Checks `path` against this job on every rank, then loads it (both agreed).
   std::unique_ptr<CheckpointReader> reader;
   std::vector<std::pair<std::string, Stateful*>> todo;
   bool model_only = false;
-  agreed("checkpoint_load:check", [&] {
-    std::error_code ec;
-    if (ckpt::is_hf_step(path) || (is_hf_folder(path) && !fs::exists(fs::path(path) / "metadata", ec))) {
-      std::smatch sm;
-      const std::string name = fs::path(path).filename().string();
-      static const std::regex step_re("step-([0-9]+)");
-      const int64_t step = std::regex_match(name, sm, step_re) ? std::stoll(sm[1]) : -1;
-      throw UserError("checkpoint " + path + " holds model weights only, as HF safetensors (checkpoint.last_save_in_hf), "
-                      "not the optimizer, schedule and data state needed to resume training; to start a new run from "
-                      "these weights, set checkpoint.initial_load_path = \"" + path +
-                      "\" and checkpoint.initial_load_in_hf = true with another checkpoint.folder" +
-                      (step >= 0 ? earlier_hint(step) : ""));
-    }
-    reader = std::make_unique<CheckpointReader>(path);
-    const Metadata& m = reader->meta();
-    if (m.model_name != opt_.model_name || m.model_flavor != opt_.model_flavor)
-      throw UserError("checkpoint " + path + " holds a " + m.model_name + " \"" + m.model_flavor +
-                      "\" model; this run builds " + opt_.model_name + " \"" + opt_.model_flavor +
-                      "\" (model.name / model.flavor must match)");
-    if (m.model_only && !model_only_requested && m.step != 0) {
-      const std::string hint = earlier_hint(m.step);
-      throw UserError("checkpoint " + path + " holds model weights only (checkpoint.last_save_model_only), not the "
-                      "optimizer, schedule and data state needed to resume training; to start a new run from these "
-                      "weights, set checkpoint.initial_load_path = \"" + path +
-                      "\" and checkpoint.initial_load_model_only = true with another checkpoint.folder" + hint);
-    }
-    model_only = model_only_requested || m.model_only;
-    for (const auto& [name, s] : components_) {
-      const bool excluded = std::find(opt_.exclude_from_loading.begin(), opt_.exclude_from_loading.end(), name) !=
-                            opt_.exclude_from_loading.end();
-      if (model_only && name != "model") continue;
-      if (excluded) {
-        if (comm_.rank == 0)
-          spdlog::warn("checkpoint: not loading {} (checkpoint.exclude_from_loading){}", name,
-                       name == "dataloader" ? ": the data order starts afresh" : "");
-        continue;
+  std::chrono::steady_clock::time_point t0;
+  auto load_path = [&] {
+    reader.reset();
+    todo.clear();
+    agreed("checkpoint_load:check", [&] {
+      std::error_code ec;
+      if (ckpt::is_hf_step(path) || (is_hf_folder(path) && !fs::exists(fs::path(path) / "metadata", ec))) {
+        std::smatch sm;
+        const std::string name = fs::path(path).filename().string();
+        static const std::regex step_re("step-([0-9]+)");
+        const int64_t step = std::regex_match(name, sm, step_re) ? std::stoll(sm[1]) : -1;
+        throw UserError("checkpoint " + path + " holds model weights only, as HF safetensors (checkpoint.last_save_in_hf), "
+                        "not the optimizer, schedule and data state needed to resume training; to start a new run from "
+                        "these weights, set checkpoint.initial_load_path = \"" + path +
+                        "\" and checkpoint.initial_load_in_hf = true with another checkpoint.folder" +
+                        (step >= 0 ? earlier_hint(step) : ""));
       }
-      todo.emplace_back(name, s);
+      reader = std::make_unique<CheckpointReader>(path);
+      const Metadata& m = reader->meta();
+      if (m.model_name != opt_.model_name || m.model_flavor != opt_.model_flavor)
+        throw UserError("checkpoint " + path + " holds a " + m.model_name + " \"" + m.model_flavor +
+                        "\" model; this run builds " + opt_.model_name + " \"" + opt_.model_flavor +
+                        "\" (model.name / model.flavor must match)");
+      if (m.model_only && !model_only_requested && m.step != 0) {
+        const std::string hint = earlier_hint(m.step);
+        throw UserError("checkpoint " + path + " holds model weights only (checkpoint.last_save_model_only), not the "
+                        "optimizer, schedule and data state needed to resume training; to start a new run from these "
+                        "weights, set checkpoint.initial_load_path = \"" + path +
+                        "\" and checkpoint.initial_load_model_only = true with another checkpoint.folder" + hint);
+      }
+      model_only = model_only_requested || m.model_only;
+      for (const auto& [name, s] : components_) {
+        const bool excluded = std::find(opt_.exclude_from_loading.begin(), opt_.exclude_from_loading.end(), name) !=
+                              opt_.exclude_from_loading.end();
+        if (model_only && name != "model") continue;
+        if (excluded) {
+          if (comm_.rank == 0)
+            spdlog::warn("checkpoint: not loading {} (checkpoint.exclude_from_loading){}", name,
+                         name == "dataloader" ? ": the data order starts afresh" : "");
+          continue;
+        }
+        todo.emplace_back(name, s);
+      }
+      for (const auto& [name, s] : todo) s->check_load(*reader);
+    });
+    t0 = std::chrono::steady_clock::now();
+    agreed("checkpoint_load:load", [&] {
+      for (const auto& [name, s] : todo) s->load_state_dict(*reader);
+    });
+  };
+
+  // The newest complete checkpoint, chosen automatically, may still be damaged (a flipped
+  // byte, a truncated file, an unreadable disk): then every rank (the failure is agreed)
+  // warns and falls back to the next older complete checkpoint, so a re-run resumes from the
+  // newest checkpoint that loads. A checkpoint named by load_step or initial_load_path fails.
+  std::vector<std::string> older;
+  if (opt_.load_step < 0 && !scan.complete.empty() && path == ckpt::step_dir(opt_.folder, scan.complete.back()))
+    for (auto it = scan.complete.rbegin() + 1; it != scan.complete.rend(); ++it)
+      if (!ckpt::is_hf_step(ckpt::step_dir(opt_.folder, *it))) older.push_back(ckpt::step_dir(opt_.folder, *it));
+  for (size_t next_older = 0;; ++next_older) {
+    try {
+      load_path();
+      break;
+    } catch (const CollectiveFailure&) {
+      throw;
+    } catch (const UserError&) {
+      throw;
+    } catch (const std::exception& e) {
+      if (next_older >= older.size()) throw;
+      if (comm_.rank == 0)
+        spdlog::warn("checkpoint: {} cannot be loaded ({}); falling back to {}", path, one_line(e.what()),
+                     older[next_older]);
+      path = older[next_older];
     }
-    for (const auto& [name, s] : todo) s->check_load(*reader);
-  });
-  const auto t0 = std::chrono::steady_clock::now();
-  agreed("checkpoint_load:load", [&] {
-    for (const auto& [name, s] : todo) s->load_state_dict(*reader);
-  });
+  }
   const Metadata& m = reader->meta();
   res.loaded = true;
   res.step = m.step;

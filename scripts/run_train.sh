@@ -44,9 +44,17 @@ fi
 # others within seconds and exit with its code, naming it.
 declare -A RANK_OF
 pids=()
-cleanup() {
+cleanup() {  # TERM, then up to 2 s for the ranks to go, then KILL
+  local p alive
   for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  sleep 2
+  for _ in $(seq 20); do
+    alive=0
+    for p in "${pids[@]}"; do  # running: not gone and not a zombie (exited, not yet waited for)
+      [[ -e "/proc/$p" && "$(awk '{print $3}' "/proc/$p/stat" 2>/dev/null)" != Z ]] && alive=1
+    done
+    ((alive)) || return 0
+    sleep 0.1
+  done
   for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
 }
 # Preemption: SIGTERM / SIGINT / SIGUSR1 are passed on to every rank, which stop together at

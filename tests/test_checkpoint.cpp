@@ -562,6 +562,8 @@ TEST(CheckpointFaults, CorruptionIsReportedAndIncompleteFoldersAreSkipped) {
     }
   };
   const std::string s3 = ckpt::step_dir(o.folder, 3), s2 = ckpt::step_dir(o.folder, 2);
+  auto o3 = o;  // step 3 asked for explicitly: its damage is an error
+  o3.load_step = 3;
   // A flipped byte in a data file.
   {
     std::fstream f(s3 + "/rank0.bin", std::ios::in | std::ios::out | std::ios::binary);
@@ -572,19 +574,25 @@ TEST(CheckpointFaults, CorruptionIsReportedAndIncompleteFoldersAreSkipped) {
     c ^= 0x10;
     f.write(&c, 1);
   }
-  std::string e = load_error(o);
+  std::string e = load_error(o3);
   EXPECT_NE(e.find("is corrupt: rank0.bin bytes ["), std::string::npos) << e;
   EXPECT_NE(e.find("fail their CRC-32 check"), std::string::npos) << e;
+  EXPECT_EQ(load_error(o), "loaded step 2") << "the newest, chosen automatically, falls back to the one before";
   // A truncated data file.
   fs::resize_file(s3 + "/rank0.bin", 100);
-  e = load_error(o);
+  e = load_error(o3);
   EXPECT_NE(e.find("rank0.bin has 100 bytes, the metadata records"), std::string::npos) << e;
-  // Missing metadata: step-3 is not a checkpoint; the latest complete one (step-2) is used.
+  EXPECT_EQ(load_error(o), "loaded step 2");
+  // Step 2 damaged as well: back to step 1.
+  fs::copy_file(s2 + "/rank0.bin", dir / "rank0.bin.step2");
+  fs::resize_file(s2 + "/rank0.bin", 10);
+  EXPECT_EQ(load_error(o), "loaded step 1");
+  fs::copy_file(dir / "rank0.bin.step2", s2 + "/rank0.bin", fs::copy_options::overwrite_existing);
+  EXPECT_EQ(load_error(o), "loaded step 2");
+  // Missing metadata: step-3 is not a checkpoint at all (skipped by the scan).
   fs::remove(s3 + "/metadata");
   EXPECT_EQ(load_error(o), "loaded step 2");
   // Asked for explicitly: an error listing what exists.
-  auto o3 = o;
-  o3.load_step = 3;
   e = load_error(o3);
   EXPECT_NE(e.find("checkpoint.load_step = 3"), std::string::npos) << e;
   EXPECT_NE(e.find("the metadata file is missing"), std::string::npos) << e;
@@ -963,7 +971,8 @@ TEST_F(CheckpointE2E, WeightsOnlyLoadsOnOtherDegrees) {
 }
 
 // Damaged checkpoints through the binary: a truncated shard and a flipped byte are one-line
-// errors naming the file; a step folder without metadata is skipped for the previous one.
+// errors naming the file when that checkpoint was asked for, and a fallback to the previous
+// one when it was the newest; a step folder without metadata is skipped for the previous one.
 TEST_F(CheckpointE2E, DamagedCheckpoints) {
   const std::string dump = (root_ / "damaged").string();
   auto s = ranks(2, args(dump, 4) + " --checkpoint.interval 2 --checkpoint.no_last_save_model_only");
@@ -981,21 +990,34 @@ TEST_F(CheckpointE2E, DamagedCheckpoints) {
     c = static_cast<char>(c ^ 0x01);
     f.write(&c, 1);
   }
-  auto rs = ranks(2, args(dump, 6));
+  // Named by load_step: a one-line error on every rank. Chosen as the newest: every rank
+  // falls back to step-2 with a warning (load_only: these runs save nothing).
+  auto rs = ranks(2, args(dump, 6) + " --checkpoint.load_step 4");
   for (const auto& r : rs) {
     EXPECT_EQ(r.exit_code, 1) << r.output;
     EXPECT_NE(r.output.find("rank1.bin bytes ["), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("fail their CRC-32 check"), std::string::npos) << r.output;
   }
+  rs = ranks(2, args(dump, 6) + " --checkpoint.load_only");
+  ASSERT_TRUE(ctitan::testing::all_ok(rs));
+  EXPECT_TRUE(std::regex_search(rs[0].output, std::regex("checkpoint: " + s4 + " cannot be loaded \\(.*rank1.bin bytes "
+                                                         "\\[.*fail their CRC-32 check.*\\); falling back to " +
+                                                         dump + "/checkpoint/step-2")))
+      << rs[0].output;
+  EXPECT_NE(rs[0].output.find("checkpoint: loaded step 2"), std::string::npos) << rs[0].output;
   // Truncated.
   fs::copy(copy + "/rank1.bin", s4 + "/rank1.bin", fs::copy_options::overwrite_existing);
   fs::resize_file(s4 + "/rank0.bin", fs::file_size(s4 + "/rank0.bin") / 2);
-  rs = ranks(2, args(dump, 6));
+  rs = ranks(2, args(dump, 6) + " --checkpoint.load_step 4");
   for (const auto& r : rs) {
     EXPECT_EQ(r.exit_code, 1) << r.output;
     EXPECT_NE(r.output.find("rank0.bin has "), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("(truncated?)"), std::string::npos) << r.output;
   }
+  rs = ranks(2, args(dump, 6) + " --checkpoint.load_only");
+  ASSERT_TRUE(ctitan::testing::all_ok(rs));
+  EXPECT_NE(rs[0].output.find("(truncated?)); falling back to " + dump + "/checkpoint/step-2"), std::string::npos)
+      << rs[0].output;
   // Missing metadata: step-4 is skipped with a warning, step-2 resumes.
   fs::copy(copy + "/rank0.bin", s4 + "/rank0.bin", fs::copy_options::overwrite_existing);
   fs::remove(s4 + "/metadata");
