@@ -23,11 +23,6 @@ using torch::autograd::variable_list;
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
-// Softmax statistics and accumulators: float32 for 16- and 32-bit inputs, float64 for float64.
-torch::ScalarType stat_dtype(const Tensor& t) {
-  return t.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
-}
-
 // Grouped layout used inside: q as [B·KV, T·rep, hd] with row t·rep + r (query head
 // kv·rep + r at position t), k and v as [B·KV, T, hd]. A query block of positions
 // [q0, q0 + n) is then the contiguous row range [q0·rep, (q0 + n)·rep).
@@ -156,7 +151,7 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
                         int64_t rep, int64_t block_q, int64_t block_k) {
     const int64_t BKV = qg.size(0), T = kg.size(1), hd = kg.size(2);
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
-    const auto st = stat_dtype(qg);
+    const auto st = kernel::acc_dtype(qg.scalar_type());
     auto out = torch::empty_like(qg);
     auto lse = torch::empty({BKV, qg.size(1)}, qg.options().dtype(st));
     for (int64_t q0 = 0; q0 < T; q0 += block_q) {

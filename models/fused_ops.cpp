@@ -12,6 +12,7 @@
 namespace ctitan {
 namespace {
 
+using kernel::acc_dtype;
 using kernel::exp_fast;
 using kernel::narrow_to;
 using kernel::widen;
@@ -23,7 +24,6 @@ using torch::autograd::variable_list;
 // added in the same order whatever the number of threads — results are reproducible.
 int64_t rows_per_chunk(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_len)); }
 
-torch::ScalarType acc_dtype(torch::ScalarType t) { return t == torch::kDouble ? torch::kDouble : torch::kFloat; }
 
 
 

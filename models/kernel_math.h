@@ -2,6 +2,7 @@
 // models/flash_attention.cpp): branch-free, so GCC vectorises the loops that use them when
 // the file is built with -fno-trapping-math (see CMakeLists.txt). Internal to models/.
 #pragma once
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
@@ -9,6 +10,12 @@
 #include <cstring>
 
 namespace ctitan::kernel {
+
+// dtype of the statistics and accumulators (at::opmath_type's choice as a runtime value):
+// float64 for float64 inputs, float32 for float32 and the 16-bit types.
+inline c10::ScalarType acc_dtype(c10::ScalarType t) {
+  return t == c10::ScalarType::Double ? c10::ScalarType::Double : c10::ScalarType::Float;
+}
 
 inline float widen(c10::BFloat16 h) {
   const uint32_t bits = static_cast<uint32_t>(h.x) << 16;
