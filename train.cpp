@@ -24,6 +24,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/train_adapters.h"
+#include "components/cpu_allocator.h"
 #include "components/lr_scheduler.h"
 #include "components/metrics.h"
 #include "components/optimizer.h"
@@ -582,6 +583,9 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
                cfg.model.name, cfg.model.flavor, model.total_params / 1e6,
                (model.total_params - model.embedding_params) / 1e6, flops_per_tok / 1e6);
   std::shared_ptr<FSDP> fsdp = maybe_apply_fsdp(model, cfg, par);
+  // The full-size parameters sharding freed sit in the CPU allocator's cache; they are
+  // the memory FSDP exists to give back.
+  if (fsdp) release_cached_cpu_memory();
   std::shared_ptr<ActivationCheckpoint> ac = maybe_apply_ac(model, cfg, fsdp.get());
 
   // ---- optimizer and LR schedule (on the local shards with FSDP) ---------------------

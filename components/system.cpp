@@ -1,5 +1,7 @@
 #include "components/system.h"
 
+#include "components/cpu_allocator.h"
+
 #include <dlfcn.h>
 #include <malloc.h>
 
@@ -92,12 +94,15 @@ double peak_rss_gib() { return read_status_kib("VmHWM") / (1024.0 * 1024.0); }
 // own count (sanitizer/allocator_interface.h, which GCC 12 does not install).
 extern "C" size_t __sanitizer_get_current_allocated_bytes();
 double heap_in_use_gib() {
-  return static_cast<double>(__sanitizer_get_current_allocated_bytes()) / (1024.0 * 1024.0 * 1024.0);
+  return static_cast<double>(__sanitizer_get_current_allocated_bytes() - cpu_allocator_stats().cached_bytes) /
+         (1024.0 * 1024.0 * 1024.0);
 }
 #else
 double heap_in_use_gib() {
   const struct mallinfo2 mi = mallinfo2();
-  return static_cast<double>(mi.uordblks + mi.hblkhd) / (1024.0 * 1024.0 * 1024.0);
+  // Blocks the caching CPU allocator holds are malloc'ed but in no tensor.
+  const double cached = static_cast<double>(cpu_allocator_stats().cached_bytes);
+  return (static_cast<double>(mi.uordblks + mi.hblkhd) - cached) / (1024.0 * 1024.0 * 1024.0);
 }
 #endif
 

@@ -29,7 +29,8 @@ bool cpu_has_native_bf16();
 double peak_rss_gib();
 // Current resident set size, in GiB (VmRSS).
 double current_rss_gib();
-// Bytes of heap in use (malloc'ed and not freed, mmapped chunks included), in GiB. The
+// Bytes of heap in use (malloc'ed and not freed, mmapped chunks included, blocks the caching
+// CPU allocator holds excluded), in GiB. The
 // growth across a forward pass is the memory autograd keeps for backward.
 double heap_in_use_gib();
 

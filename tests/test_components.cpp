@@ -1,10 +1,18 @@
 // LR schedule values at chosen steps (worked out by hand from torchtitan's formula),
 // gradient clipping against a norm computed here, the metrics JSON line.
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <cmath>
+#include <malloc.h>
+#include <sys/resource.h>
 
+#include <atomic>
+#include <cmath>
+#include <thread>
+#include <vector>
+
+#include "components/cpu_allocator.h"
 #include "components/lr_scheduler.h"
 #include "components/metrics.h"
 #include "components/optimizer.h"
@@ -162,4 +170,122 @@ TEST(System, BlasIsDetectedAndMemoryIsRead) {
   EXPECT_FALSE(info.library.empty());  // Debian's LibTorch resolves sgemm_ from libblas.so.3
   EXPECT_GT(peak_rss_gib(), 0.0);
   EXPECT_GE(peak_rss_gib(), current_rss_gib() * 0.99);
+}
+
+// ---------------------------------------------------------------------------------------
+// The caching CPU allocator (components/cpu_allocator.h). ctest runs every TEST in its own
+// process, so each starts with LibTorch's default allocator.
+namespace {
+int64_t minor_faults() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_minflt;
+}
+// Allocates and touches `rounds` tensors of `bytes` one after the other; minor page faults.
+int64_t faults_of_alloc_loop(int64_t bytes, int rounds) {
+  const int64_t before = minor_faults();
+  for (int i = 0; i < rounds; ++i) {
+    auto t = torch::empty({bytes}, torch::kUInt8);
+    t.fill_(static_cast<uint8_t>(i));
+  }
+  return minor_faults() - before;
+}
+}  // namespace
+
+TEST(CpuAllocator, ReusesLargeBlocksWithoutNewPageFaults) {
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);  // as the train executable sets it
+  torch::set_num_threads(1);
+  const int64_t bytes = 16 << 20, pages = bytes / 4096;
+  const int rounds = 20;
+  // Reference: LibTorch's default allocator maps and faults every page of every round.
+  const int64_t system_faults = faults_of_alloc_loop(bytes, rounds);
+  EXPECT_GE(system_faults, rounds * pages * 9 / 10);
+
+  ASSERT_TRUE(install_caching_cpu_allocator());
+  ASSERT_TRUE(cpu_allocator_stats().installed);
+  faults_of_alloc_loop(bytes, 1);  // first use maps the block
+  const auto s0 = cpu_allocator_stats();
+  const int64_t cached_faults = faults_of_alloc_loop(bytes, rounds);
+  const auto s1 = cpu_allocator_stats();
+  EXPECT_LT(cached_faults, pages / 4) << "system allocator: " << system_faults;
+  EXPECT_EQ(s1.hits - s0.hits, rounds);
+  EXPECT_EQ(s1.misses, s0.misses);
+  EXPECT_EQ(s1.cached_bytes, bytes);
+  EXPECT_EQ(s1.live_bytes, 0);
+}
+
+TEST(CpuAllocator, SizeToleranceBoundAndRelease) {
+  ASSERT_TRUE(install_caching_cpu_allocator());
+  const int64_t mib = 1 << 20;
+  void* p8 = nullptr;
+  {
+    auto a = torch::empty({8 * mib}, torch::kUInt8);
+    p8 = a.data_ptr();
+  }
+  EXPECT_EQ(cpu_allocator_stats().cached_bytes, 8 * mib);
+  {
+    // 7.5 MiB: within 1/8 of the cached 8 MiB block, which serves it.
+    auto b = torch::empty({15 * mib / 2}, torch::kUInt8);
+    EXPECT_EQ(b.data_ptr(), p8);
+    EXPECT_EQ(cpu_allocator_stats().cached_bytes, 0);
+    // 4 MiB while the block is taken, and 4 MiB would waste half of it anyway: new memory.
+    auto c = torch::empty({4 * mib}, torch::kUInt8);
+    EXPECT_NE(c.data_ptr(), p8);
+  }
+  EXPECT_EQ(cpu_allocator_stats().cached_bytes, 12 * mib);
+  {
+    auto d = torch::empty({4 * mib}, torch::kUInt8);  // the 8 MiB block is 2x too large
+    EXPECT_NE(d.data_ptr(), p8);
+    EXPECT_EQ(cpu_allocator_stats().cached_bytes, 8 * mib);
+  }
+  // Cached blocks are malloc'ed but hold no tensor: heap_in_use_gib does not count them.
+  const double in_use = heap_in_use_gib();
+  const struct mallinfo2 mi = mallinfo2();
+  const double malloc_in_use = static_cast<double>(mi.uordblks + mi.hblkhd) / (1 << 30);
+  EXPECT_NEAR(malloc_in_use - in_use, 12.0 * mib / (1 << 30), 1e-9);
+  // A bound below what is cached releases the largest blocks until the rest fits.
+  set_max_cached_cpu_bytes(5 * mib);
+  EXPECT_EQ(cpu_allocator_stats().cached_bytes, 4 * mib);
+  {
+    auto e = torch::empty({2 * mib}, torch::kUInt8);  // does not fit beside 4 MiB: freed
+  }
+  EXPECT_EQ(cpu_allocator_stats().cached_bytes, 4 * mib);
+  release_cached_cpu_memory();
+  EXPECT_EQ(cpu_allocator_stats().cached_bytes, 0);
+  EXPECT_EQ(cpu_allocator_stats().cached_blocks, 0);
+  // raw_allocate / raw_deallocate (oneDNN's bf16 matmuls use them) go through the cache too.
+  auto* cpu = c10::GetCPUAllocator();
+  void* raw = cpu->raw_allocate(3 * mib);
+  EXPECT_EQ(cpu_allocator_stats().live_bytes, 3 * mib);
+  cpu->raw_deallocate(raw);
+  EXPECT_EQ(cpu_allocator_stats().live_bytes, 0);
+  EXPECT_EQ(cpu_allocator_stats().cached_bytes, 3 * mib);
+  release_cached_cpu_memory();
+  // Small tensors bypass the cache.
+  { auto f = torch::empty({1000}, torch::kFloat); }
+  EXPECT_EQ(cpu_allocator_stats().cached_bytes, 0);
+}
+
+TEST(CpuAllocator, ConcurrentTensorsNeverShareMemory) {
+  ASSERT_TRUE(install_caching_cpu_allocator());
+  const std::vector<int64_t> sizes = {1 << 20, 3 << 19, 2 << 20, 3 << 20, 5 << 20};
+  std::atomic<int> corrupt{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 150; ++i) {
+        const int64_t n = sizes[(i * 7 + t) % sizes.size()] / 4;
+        auto a = torch::full({n}, static_cast<float>(t * 1000 + i));
+        auto b = torch::full({n / 2 + 1}, static_cast<float>(-t - 1));
+        std::this_thread::yield();
+        if (!a.eq(static_cast<float>(t * 1000 + i)).all().item<bool>()) ++corrupt;
+        if (!b.eq(static_cast<float>(-t - 1)).all().item<bool>()) ++corrupt;
+      }
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(corrupt.load(), 0);
+  const auto s = cpu_allocator_stats();
+  EXPECT_EQ(s.live_bytes, 0);
+  EXPECT_GT(s.hits, 0);
+  EXPECT_LE(s.misses, 4 * 2 * static_cast<int64_t>(sizes.size()) * 2);
 }
