@@ -1,6 +1,7 @@
 #include "components/optimizer.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include "config/errors.h"
@@ -25,6 +26,7 @@ class FusedAdamW : public torch::optim::AdamW {
   using torch::optim::AdamW::AdamW;
 
   torch::Tensor step(LossClosure closure = nullptr) override {
+    RECORD_FUNCTION("ctitan::fused_adamw_step", std::vector<c10::IValue>());
     TORCH_CHECK(closure == nullptr, "[optimizer] FusedAdamW takes no closure");
     torch::NoGradGuard no_grad;
     for (auto& group : param_groups_) {
@@ -147,6 +149,7 @@ TrainingStateBytes training_state_bytes(torch::optim::Optimizer& opt) {
 
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
                       const std::function<double(double)>& all_reduce_sum) {
+  RECORD_FUNCTION("ctitan::clip_grad_norm", std::vector<c10::IValue>());
   torch::NoGradGuard no_grad;
   // Sum of squares in fp64 so the norm does not depend on how the sum is split (shards).
   double sq = 0.0;

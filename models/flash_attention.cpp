@@ -4,6 +4,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <dlfcn.h>
 
 #include <cmath>
@@ -47,6 +48,7 @@ inline int64_t visible_keys(const Tile& t, int64_t row, int64_t rep) {
 // m_new) for rescaling the accumulator (first tile: m starts at -inf, l at 0).
 void softmax_tile_forward(const Tensor& s, Tensor& p, const Tensor& m, const Tensor& l, const Tensor& alpha,
                           const Tile& t, int64_t rep) {
+  RECORD_FUNCTION("ctitan::softmax_tile_forward", std::vector<c10::IValue>());
   const int64_t BKV = s.size(0), rows = s.size(1), nk = s.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, s.scalar_type(), "ctitan_softmax_tile", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -81,6 +83,7 @@ void softmax_tile_forward(const Tensor& s, Tensor& p, const Tensor& m, const Ten
 // autograd's softmax backward), both in the input dtype, 0 on future keys.
 void softmax_strip_backward(const Tensor& s, const Tensor& dp, const Tensor& lse, Tensor& p, Tensor& ds,
                             const Tile& t, int64_t rep) {
+  RECORD_FUNCTION("ctitan::softmax_strip_backward", std::vector<c10::IValue>());
   const int64_t BKV = s.size(0), rows = s.size(1), nk = s.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, s.scalar_type(), "ctitan_softmax_strip_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -149,6 +152,7 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& qg, const Tensor& kg, const Tensor& vg,
                         int64_t rep, int64_t block_q, int64_t block_k) {
+    RECORD_FUNCTION("ctitan::flash_attention_forward", std::vector<c10::IValue>());
     const int64_t BKV = qg.size(0), T = kg.size(1), hd = kg.size(2);
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
     const auto st = kernel::acc_dtype(qg.scalar_type());

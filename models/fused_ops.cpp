@@ -4,6 +4,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <cmath>
 #include <cstring>
@@ -31,6 +32,7 @@ int64_t rows_per_chunk(int64_t row_len) { return std::max<int64_t>(1, 16384 / st
 class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& w, double eps) {
+    RECORD_FUNCTION("ctitan::rms_norm_forward", std::vector<c10::IValue>());
     const auto x = x_in.contiguous();
     const int64_t D = x.size(-1), N = x.numel() / D;
     auto y = torch::empty_like(x);
@@ -141,6 +143,7 @@ Tensor rotate_pairs(const Tensor& x, const Tensor& table, int64_t sign) {
 class RotaryFn : public torch::autograd::Function<RotaryFn> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& table) {
+    RECORD_FUNCTION("ctitan::rotary_forward", std::vector<c10::IValue>());
     ctx->save_for_backward({table});
     return rotate_pairs(x.contiguous(), table, +1);
   }
@@ -155,6 +158,7 @@ class RotaryFn : public torch::autograd::Function<RotaryFn> {
 class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& logits_in, const Tensor& labels_in, double scale) {
+    RECORD_FUNCTION("ctitan::cross_entropy_forward", std::vector<c10::IValue>());
     const auto logits = logits_in.contiguous();
     const auto labels = labels_in.to(torch::kLong).contiguous();
     const int64_t N = logits.size(0), V = logits.size(1);

@@ -1,6 +1,7 @@
 #include "parallelisms/fsdp.h"
 
 #include <ATen/native/Resize.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -147,6 +148,7 @@ void FSDP::wait(PendingCollective& p) {
 
 void FSDP::start_gather(Unit& u) {
   if (u.state != State::Sharded) return;
+  RECORD_FUNCTION("ctitan::fsdp_start_gather", std::vector<c10::IValue>());
   torch::NoGradGuard no_grad;
   std::vector<at::Tensor> pieces;
   for (auto& p : u.params) pieces.push_back(p.shard.detach().reshape({-1}));
@@ -158,6 +160,7 @@ void FSDP::start_gather(Unit& u) {
 }
 
 void FSDP::finish_gather(Unit& u) {
+  RECORD_FUNCTION("ctitan::fsdp_finish_gather", std::vector<c10::IValue>());
   wait(u.gather);
   torch::NoGradGuard no_grad;
   const int64_t N = shard_->size();
@@ -217,6 +220,7 @@ void FSDP::on_param_grad(size_t i) {
 
 void FSDP::reduce_grads(Unit& u) {
   if (u.reduced) return;
+  RECORD_FUNCTION("ctitan::fsdp_reduce_grads", std::vector<c10::IValue>());
   u.reduced = true;
   torch::NoGradGuard no_grad;
   const int64_t N = shard_->size();
@@ -252,6 +256,7 @@ void FSDP::reduce_grads(Unit& u) {
 // into the shards' .grad. Frees the unit's reduction buffers.
 void FSDP::complete_reduction(Unit& u) {
   if (!u.reduced) return;
+  RECORD_FUNCTION("ctitan::fsdp_complete_reduction", std::vector<c10::IValue>());
   torch::NoGradGuard no_grad;
   wait(u.rs);
   if (replicate_ && replicate_->size() > 1) {
