@@ -154,6 +154,64 @@ class RotaryFn : public torch::autograd::Function<RotaryFn> {
 };
 
 
+// ---- SwiGLU -----------------------------------------------------------------------------
+// Elements per work item of the element-wise loops.
+constexpr int64_t kElemChunk = 1 << 14;
+
+// y = silu(a) · b with silu(a) = a · σ(a) rounded to the input dtype before the product, as
+// torch.silu then torch.mul round. Saves a and b only (ATen's pair also keeps silu(a)).
+class SwiGLUFn : public torch::autograd::Function<SwiGLUFn> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& a_in, const Tensor& b_in) {
+    RECORD_FUNCTION("ctitan::swiglu_forward", std::vector<c10::IValue>());
+    const auto a = a_in.contiguous(), b = b_in.contiguous();
+    auto y = torch::empty_like(a);
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, a.scalar_type(), "ctitan_swiglu", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      const scalar_t* __restrict__ A = a.data_ptr<scalar_t>();
+      const scalar_t* __restrict__ Bv = b.data_ptr<scalar_t>();
+      scalar_t* __restrict__ Y = y.data_ptr<scalar_t>();
+      at::parallel_for(0, a.numel(), kElemChunk, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const acc_t x = widen(A[i]);
+          const acc_t h = widen(narrow_to<scalar_t>(x / (acc_t(1) + exp_fast(-x))));
+          Y[i] = narrow_to<scalar_t>(h * widen(Bv[i]));
+        }
+      });
+    });
+    ctx->save_for_backward({a, b});
+    return y;
+  }
+
+  // db = dy · silu(a); da = (dy · b) · σ(a) · (1 + a · (1 − σ(a))), each product rounded to
+  // the input dtype where autograd's mul and silu backward round it.
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &a = saved[0], &b = saved[1];
+    const auto dy = grads[0].to(a.scalar_type()).contiguous();
+    auto da = torch::empty_like(a), db = torch::empty_like(b);
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, a.scalar_type(), "ctitan_swiglu_backward", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      const scalar_t* __restrict__ A = a.data_ptr<scalar_t>();
+      const scalar_t* __restrict__ Bv = b.data_ptr<scalar_t>();
+      const scalar_t* __restrict__ DY = dy.data_ptr<scalar_t>();
+      scalar_t* __restrict__ DA = da.data_ptr<scalar_t>();
+      scalar_t* __restrict__ DB = db.data_ptr<scalar_t>();
+      at::parallel_for(0, a.numel(), kElemChunk, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const acc_t x = widen(A[i]), g = widen(DY[i]);
+          const acc_t sig = acc_t(1) / (acc_t(1) + exp_fast(-x));
+          const acc_t h = widen(narrow_to<scalar_t>(x * sig));
+          DB[i] = narrow_to<scalar_t>(g * h);
+          const acc_t dh = widen(narrow_to<scalar_t>(g * widen(Bv[i])));
+          DA[i] = narrow_to<scalar_t>(dh * sig * (acc_t(1) + x * (acc_t(1) - sig)));
+        }
+      });
+    });
+    return {da, db};
+  }
+};
+
 // ---- Cross-entropy ----------------------------------------------------------------------
 class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
  public:
@@ -234,6 +292,12 @@ torch::Tensor fused_rotary_emb(const torch::Tensor& x, const torch::Tensor& freq
                   freqs_cis.size(2) == 2,
               "[models] freqs_cis ", freqs_cis.sizes(), " does not fit x ", x.sizes());
   return RotaryFn::apply(x, freqs_cis);
+}
+
+torch::Tensor fused_swiglu(const torch::Tensor& a, const torch::Tensor& b) {
+  TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(),
+              "[models] fused_swiglu: a ", a.sizes(), " and b ", b.sizes(), " differ in shape or dtype");
+  return SwiGLUFn::apply(a, b);
 }
 
 torch::Tensor fused_cross_entropy(const torch::Tensor& logits, const torch::Tensor& labels, double scale) {

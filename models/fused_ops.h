@@ -16,6 +16,10 @@ torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight
 // x [B, T, h, hd], freqs_cis float32 [>= T, hd/2, 2] → [B, T, h, hd] in x's dtype.
 torch::Tensor fused_rotary_emb(const torch::Tensor& x, const torch::Tensor& freqs_cis);
 
+// silu(a) · b (SwiGLU's gate): silu(a) rounded to the dtype, then the product, as
+// torch::silu(a) * b. a, b same shape and dtype → that shape and dtype.
+torch::Tensor fused_swiglu(const torch::Tensor& a, const torch::Tensor& b);
+
 // Σ_rows (logsumexp(logits_r) − logits_r[label_r]) · scale, in float64 accumulation of
 // float32 row terms — the cross-entropy of float32-cast logits with reduction "sum" times
 // scale, without the float32 copy of the logits: one pass forward, and one pass backward

@@ -771,6 +771,12 @@ TEST(FusedOps, MatchAtenFormulasInEveryDtype) {
     expect_fused_matches(
         "rope", [&](auto& v) { return fused_rotary_emb(v[0], table); },
         [&](auto& v) { return aten_rope(v[0], table); }, {q}, gq, tol);
+    // SwiGLU gate: a spread wide enough to reach the saturated ends of σ.
+    const auto a = (torch::randn({5, 29, 64}) * 6).to(dt), b = torch::randn({5, 29, 64}).to(dt);
+    const auto gs = torch::randn({5, 29, 64});
+    expect_fused_matches(
+        "swiglu", [](auto& v) { return fused_swiglu(v[0], v[1]); },
+        [](auto& v) { return torch::silu(v[0]) * v[1]; }, {a, b}, gs, tol);
   }
 }
 

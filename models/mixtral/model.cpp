@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "models/fused_ops.h"
 #include "models/init.h"
 #include "models/transformer_math.h"
 #include "models/recompute.h"
@@ -47,8 +48,8 @@ torch::Tensor GroupedExpertsImpl::forward(const torch::Tensor& x, const std::vec
     if (counts[e] == 0) continue;
     const auto xe = x.narrow(0, row, counts[e]);  // [c_e, D]
     const int64_t i = static_cast<int64_t>(e);
-    const auto h = torch::silu(recompute::linear(xe, w1.select(0, i))) *
-                   recompute::linear(xe, w3.select(0, i));   // [c_e, F]
+    const auto h = fused_swiglu(recompute::linear(xe, w1.select(0, i)),
+                                recompute::linear(xe, w3.select(0, i)));  // [c_e, F]
     outs.push_back(recompute::linear(h, w2.select(0, i)));  // [c_e, D]
     row += counts[e];
   }
