@@ -138,10 +138,14 @@ Tensor tile_bmm(const Tensor& a, const Tensor& b) {
   const auto get = openblas_threads_getter();
   const int blas_threads = get ? get() : 1;
   if (set) set(1);
+  // Worker threads start with autograd's thread-local grad mode on: operate on detached
+  // operands with it off (an out= op refuses inputs that require grad).
+  const auto ad = a.detach(), bd = b.detach();
   at::parallel_for(0, a.size(0), 1, [&](int64_t begin, int64_t end) {
+    torch::NoGradGuard no_grad;
     for (int64_t i = begin; i < end; ++i) {
       auto o = out.select(0, i);
-      at::mm_out(o, a.select(0, i), b.select(0, i));
+      at::mm_out(o, ad.select(0, i), bd.select(0, i));
     }
   });
   if (set) set(blas_threads);

@@ -20,6 +20,15 @@
 using namespace ctitan;
 using namespace ctitan::llama;
 
+// Two intra-op threads in every test here, as training runs: LibTorch's default on this
+// machine is one (one physical core, two hardware threads), which would leave the kernels'
+// parallel paths untested.
+class TwoThreads : public ::testing::Environment {
+ public:
+  void SetUp() override { at::set_num_threads(2); }
+};
+const auto* const kTwoThreads = ::testing::AddGlobalTestEnvironment(new TwoThreads);
+
 namespace {
 
 TransformerModelArgs small_args() {
@@ -614,6 +623,7 @@ const std::vector<AttnCase>& attn_cases() {
       {1, 64, 4, 4, 8, {}},           // MHA, one tile per query block (the default tiling)
       {2, 50, 8, 1, 16, {5, 7}},      // MQA (8 query heads on one kv head), odd tiles
       {1, 96, 16, 8, 16, {32, 32}},   // the debug model's head layout
+      {2, 256, 16, 8, 16, {128, 512}},  // ... at the default tiling, 16 batch items over the threads
   };
   return cases;
 }
