@@ -45,7 +45,30 @@ inline int64_t visible_keys(const Tile& t, int64_t row, int64_t rep) {
 
 // Forward, one tile: s [BKV, rows, nk] (input dtype) → p = exp(s − m_new) in the input dtype
 // (0 on future keys); m (running max), l (running sum) updated in place; alpha = e^(m_old −
-// m_new) for rescaling the accumulator (first tile: m starts at -inf, l at 0).
+// m_new) for rescaling the accumulator (first tile: m starts at -inf, l at 0). Rows [b, e).
+template <class scalar_t, class acc_t>
+CTITAN_KERNEL void softmax_tile_forward_rows(const scalar_t* S, scalar_t* P, acc_t* M, acc_t* L, acc_t* A,
+                                             int64_t rows, int64_t nk, Tile t, int64_t rep, int64_t b, int64_t e) {
+  for (int64_t i = b; i < e; ++i) {
+    const int64_t vis = visible_keys(t, i % rows, rep);
+    const scalar_t* __restrict__ sr = S + i * nk;
+    scalar_t* __restrict__ pr = P + i * nk;
+    const acc_t mx = kernel::lane_max<acc_t>(vis, -std::numeric_limits<acc_t>::infinity(),
+                                             [&](int64_t j) { return widen(sr[j]); });
+    const acc_t m_old = M[i], m_new = std::max(m_old, mx);
+    const acc_t sum = kernel::lane_sum<acc_t>(vis, [&](int64_t j) {
+      const acc_t v = exp_fast(widen(sr[j]) - m_new);
+      pr[j] = narrow_to<scalar_t>(v);
+      return v;
+    });
+    for (int64_t j = vis; j < nk; ++j) pr[j] = scalar_t(0);
+    const acc_t a = m_old == -std::numeric_limits<acc_t>::infinity() ? acc_t(0) : exp_fast(m_old - m_new);
+    A[i] = a;
+    L[i] = L[i] * a + sum;
+    M[i] = m_new;
+  }
+}
+
 void softmax_tile_forward(const Tensor& s, Tensor& p, const Tensor& m, const Tensor& l, const Tensor& alpha,
                           const Tile& t, int64_t rep) {
   RECORD_FUNCTION("ctitan::softmax_tile_forward", std::vector<c10::IValue>());
@@ -56,31 +79,38 @@ void softmax_tile_forward(const Tensor& s, Tensor& p, const Tensor& m, const Ten
     scalar_t* P = p.data_ptr<scalar_t>();
     acc_t *M = m.data_ptr<acc_t>(), *L = l.data_ptr<acc_t>(), *A = alpha.data_ptr<acc_t>();
     at::parallel_for(0, BKV * rows, 16, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        const int64_t vis = visible_keys(t, i % rows, rep);
-        const scalar_t* __restrict__ sr = S + i * nk;
-        scalar_t* __restrict__ pr = P + i * nk;
-        const acc_t mx = kernel::lane_max<acc_t>(vis, -std::numeric_limits<acc_t>::infinity(),
-                                                 [&](int64_t j) { return widen(sr[j]); });
-        const acc_t m_old = M[i], m_new = std::max(m_old, mx);
-        const acc_t sum = kernel::lane_sum<acc_t>(vis, [&](int64_t j) {
-          const acc_t v = exp_fast(widen(sr[j]) - m_new);
-          pr[j] = narrow_to<scalar_t>(v);
-          return v;
-        });
-        for (int64_t j = vis; j < nk; ++j) pr[j] = scalar_t(0);
-        const acc_t a = m_old == -std::numeric_limits<acc_t>::infinity() ? acc_t(0) : exp_fast(m_old - m_new);
-        A[i] = a;
-        L[i] = L[i] * a + sum;
-        M[i] = m_new;
-      }
+      softmax_tile_forward_rows<scalar_t, acc_t>(S, P, M, L, A, rows, nk, t, rep, b, e);
     });
   });
 }
 
 // Backward, one strip: s and dp [BKV, rows, nk] (input dtype), lse [BKV·rows] → p = e^(s −
 // lse) and dS = p ∘ (dp − D) with D = Σ p ∘ dp (the same rounded dp both times, as
-// autograd's softmax backward), both in the input dtype, 0 on future keys.
+// autograd's softmax backward), both in the input dtype, 0 on future keys. Rows [b, e);
+// prob: nk scratch values.
+template <class scalar_t, class acc_t>
+CTITAN_KERNEL void softmax_strip_backward_rows(const scalar_t* S, const scalar_t* DP, const acc_t* LSE, scalar_t* P,
+                                               scalar_t* DS, acc_t* prob, int64_t rows, int64_t nk, Tile t,
+                                               int64_t rep, int64_t b, int64_t e) {
+  for (int64_t i = b; i < e; ++i) {
+    const int64_t vis = visible_keys(t, i % rows, rep);
+    const scalar_t* __restrict__ sr = S + i * nk;
+    const scalar_t* __restrict__ dpr = DP + i * nk;
+    scalar_t* __restrict__ pr = P + i * nk;
+    scalar_t* __restrict__ dsr = DS + i * nk;
+    acc_t* __restrict__ pb = prob;
+    const acc_t lse_i = LSE[i];
+    const acc_t D = kernel::lane_sum<acc_t>(vis, [&](int64_t j) {
+      const acc_t v = exp_fast(widen(sr[j]) - lse_i);
+      pb[j] = v;
+      pr[j] = narrow_to<scalar_t>(v);
+      return v * widen(dpr[j]);
+    });
+    for (int64_t j = 0; j < vis; ++j) dsr[j] = narrow_to<scalar_t>(pb[j] * (widen(dpr[j]) - D));
+    for (int64_t j = vis; j < nk; ++j) pr[j] = dsr[j] = scalar_t(0);
+  }
+}
+
 void softmax_strip_backward(const Tensor& s, const Tensor& dp, const Tensor& lse, Tensor& p, Tensor& ds,
                             const Tile& t, int64_t rep) {
   RECORD_FUNCTION("ctitan::softmax_strip_backward", std::vector<c10::IValue>());
@@ -92,23 +122,7 @@ void softmax_strip_backward(const Tensor& s, const Tensor& dp, const Tensor& lse
     scalar_t *P = p.data_ptr<scalar_t>(), *DS = ds.data_ptr<scalar_t>();
     at::parallel_for(0, BKV * rows, 16, [&](int64_t b, int64_t e) {
       std::vector<acc_t> prob(nk);
-      for (int64_t i = b; i < e; ++i) {
-        const int64_t vis = visible_keys(t, i % rows, rep);
-        const scalar_t* __restrict__ sr = S + i * nk;
-        const scalar_t* __restrict__ dpr = DP + i * nk;
-        scalar_t* __restrict__ pr = P + i * nk;
-        scalar_t* __restrict__ dsr = DS + i * nk;
-        acc_t* __restrict__ pb = prob.data();
-        const acc_t lse_i = LSE[i];
-        const acc_t D = kernel::lane_sum<acc_t>(vis, [&](int64_t j) {
-          const acc_t v = exp_fast(widen(sr[j]) - lse_i);
-          pb[j] = v;
-          pr[j] = narrow_to<scalar_t>(v);
-          return v * widen(dpr[j]);
-        });
-        for (int64_t j = 0; j < vis; ++j) dsr[j] = narrow_to<scalar_t>(pb[j] * (widen(dpr[j]) - D));
-        for (int64_t j = vis; j < nk; ++j) pr[j] = dsr[j] = scalar_t(0);
-      }
+      softmax_strip_backward_rows<scalar_t, acc_t>(S, DP, LSE, P, DS, prob.data(), rows, nk, t, rep, b, e);
     });
   });
 }

@@ -29,6 +29,47 @@ int64_t rows_per_chunk(int64_t row_len) { return std::max<int64_t>(1, 16384 / st
 
 
 // ---- RMSNorm ----------------------------------------------------------------------------
+// Rows [b, e) of y = (x · r) rounded, times w, with r = rsqrt(mean(x²) + eps) stored in R.
+template <class scalar_t, class acc_t>
+CTITAN_KERNEL void rms_norm_rows(const scalar_t* X, const scalar_t* W, scalar_t* Y, acc_t* R, int64_t D, double eps,
+                                 int64_t b, int64_t e) {
+  for (int64_t n = b; n < e; ++n) {
+    const scalar_t* __restrict__ xr = X + n * D;
+    // float64 sum (in 8 lanes): the statistic is then exact to float32 rounding.
+    const double ss = kernel::lane_sum<double>(D, [&](int64_t d) {
+      const double v = static_cast<double>(widen(xr[d]));
+      return v * v;
+    });
+    const acc_t r = static_cast<acc_t>(1.0 / std::sqrt(ss / static_cast<double>(D) + eps));
+    R[n] = r;
+    scalar_t* __restrict__ yr = Y + n * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const acc_t normed = widen(narrow_to<scalar_t>(widen(xr[d]) * r));
+      yr[d] = narrow_to<scalar_t>(normed * widen(W[d]));
+    }
+  }
+}
+
+// Rows [row_b, row_e) of the backward: dx, and the rows' weight-gradient terms added to pw.
+template <class scalar_t, class acc_t>
+CTITAN_KERNEL void rms_norm_backward_rows(const scalar_t* X, const scalar_t* W, const scalar_t* DY, const acc_t* R,
+                                          scalar_t* DX, acc_t* pw, int64_t D, int64_t row_b, int64_t row_e) {
+  for (int64_t n = row_b; n < row_e; ++n) {
+    const scalar_t *__restrict__ xr = X + n * D, *__restrict__ gr = DY + n * D;
+    const acc_t r = R[n];
+    for (int64_t d = 0; d < D; ++d) pw[d] += widen(gr[d]) * widen(narrow_to<scalar_t>(widen(xr[d]) * r));
+    // Σ dxhat · xhat
+    const acc_t dot = kernel::lane_sum<acc_t>(D, [&](int64_t d) { return widen(gr[d]) * widen(W[d]) * (widen(xr[d]) * r); });
+    const acc_t mean_dot = dot / static_cast<acc_t>(D);
+    scalar_t* __restrict__ dxr = DX + n * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const acc_t xhat = widen(xr[d]) * r;
+      const acc_t dxhat = widen(gr[d]) * widen(W[d]);
+      dxr[d] = narrow_to<scalar_t>(r * (dxhat - xhat * mean_dot));
+    }
+  }
+}
+
 class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& w, double eps) {
@@ -45,18 +86,7 @@ class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
       scalar_t* Y = y.data_ptr<scalar_t>();
       acc_t* R = rstd.data_ptr<acc_t>();
       at::parallel_for(0, N, rows_per_chunk(D), [&](int64_t b, int64_t e) {
-        for (int64_t n = b; n < e; ++n) {
-          const scalar_t* xr = X + n * D;
-          double ss = 0;  // float64 sum: the statistic is then exact to float32 rounding
-          for (int64_t d = 0; d < D; ++d) ss += static_cast<double>(widen(xr[d])) * static_cast<double>(widen(xr[d]));
-          const acc_t r = static_cast<acc_t>(1.0 / std::sqrt(ss / static_cast<double>(D) + eps));
-          R[n] = r;
-          scalar_t* yr = Y + n * D;
-          for (int64_t d = 0; d < D; ++d) {
-            const acc_t normed = widen(narrow_to<scalar_t>(widen(xr[d]) * r));
-            yr[d] = narrow_to<scalar_t>(normed * widen(W[d]));
-          }
-        }
+        rms_norm_rows<scalar_t, acc_t>(X, W, Y, R, D, eps, b, e);
       });
     });
     ctx->save_for_backward({x, wc, rstd});
@@ -81,27 +111,8 @@ class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
       scalar_t* DX = dx.data_ptr<scalar_t>();
       acc_t* P = partial.data_ptr<acc_t>();
       at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
-        for (int64_t c = cb; c < ce; ++c) {
-          acc_t* pw = P + c * D;
-          for (int64_t n = c * rows, end = std::min(N, (c + 1) * rows); n < end; ++n) {
-            const scalar_t *xr = X + n * D, *gr = DY + n * D;
-            const acc_t r = R[n];
-            acc_t dot = 0;  // Σ dxhat · xhat
-            for (int64_t d = 0; d < D; ++d) {
-              const acc_t xhat = widen(xr[d]) * r;
-              const acc_t g = widen(gr[d]);
-              pw[d] += g * widen(narrow_to<scalar_t>(xhat));
-              dot += g * widen(W[d]) * xhat;
-            }
-            const acc_t mean_dot = dot / static_cast<acc_t>(D);
-            scalar_t* dxr = DX + n * D;
-            for (int64_t d = 0; d < D; ++d) {
-              const acc_t xhat = widen(xr[d]) * r;
-              const acc_t dxhat = widen(gr[d]) * widen(W[d]);
-              dxr[d] = narrow_to<scalar_t>(r * (dxhat - xhat * mean_dot));
-            }
-          }
-        }
+        for (int64_t c = cb; c < ce; ++c)
+          rms_norm_backward_rows<scalar_t, acc_t>(X, W, DY, R, DX, P + c * D, D, c * rows, std::min(N, (c + 1) * rows));
       });
     });
     const auto dw = partial.sum(0).to(static_cast<torch::ScalarType>(ctx->saved_data["weight_dtype"].toInt()));
@@ -110,9 +121,29 @@ class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
 };
 
 // ---- RoPE -------------------------------------------------------------------------------
+// Positions·batch rows [b, e) of [B·T, H, hd]: each pair rotated by (cos, sin·sign) of row % T.
+template <class scalar_t, class acc_t>
+CTITAN_KERNEL void rotate_rows(const scalar_t* X, const acc_t* C, scalar_t* O, int64_t T, int64_t H, int64_t hd,
+                               acc_t sg, int64_t b, int64_t e) {
+  const int64_t half = hd / 2;
+  for (int64_t bt = b; bt < e; ++bt) {
+    const acc_t* cs = C + (bt % T) * hd;  // [half, 2] of position t
+    for (int64_t h = 0; h < H; ++h) {
+      const scalar_t* __restrict__ xr = X + (bt * H + h) * hd;
+      scalar_t* __restrict__ orow = O + (bt * H + h) * hd;
+      for (int64_t i = 0; i < half; ++i) {
+        const acc_t c = cs[2 * i], s = sg * cs[2 * i + 1];
+        const acc_t a = widen(xr[2 * i]), v = widen(xr[2 * i + 1]);
+        orow[2 * i] = narrow_to<scalar_t>(a * c - v * s);
+        orow[2 * i + 1] = narrow_to<scalar_t>(a * s + v * c);
+      }
+    }
+  }
+}
+
 // out = rotate(x, sign · angle): sign +1 forward, −1 for the gradient (the inverse rotation).
 Tensor rotate_pairs(const Tensor& x, const Tensor& table, int64_t sign) {
-  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), hd = x.size(3), half = hd / 2;
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), hd = x.size(3);
   auto out = torch::empty_like(x);
   const auto tab = table.narrow(0, 0, T).to(acc_dtype(x.scalar_type())).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "ctitan_rotary", [&] {
@@ -122,19 +153,7 @@ Tensor rotate_pairs(const Tensor& x, const Tensor& table, int64_t sign) {
     scalar_t* O = out.data_ptr<scalar_t>();
     const acc_t sg = static_cast<acc_t>(sign);
     at::parallel_for(0, B * T, rows_per_chunk(H * hd), [&](int64_t b, int64_t e) {
-      for (int64_t bt = b; bt < e; ++bt) {
-        const acc_t* cs = C + (bt % T) * hd;  // [half, 2] of position t
-        for (int64_t h = 0; h < H; ++h) {
-          const scalar_t* xr = X + (bt * H + h) * hd;
-          scalar_t* orow = O + (bt * H + h) * hd;
-          for (int64_t i = 0; i < half; ++i) {
-            const acc_t c = cs[2 * i], s = sg * cs[2 * i + 1];
-            const acc_t a = widen(xr[2 * i]), v = widen(xr[2 * i + 1]);
-            orow[2 * i] = narrow_to<scalar_t>(a * c - v * s);
-            orow[2 * i + 1] = narrow_to<scalar_t>(a * s + v * c);
-          }
-        }
-      }
+      rotate_rows<scalar_t, acc_t>(X, C, O, T, H, hd, sg, b, e);
     });
   });
   return out;
@@ -158,6 +177,28 @@ class RotaryFn : public torch::autograd::Function<RotaryFn> {
 // Elements per work item of the element-wise loops.
 constexpr int64_t kElemChunk = 1 << 14;
 
+template <class scalar_t, class acc_t>
+CTITAN_KERNEL void swiglu_range(const scalar_t* A, const scalar_t* Bv, scalar_t* Y, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    const acc_t x = widen(A[i]);
+    const acc_t h = widen(narrow_to<scalar_t>(x / (acc_t(1) + exp_fast(-x))));
+    Y[i] = narrow_to<scalar_t>(h * widen(Bv[i]));
+  }
+}
+
+template <class scalar_t, class acc_t>
+CTITAN_KERNEL void swiglu_backward_range(const scalar_t* A, const scalar_t* Bv, const scalar_t* DY, scalar_t* DA,
+                                         scalar_t* DB, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    const acc_t x = widen(A[i]), g = widen(DY[i]);
+    const acc_t sig = acc_t(1) / (acc_t(1) + exp_fast(-x));
+    const acc_t h = widen(narrow_to<scalar_t>(x * sig));
+    DB[i] = narrow_to<scalar_t>(g * h);
+    const acc_t dh = widen(narrow_to<scalar_t>(g * widen(Bv[i])));
+    DA[i] = narrow_to<scalar_t>(dh * sig * (acc_t(1) + x * (acc_t(1) - sig)));
+  }
+}
+
 // y = silu(a) · b with silu(a) = a · σ(a) rounded to the input dtype before the product, as
 // torch.silu then torch.mul round. Saves a and b only (ATen's pair also keeps silu(a)).
 class SwiGLUFn : public torch::autograd::Function<SwiGLUFn> {
@@ -172,11 +213,7 @@ class SwiGLUFn : public torch::autograd::Function<SwiGLUFn> {
       const scalar_t* __restrict__ Bv = b.data_ptr<scalar_t>();
       scalar_t* __restrict__ Y = y.data_ptr<scalar_t>();
       at::parallel_for(0, a.numel(), kElemChunk, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          const acc_t x = widen(A[i]);
-          const acc_t h = widen(narrow_to<scalar_t>(x / (acc_t(1) + exp_fast(-x))));
-          Y[i] = narrow_to<scalar_t>(h * widen(Bv[i]));
-        }
+        swiglu_range<scalar_t, acc_t>(A, Bv, Y, begin, end);
       });
     });
     ctx->save_for_backward({a, b});
@@ -198,14 +235,7 @@ class SwiGLUFn : public torch::autograd::Function<SwiGLUFn> {
       scalar_t* __restrict__ DA = da.data_ptr<scalar_t>();
       scalar_t* __restrict__ DB = db.data_ptr<scalar_t>();
       at::parallel_for(0, a.numel(), kElemChunk, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          const acc_t x = widen(A[i]), g = widen(DY[i]);
-          const acc_t sig = acc_t(1) / (acc_t(1) + exp_fast(-x));
-          const acc_t h = widen(narrow_to<scalar_t>(x * sig));
-          DB[i] = narrow_to<scalar_t>(g * h);
-          const acc_t dh = widen(narrow_to<scalar_t>(g * widen(Bv[i])));
-          DA[i] = narrow_to<scalar_t>(dh * sig * (acc_t(1) + x * (acc_t(1) - sig)));
-        }
+        swiglu_backward_range<scalar_t, acc_t>(A, Bv, DY, DA, DB, begin, end);
       });
     });
     return {da, db};
@@ -213,6 +243,35 @@ class SwiGLUFn : public torch::autograd::Function<SwiGLUFn> {
 };
 
 // ---- Cross-entropy ----------------------------------------------------------------------
+// Rows [b, e): LSE[n] = logsumexp(x_n), RL[n] = LSE[n] − x_n[label].
+template <class scalar_t, class acc_t>
+CTITAN_KERNEL void cross_entropy_rows(const scalar_t* X, const int64_t* Lb, acc_t* LSE, double* RL, int64_t V,
+                                      int64_t b, int64_t e) {
+  for (int64_t n = b; n < e; ++n) {
+    const scalar_t* __restrict__ xr = X + n * V;
+    const acc_t mx = kernel::lane_max<acc_t>(V, -std::numeric_limits<acc_t>::infinity(),
+                                             [&](int64_t j) { return widen(xr[j]); });
+    const acc_t sum = kernel::lane_sum<acc_t>(V, [&](int64_t j) { return exp_fast(widen(xr[j]) - mx); });
+    const acc_t l = mx + std::log(sum);
+    LSE[n] = l;
+    RL[n] = static_cast<double>(l) - static_cast<double>(widen(xr[Lb[n]]));
+  }
+}
+
+// Rows [b, e) of the gradient: (softmax − one-hot) · c.
+template <class scalar_t, class acc_t>
+CTITAN_KERNEL void cross_entropy_backward_rows(const scalar_t* X, const acc_t* LSE, const int64_t* Lb, scalar_t* DX,
+                                               acc_t c, int64_t V, int64_t b, int64_t e) {
+  for (int64_t n = b; n < e; ++n) {
+    const scalar_t* __restrict__ xr = X + n * V;
+    scalar_t* __restrict__ dr = DX + n * V;
+    const acc_t l = LSE[n];
+    for (int64_t j = 0; j < V; ++j) dr[j] = narrow_to<scalar_t>(exp_fast(widen(xr[j]) - l) * c);
+    const int64_t y = Lb[n];
+    dr[y] = narrow_to<scalar_t>((exp_fast(widen(xr[y]) - l) - acc_t(1)) * c);
+  }
+}
+
 class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& logits_in, const Tensor& labels_in, double scale) {
@@ -231,17 +290,7 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
       const scalar_t* X = logits.data_ptr<scalar_t>();
       acc_t* LSE = lse.data_ptr<acc_t>();
       double* RL = row_loss.data_ptr<double>();
-      at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
-        for (int64_t n = b; n < e; ++n) {
-          const scalar_t* __restrict__ xr = X + n * V;
-          const acc_t mx = kernel::lane_max<acc_t>(V, -std::numeric_limits<acc_t>::infinity(),
-                                                   [&](int64_t j) { return widen(xr[j]); });
-          const acc_t sum = kernel::lane_sum<acc_t>(V, [&](int64_t j) { return exp_fast(widen(xr[j]) - mx); });
-          const acc_t l = mx + std::log(sum);
-          LSE[n] = l;
-          RL[n] = static_cast<double>(l) - static_cast<double>(widen(xr[Lb[n]]));
-        }
-      });
+      at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) { cross_entropy_rows<scalar_t, acc_t>(X, Lb, LSE, RL, V, b, e); });
     });
     ctx->save_for_backward({logits, labels, lse});
     ctx->saved_data["scale"] = scale;
@@ -263,14 +312,7 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
       scalar_t* DX = dx.data_ptr<scalar_t>();
       const acc_t c = static_cast<acc_t>(coef);
       at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
-        for (int64_t n = b; n < e; ++n) {
-          const scalar_t* __restrict__ xr = X + n * V;
-          scalar_t* __restrict__ dr = DX + n * V;
-          const acc_t l = LSE[n];
-          for (int64_t j = 0; j < V; ++j) dr[j] = narrow_to<scalar_t>(exp_fast(widen(xr[j]) - l) * c);
-          const int64_t y = Lb[n];
-          dr[y] = narrow_to<scalar_t>((exp_fast(widen(xr[y]) - l) - acc_t(1)) * c);
-        }
+        cross_entropy_backward_rows<scalar_t, acc_t>(X, LSE, Lb, DX, c, V, b, e);
       });
     });
     return {dx, Tensor(), Tensor()};

@@ -9,6 +9,18 @@
 #include <cstdint>
 #include <cstring>
 
+// The hot loops (each a plain function over raw pointers) are compiled three times — for
+// AVX-512 (x86-64-v4), AVX2 + FMA (x86-64-v3) and baseline x86-64 — and the dynamic loader
+// picks the best one the CPU runs (GCC function multiversioning, an ifunc). `flatten` inlines
+// the helpers below into every version. Anything these functions call without inlining runs
+// its baseline code, so a CPU never meets an instruction it lacks. The sanitizer build keeps
+// one version (the runtimes do not instrument ifunc resolvers).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(CTITAN_SANITIZE)
+#define CTITAN_KERNEL __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), flatten))
+#else
+#define CTITAN_KERNEL
+#endif
+
 namespace ctitan::kernel {
 
 // dtype of the statistics and accumulators (at::opmath_type's choice as a runtime value):
