@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "config/errors.h"
+#include "models/kernel_math.h"
 
 namespace ctitan {
 
@@ -13,6 +14,24 @@ namespace {
 // Elements per work item of the fused loops: fixed (not derived from the thread count), so
 // reductions add the same partial sums in the same order whatever the threads.
 constexpr int64_t kChunk = 1 << 16;
+
+struct AdamWCoefs {
+  float decay, b1, b2, c1, c2, sqrt_bc2, eps, step_size;
+};
+
+// One AdamW update of elements [begin, end) (formula above the class below).
+CTITAN_KERNEL void adamw_range(float* P, const float* G, float* M, float* V, AdamWCoefs k, int64_t begin,
+                               int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float gi = G[i];
+    const float pi = P[i] * k.decay;
+    const float mi = M[i] * k.b1 + gi * k.c1;
+    const float vi = V[i] * k.b2 + gi * gi * k.c2;
+    M[i] = mi;
+    V[i] = vi;
+    P[i] = pi - k.step_size * (mi / (std::sqrt(vi) / k.sqrt_bc2 + k.eps));
+  }
+}
 
 // torch::optim::AdamW's update in one pass over (param, grad, exp_avg, exp_avg_sq) instead
 // of ~ten: same state objects and keys (checkpoints cannot tell them apart), same formula
@@ -74,19 +93,18 @@ class FusedAdamW : public torch::optim::AdamW {
     const float* G = g.data_ptr<float>();
     float* M = m.data_ptr<float>();
     float* V = v.data_ptr<float>();
-    at::parallel_for(0, p.numel(), kChunk, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const float gi = G[i];
-        const float pi = P[i] * decay;
-        const float mi = M[i] * fb1 + gi * c1;
-        const float vi = V[i] * fb2 + gi * gi * c2;
-        M[i] = mi;
-        V[i] = vi;
-        P[i] = pi - step_size * (mi / (std::sqrt(vi) / sqrt_bc2 + eps));
-      }
-    });
+    const AdamWCoefs k{decay, fb1, fb2, c1, c2, sqrt_bc2, eps, step_size};
+    at::parallel_for(0, p.numel(), kChunk, [&](int64_t begin, int64_t end) { adamw_range(P, G, M, V, k, begin, end); });
   }
 };
+
+// Σ x² of x[begin, end) in float64, in 8 lanes (a single chain waits on every add).
+CTITAN_KERNEL double sum_of_squares_range(const float* x, int64_t begin, int64_t end) {
+  return kernel::lane_sum<double>(end - begin, [&](int64_t i) {
+    const double v = x[begin + i];
+    return v * v;
+  });
+}
 
 // Σ x² of a float32 tensor in float64, one pass: fixed-size chunks summed in index order.
 double sum_of_squares(const torch::Tensor& t) {
@@ -97,10 +115,7 @@ double sum_of_squares(const torch::Tensor& t) {
   std::vector<double> partial(chunks, 0.0);
   at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
     for (int64_t k = b; k < e; ++k) {
-      double acc = 0.0;
-      for (int64_t i = k * kChunk, end = std::min(n, (k + 1) * kChunk); i < end; ++i)
-        acc += static_cast<double>(x[i]) * x[i];
-      partial[k] = acc;
+      partial[k] = sum_of_squares_range(x, k * kChunk, std::min(n, (k + 1) * kChunk));
     }
   });
   double total = 0.0;

@@ -18,7 +18,10 @@ namespace ctitan {
 
 struct FlashAttentionBlocks {
   int64_t q = 128;  // query positions per tile (× the heads sharing a kv head)
-  int64_t k = 512;  // key positions per tile; T <= k means one tile per query block
+  // Key positions per tile. The default covers every key up to the diagonal in one tile
+  // (the strip the backward works on anyway): fewer, larger matmuls and no rescaling passes;
+  // a smaller k bounds the forward's tile memory further (online softmax over the tiles).
+  int64_t k = int64_t{1} << 30;
 };
 
 // q [B, T, H, hd], k and v [B, T, KV, hd] (H a multiple of KV; query head h reads kv head

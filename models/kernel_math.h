@@ -1,6 +1,7 @@
 // Scalar helpers for ctitan's hand-written CPU loops (models/fused_ops.cpp,
 // models/flash_attention.cpp): branch-free, so GCC vectorises the loops that use them when
-// the file is built with -fno-trapping-math (see CMakeLists.txt). Internal to models/.
+// the file is built with -fno-trapping-math (see CMakeLists.txt). Used by models/ and
+// components/optimizer.cpp.
 #pragma once
 #include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
