@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 // The hot loops (each a plain function over raw pointers) are compiled three times — for
 // AVX-512 (x86-64-v4), AVX2 + FMA (x86-64-v3) and baseline x86-64 — and the dynamic loader
@@ -82,31 +83,55 @@ inline float exp_fast(float x) {
 }
 inline double exp_fast(double x) { return std::exp(x); }
 
-// Reductions over j in [0, n) in 8 interleaved partial lanes, combined at the end: without
+// Reductions over j in [0, n) in interleaved partial lanes, combined at the end: without
 // -ffast-math GCC will not reorder a float sum or max into vector lanes itself, and a scalar
-// reduction is what made these loops slow. The order is fixed, so results are reproducible.
+// reduction is what made these loops slow. float uses 16 lanes in a GCC vector (one AVX-512
+// register, two AVX2 or four SSE ones; f is then evaluated as a vector where GCC can),
+// double 8 scalar lanes. The order is fixed, so results are reproducible.
+using lanes16f = float __attribute__((vector_size(64)));
+
 template <class Acc, class F>
 inline Acc lane_sum(int64_t n, F&& f) {
-  Acc part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    for (int k = 0; k < 8; ++k) part[k] += f(j + k);
   Acc s = 0;
-  for (int k = 0; k < 8; ++k) s += part[k];
+  if constexpr (std::is_same_v<Acc, float>) {
+    lanes16f part = {};
+    for (; j + 16 <= n; j += 16) {
+      lanes16f v = {};
+      for (int k = 0; k < 16; ++k) v[k] = f(j + k);
+      part += v;
+    }
+    for (int k = 0; k < 16; ++k) s += part[k];
+  } else {
+    Acc part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (; j + 8 <= n; j += 8)
+      for (int k = 0; k < 8; ++k) part[k] += f(j + k);
+    for (int k = 0; k < 8; ++k) s += part[k];
+  }
   for (; j < n; ++j) s += f(j);
   return s;
 }
 template <class Acc, class F>
 inline Acc lane_max(int64_t n, Acc init, F&& f) {
-  Acc part[8] = {init, init, init, init, init, init, init, init};
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    for (int k = 0; k < 8; ++k) {
-      const Acc v = f(j + k);
-      part[k] = v > part[k] ? v : part[k];
-    }
   Acc m = init;
-  for (int k = 0; k < 8; ++k) m = part[k] > m ? part[k] : m;
+  if constexpr (std::is_same_v<Acc, float>) {
+    lanes16f part = init - lanes16f{};  // init in every lane
+    for (; j + 16 <= n; j += 16) {
+      lanes16f v = {};
+      for (int k = 0; k < 16; ++k) v[k] = f(j + k);
+      part = v > part ? v : part;
+    }
+    for (int k = 0; k < 16; ++k) m = part[k] > m ? part[k] : m;
+  } else {
+    Acc part[8] = {init, init, init, init, init, init, init, init};
+    for (; j + 8 <= n; j += 8)
+      for (int k = 0; k < 8; ++k) {
+        const Acc v = f(j + k);
+        part[k] = v > part[k] ? v : part[k];
+      }
+    for (int k = 0; k < 8; ++k) m = part[k] > m ? part[k] : m;
+  }
   for (; j < n; ++j) {
     const Acc v = f(j);
     m = v > m ? v : m;
