@@ -22,7 +22,7 @@ set -euo pipefail
 source "$(dirname "$0")/../scripts/common.sh"
 cd "$CTITAN_ROOT"
 "$CTITAN_ROOT/scripts/install_deps.sh" --bench >&2
-ctitan_build train checkpoint_tool ctitan_spm_shim >&2
+ctitan_build train checkpoint_tool ctitan_spm_shim dataloader_bench >&2
 ctitan_ensure_default_corpus
 TOK8K="$CTITAN_DATA_DIR/tokenizers/moby_dick_8192.model"
 if [[ ! -s "$TOK8K" ]]; then
@@ -143,6 +143,21 @@ read -r two _ _ <<<"$(ctitan_summary "$dir" 2)"
 echo "| layout | tok/s | vs 1 × 2 |"
 echo "|---|---:|---:|"
 awk -v a="$one" -v b="$two" 'BEGIN { printf "| 1 rank × 2 threads | %.0f | 1.00x |\n| 2 ranks × 1 thread (FSDP) | %.0f | **%.2fx** |\n", a, b, b/a }'
+
+echo
+echo "## Data pipeline alone (one rank: read, tokenize, pack; no model)"
+echo
+log "data pipeline"
+echo "| tokenizer | seq × batch | dataloader tok/s | training consumes (tok/s, bf16 above) | headroom |"
+echo "|---|---|---:|---:|---:|"
+for cfg in debug 33M; do
+  if [[ $cfg == debug ]]; then tok=$CTITAN_DEFAULT_TOKENIZER; b=8; else tok=$TOK8K; b=4; fi
+  dl=$("$CTITAN_BUILD_DIR/dataloader_bench" "$tok" "$CTITAN_DATA_DIR/moby_dick/moby_dick.txt" 512 $b 5 2>"$OUT/dataloader_$cfg.log" \
+    | $PY -c 'import json,sys; print(json.loads(sys.stdin.read())["tokens_per_s"])')
+  tr=$(awk -v m="$cfg" '$1==m && $2=="bf16" {print $3}' "$OUT/tps")
+  awk -v t="$(basename "$tok")" -v b=$b -v dl="$dl" -v tr="$tr" \
+    'BEGIN { printf "| %s | 512 × %d | %.0f | %.0f | **%.0fx** |\n", t, b, dl, tr, dl/tr }'
+done
 
 echo
 echo "## Loss parity (debug model, same initial weights, batches and learning rates)"

@@ -20,9 +20,9 @@
 using namespace ctitan;
 using namespace ctitan::llama;
 
-// Two intra-op threads in every test here, as training runs: LibTorch's default on this
-// machine is one (one physical core, two hardware threads), which would leave the kernels'
-// parallel paths untested.
+// Two intra-op threads in every test here, as training runs (train sets them from the
+// cores): LibTorch 1.13's own default on this 2-core machine is one thread
+// (torch.get_num_threads() prints 1), which would leave the kernels' parallel paths untested.
 class TwoThreads : public ::testing::Environment {
  public:
   void SetUp() override { at::set_num_threads(2); }
