@@ -132,14 +132,21 @@ echo
 echo "## FSDP: 2 ranks × 1 thread vs 1 rank × 2 threads (33M, bf16, global batch 4 × 512)"
 echo
 log "FSDP 2x1"
-read -r one _ _ <<<"$(THREADS=2 ctitan_run fsdp1x2 33M bf16)"
-dir="$OUT/fsdp2x1"
-# shellcheck disable=SC2086
-OMP_NUM_THREADS=1 NPROC=2 ./scripts/run_train.sh --job.config_file train_configs/debug_model.toml ${CT[33M]} \
-  --training.local_batch_size 2 --training.mixed_precision_param bfloat16 --training.steps $((STEPS + WARMUP)) \
-  --metrics.log_freq 1 --lr_scheduler.warmup_steps 2 --job.dump_folder "$dir" --debug.seed 7 >"$dir.log" 2>&1 \
-  || { log "FSDP run failed:"; tail -20 "$dir.log" >&2; exit 1; }
-read -r two _ _ <<<"$(ctitan_summary "$dir" 2)"
+fsdp_run() {  # fsdp_run <tag> → tokens/s of 2 ranks × 1 thread (both ranks)
+  local dir="$OUT/$1"
+  # shellcheck disable=SC2086
+  OMP_NUM_THREADS=1 NPROC=2 ./scripts/run_train.sh --job.config_file train_configs/debug_model.toml ${CT[33M]} \
+    --training.local_batch_size 2 --training.mixed_precision_param bfloat16 --training.steps $((STEPS + WARMUP)) \
+    --metrics.log_freq 1 --lr_scheduler.warmup_steps 2 --job.dump_folder "$dir" --debug.seed 7 >"$dir.log" 2>&1 \
+    || { log "FSDP run failed:"; tail -20 "$dir.log" >&2; exit 1; }
+  read -r t _ _ <<<"$(ctitan_summary "$dir" 2)"
+  echo "$t"
+}
+# Alternating, best of two each, as in the first table.
+o1=$(THREADS=2 ctitan_run fsdp1x2_a 33M bf16 | cut -d' ' -f1); t1=$(fsdp_run fsdp2x1_a)
+o2=$(THREADS=2 ctitan_run fsdp1x2_b 33M bf16 | cut -d' ' -f1); t2=$(fsdp_run fsdp2x1_b)
+one=$(printf '%s\n%s\n' "$o1" "$o2" | sort -g | tail -1)
+two=$(printf '%s\n%s\n' "$t1" "$t2" | sort -g | tail -1)
 echo "| layout | tok/s | vs 1 × 2 |"
 echo "|---|---:|---:|"
 awk -v a="$one" -v b="$two" 'BEGIN { printf "| 1 rank × 2 threads | %.0f | 1.00x |\n| 2 ranks × 1 thread (FSDP) | %.0f | **%.2fx** |\n", a, b, b/a }'
@@ -153,7 +160,7 @@ echo "|---|---|---:|---:|---:|"
 for cfg in debug 33M; do
   if [[ $cfg == debug ]]; then tok=$CTITAN_DEFAULT_TOKENIZER; b=8; else tok=$TOK8K; b=4; fi
   dl=$("$CTITAN_BUILD_DIR/dataloader_bench" "$tok" "$CTITAN_DATA_DIR/moby_dick/moby_dick.txt" 512 $b 5 2>"$OUT/dataloader_$cfg.log" \
-    | $PY -c 'import json,sys; print(json.loads(sys.stdin.read())["tokens_per_s"])')
+    | tail -n 1 | $PY -c 'import json,sys; print(json.loads(sys.stdin.read())["tokens_per_s"])')
   tr=$(awk -v m="$cfg" '$1==m && $2=="bf16" {print $3}' "$OUT/tps")
   awk -v t="$(basename "$tok")" -v b=$b -v dl="$dl" -v tr="$tr" \
     'BEGIN { printf "| %s | 512 × %d | %.0f | %.0f | **%.0fx** |\n", t, b, dl, tr, dl/tr }'

@@ -150,6 +150,18 @@ void FSDP::start_gather(Unit& u) {
   if (u.state != State::Sharded) return;
   RECORD_FUNCTION("ctitan::fsdp_start_gather", std::vector<c10::IValue>());
   torch::NoGradGuard no_grad;
+  if (shard_->size() == 1) {
+    // A shard group of one (mixed precision on one process, or pure HSDP replication): the
+    // shard is the whole parameter, so cast it straight into place — one pass instead of
+    // concatenate, cast, "gather" and copy. Same rounding (fp32 → compute dtype, nearest even).
+    for (auto& p : u.params) {
+      alloc_storage(p.full, p.full_nbytes());
+      p.full.data().copy_(p.shard.detach());
+    }
+    u.state = State::Unsharded;
+    ++stats_.all_gathers;
+    return;
+  }
   std::vector<at::Tensor> pieces;
   for (auto& p : u.params) pieces.push_back(p.shard.detach().reshape({-1}));
   auto send = at::cat(pieces).to(opt_.param_dtype);  // [S]; gathers move the compute dtype
@@ -221,9 +233,29 @@ void FSDP::on_param_grad(size_t i) {
 void FSDP::reduce_grads(Unit& u) {
   if (u.reduced) return;
   RECORD_FUNCTION("ctitan::fsdp_reduce_grads", std::vector<c10::IValue>());
-  u.reduced = true;
   torch::NoGradGuard no_grad;
   const int64_t N = shard_->size();
+  if (N == 1 && !(replicate_ && replicate_->size() > 1)) {
+    // One data-parallel rank in all: the reduction is the identity. Accumulate the gradient
+    // into the fp32 shard gradient directly (rounded through the reduce dtype, as the
+    // general path does; the mean over one rank divides by 1) — one pass instead of five.
+    for (auto& p : u.params) {
+      const at::Tensor g = p.full.grad();
+      if (g.defined()) {
+        const auto gr = g.to(opt_.reduce_dtype).reshape(p.shard.sizes());
+        if (p.shard.grad().defined())
+          p.shard.mutable_grad().add_(gr);  // computed in fp32, as fp32 + fp32 would be
+        else  // a tensor of its own (not a view: optimizers detach_ gradients in place)
+          p.shard.mutable_grad() = at::empty(p.shard.sizes(), p.shard.options()).copy_(gr);
+      }
+      p.full.mutable_grad() = at::Tensor();
+    }
+    reshard(u);
+    u.grads_seen = 0;  // nothing in flight: complete_reduction has nothing to do
+    ++stats_.reduce_scatters;
+    return;
+  }
+  u.reduced = true;
   // [N, S]: row r holds, for every parameter, the rows rank r owns (zero-padded).
   auto send = at::zeros({N, u.S}, at::TensorOptions().dtype(opt_.reduce_dtype));
   for (auto& p : u.params) {
