@@ -812,7 +812,6 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
     p.write_s = seconds_since(tw);
     p.entries.clear();  // release the copies
   };
-  p.blocked_s = seconds_since(t0);  // sync: the write below is added by complete_save's caller
   if (async)
     p.thread = std::thread([work] {
       // The writer's CPU work (checksums, copies into the page cache) yields to training's
@@ -823,7 +822,7 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
     });
   else
     work();
-  if (!async) p.blocked_s = seconds_since(t0);
+  p.blocked_s = seconds_since(t0);  // async: staging and starting the writer; sync: the whole write
 }
 
 void CheckpointManager::complete_save() {
