@@ -93,18 +93,23 @@ double peak_rss_gib() { return read_status_kib("VmHWM") / (1024.0 * 1024.0); }
 // AddressSanitizer's allocator replaces malloc (mallinfo2 then reports nothing); it keeps its
 // own count (sanitizer/allocator_interface.h, which GCC 12 does not install).
 extern "C" size_t __sanitizer_get_current_allocated_bytes();
-double heap_in_use_gib() {
-  return static_cast<double>(__sanitizer_get_current_allocated_bytes() - cpu_allocator_stats().cached_bytes) /
-         (1024.0 * 1024.0 * 1024.0);
-}
+#endif
+
+// Bytes malloc has handed out and not taken back (mmapped chunks included).
+static double malloc_in_use_bytes() {
+#ifdef CTITAN_SANITIZE
+  return static_cast<double>(__sanitizer_get_current_allocated_bytes());
 #else
-double heap_in_use_gib() {
   const struct mallinfo2 mi = mallinfo2();
+  return static_cast<double>(mi.uordblks + mi.hblkhd);
+#endif
+}
+
+double heap_in_use_gib() {
   // Blocks the caching CPU allocator holds are malloc'ed but in no tensor.
   const double cached = static_cast<double>(cpu_allocator_stats().cached_bytes);
-  return (static_cast<double>(mi.uordblks + mi.hblkhd) - cached) / (1024.0 * 1024.0 * 1024.0);
+  return (malloc_in_use_bytes() - cached) / (1024.0 * 1024.0 * 1024.0);
 }
-#endif
 
 double current_rss_gib() { return read_status_kib("VmRSS") / (1024.0 * 1024.0); }
 
