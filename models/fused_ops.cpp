@@ -25,8 +25,8 @@ using torch::autograd::variable_list;
 // added in the same order whatever the number of threads — results are reproducible.
 int64_t rows_per_chunk(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_len)); }
 
-
-
+// Elements per work item of the element-wise loops (SwiGLU).
+constexpr int64_t kElemChunk = 1 << 14;
 
 // ---- RMSNorm ----------------------------------------------------------------------------
 // Rows [b, e) of y = (x · r) rounded, times w, with r = rsqrt(mean(x²) + eps) stored in R.
@@ -174,9 +174,6 @@ class RotaryFn : public torch::autograd::Function<RotaryFn> {
 
 
 // ---- SwiGLU -----------------------------------------------------------------------------
-// Elements per work item of the element-wise loops.
-constexpr int64_t kElemChunk = 1 << 14;
-
 template <class scalar_t, class acc_t>
 CTITAN_KERNEL void swiglu_range(const scalar_t* A, const scalar_t* Bv, scalar_t* Y, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
