@@ -36,6 +36,7 @@
 #include "datasets/dataloader.h"
 #include "datasets/tokenizer.h"
 #include "models/fused_ops.h"
+#include "models/gemm.h"
 #include "models/llama/args.h"
 #include "models/llama/model.h"
 #include "models/mixtral/model.h"
@@ -57,6 +58,16 @@ using ctitan::llama::TransformerModelArgs;
 
 namespace ctitan {
 namespace {
+
+// The matmul backend (models/gemm.h); a bad CTITAN_GEMM is bad input, reported before any
+// output is written.
+gemm::Backend gemm_backend_checked() {
+  try {
+    return gemm::backend();
+  } catch (const std::runtime_error& e) {
+    throw UserError(std::string("environment error: ") + e.what());
+  }
+}
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -544,6 +555,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   }
   check_supported(cfg);
   check_checkpoint_config(cfg);
+  const gemm::Backend matmuls = gemm_backend_checked();
   build_model_args_check(cfg);
   if (cfg.job.validate_only) return validate_only(cfg, out);
   // Before any thread exists: SIGTERM / SIGINT / SIGUSR1 become a stop request.
@@ -570,8 +582,9 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   spdlog::info("dataset: {} (dp rank {} of {})", data.source, par.dp_rank, dp_world);
   check_blas_and_warn();
   const int threads = configure_threads(launch.local_world_size);
-  spdlog::info("launch: {} rank {} of {} (local {} of {}); intra-op threads: {}; seed: {}{}", launch.launcher,
-               launch.rank, launch.world_size, launch.local_rank, launch.local_world_size, threads, seed, cfg.debug.seed ? "" : " (random: set debug.seed to repeat this run)");
+  spdlog::info("launch: {} rank {} of {} (local {} of {}); intra-op threads: {}; matmuls: {}; seed: {}{}",
+               launch.launcher, launch.rank, launch.world_size, launch.local_rank, launch.local_world_size, threads,
+               gemm::backend_name(matmuls), seed, cfg.debug.seed ? "" : " (random: set debug.seed to repeat this run)");
 
   // ---- model: build, initialise, then shard. Construction and init are separate so a
   // sharded build could initialise only what it holds; here every rank initialises the

@@ -195,8 +195,8 @@ struct CheckpointRecord : torch::CustomClassHolder {
 };
 
 // A kept matmul output put back into the recompute's graph: y = x W^T with y given.
-// Its backward is the one autograd derives for linear → matmul → mm (same ATen calls in
-// the same layouts, so the same bits): grad_x = g W, grad_W = g^T x (x folded to 2-D).
+// Its backward is gemm::linear_backward, the very function a recomputed gemm::linear's
+// backward runs (so the same bits): grad_x = g W, grad_W = g^T x (x folded to 2-D).
 // (kept is passed wrapped so that autograd does not count it as an input.)
 struct Kept {
   at::Tensor t;
@@ -208,28 +208,8 @@ struct KeptLinear : public torch::autograd::Function<KeptLinear> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor& x = saved[0];
-    const at::Tensor& w = saved[1];
-    const int64_t in = w.size(1), out = w.size(0);
-    const at::Tensor g = grads[0].reshape({-1, out});  // [N, out]
-    const at::Tensor x2 = x.reshape({-1, in});         // [N, in], as matmul folds x
-    const at::Tensor wt = w.t();                       // [in, out], matmul's mat2
-    at::Tensor gx, gw;
-    if (ctx->needs_input_grad(0)) {
-      // mm's mat1 gradient: column-major mat1 gets a column-major gradient.
-      if (x2.stride(0) == 1 && x2.stride(1) == x2.size(0))
-        gx = wt.mm(g.t()).t();
-      else
-        gx = g.mm(wt.t());
-      gx = gx.reshape(x.sizes());
-    }
-    if (ctx->needs_input_grad(1)) {
-      // mm's mat2 gradient, then transposed back to W's shape.
-      if (wt.stride(0) == 1 && wt.stride(1) == wt.size(0))
-        gw = g.t().mm(x2);  // (g^T x2)^T for W^T, transposed back
-      else
-        gw = x2.t().mm(g).t();
-    }
+    auto [gx, gw] = gemm::linear_backward(grads[0], saved[0], saved[1], ctx->needs_input_grad(0),
+                                          ctx->needs_input_grad(1));
     return {gx, gw, at::Tensor()};
   }
 };
@@ -240,12 +220,12 @@ class ForwardContext final : public recompute::Context {
   explicit ForwardContext(CheckpointRecord& r) : r_(r) {}
   bool recomputing() const override { return false; }
   at::Tensor linear(const at::Tensor& x, const at::Tensor& w) override {
-    if (!r_.policy->op_sac) return at::linear(x, w);
+    if (!r_.policy->op_sac) return gemm::linear(x, w);
     const bool keep = r_.policy->keep_matmul(w, matmuls_);
     at::Tensor y;
     {
       SuspendRecording s;
-      y = at::linear(x, w);
+      y = gemm::linear(x, w);
     }
     record_tensor(y);
     if (keep) {
@@ -278,7 +258,7 @@ class RecomputeContext final : public recompute::Context {
   explicit RecomputeContext(CheckpointRecord& r) : r_(r) {}
   bool recomputing() const override { return true; }
   at::Tensor linear(const at::Tensor& x, const at::Tensor& w) override {
-    if (!r_.policy->op_sac) return at::linear(x, w);
+    if (!r_.policy->op_sac) return gemm::linear(x, w);
     at::Tensor y;
     if (r_.policy->keep_matmul(w, matmuls_)) {
       if (next_kept_ >= r_.kept.size())
@@ -300,7 +280,7 @@ class RecomputeContext final : public recompute::Context {
       ++r_.stats->reused_matmuls;
     } else {
       SuspendRecording s;
-      y = at::linear(x, w);
+      y = gemm::linear(x, w);
     }
     record_tensor(y);
     return y;

@@ -1,0 +1,200 @@
+#include "models/gemm.h"
+
+#include <ATen/record_function.h>
+#include <dlfcn.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+namespace ctitan::gemm {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// oneDNN's C GEMM API (oneapi/dnnl/dnnl.h): row-major, dnnl_dim_t = int64_t, returns
+// dnnl_status_t (0 = success). bf16 travels as its 16 raw bits.
+using SgemmFn = int (*)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*,
+                        int64_t, float, float*, int64_t);
+using Bf16GemmFn = int (*)(char, char, int64_t, int64_t, int64_t, float, const uint16_t*, int64_t,
+                           const uint16_t*, int64_t, float, float*, int64_t);
+
+struct OneDNN {
+  // Looked up among the libraries already loaded (Debian's libtorch_cpu links libdnnl.so.2);
+  // never dlopen'ed here: a second copy could bring a second OpenMP runtime along.
+  SgemmFn sgemm = reinterpret_cast<SgemmFn>(dlsym(RTLD_DEFAULT, "dnnl_sgemm"));
+  Bf16GemmFn bf16 = reinterpret_cast<Bf16GemmFn>(dlsym(RTLD_DEFAULT, "dnnl_gemm_bf16bf16f32"));
+  bool found() const { return sgemm != nullptr && bf16 != nullptr; }
+};
+
+const OneDNN& onednn() {
+  static const OneDNN d;
+  return d;
+}
+
+Backend choose_backend() {
+  const char* env = std::getenv("CTITAN_GEMM");
+  const std::string want = env ? env : "";
+  if (want == "aten") return Backend::ATen;
+  if (want == "onednn") {
+    if (!onednn().found())
+      throw std::runtime_error("CTITAN_GEMM=onednn, but dnnl_sgemm/dnnl_gemm_bf16bf16f32 are not exported by "
+                               "the loaded LibTorch (unset CTITAN_GEMM to use ATen's matmuls)");
+    return Backend::OneDNN;
+  }
+  if (!want.empty()) throw std::runtime_error("CTITAN_GEMM=" + want + " is not one of: aten, onednn");
+  return onednn().found() ? Backend::OneDNN : Backend::ATen;
+}
+
+bool on_gemm(const at::Tensor& x, const at::Tensor& w) {
+  const auto t = x.scalar_type();
+  return backend() == Backend::OneDNN && x.device().is_cpu() && w.device().is_cpu() && w.dim() == 2 &&
+         w.scalar_type() == t && (t == at::kFloat || t == at::kBFloat16);
+}
+
+// A 2-D tensor as a gemm operand, copied to row-major first if it has no unit stride.
+Operand operand(const at::Tensor& t, at::Tensor& keep) {
+  Operand o{};
+  if (as_operand(t, o)) return o;
+  keep = t.contiguous();
+  as_operand(keep, o);
+  return o;
+}
+
+// fp32 [rows, cols] result of op(A)·op(B) for 2-D tensors a [rows, k] and b [k, cols].
+at::Tensor mm_f32(const at::Tensor& a, const at::Tensor& b) {
+  at::Tensor ka, kb;
+  const Operand oa = operand(a, ka), ob = operand(b, kb);
+  auto c = at::empty({a.size(0), b.size(1)}, a.options().dtype(at::kFloat));
+  gemm(a.scalar_type(), a.size(0), b.size(1), a.size(1), 1.0, oa, ob, 0.0, c.data_ptr(), b.size(1));
+  return c;
+}
+
+class LinearFn : public torch::autograd::Function<LinearFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w) {
+    RECORD_FUNCTION("ctitan::linear", std::vector<c10::IValue>());
+    ctx->save_for_backward({x, w});
+    const int64_t in = w.size(1), out = w.size(0);
+    const auto x2 = x.reshape({-1, in});
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = out;
+    // bf16: oneDNN's matmul primitive (what at::linear runs) writes bf16 directly; the
+    // GEMM's fp32 result would need one more pass to round it (measured: no faster).
+    if (x.scalar_type() == at::kBFloat16) return at::mm(x2, w.t()).view(shape);
+    return mm_f32(x2, w.t()).view(shape);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto [dx, dw] = linear_backward(grads[0], saved[0], saved[1], ctx->needs_input_grad(0), ctx->needs_input_grad(1));
+    return {dx, dw};
+  }
+};
+
+}  // namespace
+
+Backend backend() {
+  static const Backend b = choose_backend();
+  return b;
+}
+
+const char* backend_name(Backend b) { return b == Backend::OneDNN ? "oneDNN GEMM" : "ATen matmul"; }
+
+bool as_operand(const at::Tensor& t, Operand& out) {
+  if (t.dim() != 2) return false;
+  const int64_t r = t.size(0), c = t.size(1);
+  if (t.stride(1) == 1 || c <= 1) {
+    const int64_t ld = r <= 1 ? std::max<int64_t>(c, 1) : t.stride(0);
+    if (ld < std::max<int64_t>(c, 1)) return false;
+    out = Operand{t.data_ptr(), ld, false};
+    return true;
+  }
+  if (t.stride(0) == 1 || r <= 1) {
+    const int64_t ld = c <= 1 ? std::max<int64_t>(r, 1) : t.stride(1);
+    if (ld < std::max<int64_t>(r, 1)) return false;
+    out = Operand{t.data_ptr(), ld, true};
+    return true;
+  }
+  return false;
+}
+
+void gemm(at::ScalarType type, int64_t m, int64_t n, int64_t k, double alpha, Operand a, Operand b, double beta,
+          void* c, int64_t ldc) {
+  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kDouble,
+              "[models] gemm: operands must be float32, bfloat16 or float64, got ", type);
+  if (m == 0 || n == 0) return;
+  const auto ctype = type == at::kDouble ? at::kDouble : at::kFloat;
+  const auto cview = at::from_blob(c, {m, n}, {ldc, 1}, at::TensorOptions().dtype(ctype));
+  if (k == 0) {  // op(A)·op(B) is all zeros: C = beta · C
+    beta == 0.0 ? cview.zero_() : cview.mul_(beta);
+    return;
+  }
+  if (backend() == Backend::OneDNN && type != at::kDouble) {
+    const char ta = a.trans ? 'T' : 'N', tb = b.trans ? 'T' : 'N';
+    float* cf = static_cast<float*>(c);
+    const auto al = static_cast<float>(alpha), be = static_cast<float>(beta);
+    const int rc = type == at::kFloat
+                       ? onednn().sgemm(ta, tb, m, n, k, al, static_cast<const float*>(a.p), a.ld,
+                                        static_cast<const float*>(b.p), b.ld, be, cf, ldc)
+                       : onednn().bf16(ta, tb, m, n, k, al, static_cast<const uint16_t*>(a.p), a.ld,
+                                       static_cast<const uint16_t*>(b.p), b.ld, be, cf, ldc);
+    TORCH_CHECK(rc == 0, "[models] oneDNN gemm ", m, "x", n, "x", k, " failed with dnnl status ", rc);
+    return;
+  }
+  // ATen: the same product through at::mm on views of the operands. bf16 operands are
+  // widened first, so the products are summed in fp32 as oneDNN does (ATen's own bf16 mm of
+  // small or strided operands can take a path that rounds far more).
+  const auto opts = at::TensorOptions().dtype(type);
+  auto view = [&](const Operand& o, int64_t rows, int64_t cols) {
+    const auto t = o.trans ? at::from_blob(const_cast<void*>(o.p), {rows, cols}, {1, o.ld}, opts)
+                           : at::from_blob(const_cast<void*>(o.p), {rows, cols}, {o.ld, 1}, opts);
+    return t.to(ctype);
+  };
+  torch::NoGradGuard no_grad;
+  const auto prod = at::mm(view(a, m, k), view(b, k, n));
+  if (beta == 0.0) {
+    cview.copy_(prod);
+    if (alpha != 1.0) cview.mul_(alpha);
+  } else {
+    cview.mul_(beta).add_(prod, alpha);
+  }
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
+  if (!on_gemm(x, w) || x.numel() == 0) return at::linear(x, w);
+  return LinearFn::apply(x, w);
+}
+
+std::pair<at::Tensor, at::Tensor> linear_backward(const at::Tensor& g_in, const at::Tensor& x, const at::Tensor& w,
+                                                  bool need_x, bool need_w) {
+  RECORD_FUNCTION("ctitan::linear_backward", std::vector<c10::IValue>());
+  const int64_t in = w.size(1), out = w.size(0);
+  const at::Tensor g = g_in.reshape({-1, out});  // [N, out]
+  const at::Tensor x2 = x.reshape({-1, in});     // [N, in], as matmul folds x
+  at::Tensor gx, gw;
+  if (!on_gemm(x, w) || x.numel() == 0) {
+    // The calls autograd derives for linear → matmul → mm, in the same layouts (so the same
+    // bits as a matmul it differentiated itself).
+    const at::Tensor wt = w.t();  // [in, out], matmul's mat2
+    if (need_x) {
+      // mm's mat1 gradient: column-major mat1 gets a column-major gradient.
+      gx = (x2.stride(0) == 1 && x2.stride(1) == x2.size(0)) ? wt.mm(g.t()).t() : g.mm(wt.t());
+      gx = gx.reshape(x.sizes());
+    }
+    if (need_w)  // mm's mat2 gradient, then transposed back to W's shape.
+      gw = (wt.stride(0) == 1 && wt.stride(1) == wt.size(0)) ? g.t().mm(x2) : x2.t().mm(g).t();
+    return {gx, gw};
+  }
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (need_x)  // dX = dY W; bf16 through oneDNN's matmul primitive (bf16 out), as forward
+    gx = (bf16 ? at::mm(g, w) : mm_f32(g, w)).view(x.sizes());
+  if (need_w) {  // dW = dYᵀ X, accumulated in fp32 for bf16 too
+    gw = mm_f32(g.t(), x2);
+    if (bf16) gw = gw.to(at::kBFloat16);
+  }
+  return {gx, gw};
+}
+
+}  // namespace ctitan::gemm
