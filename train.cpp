@@ -633,8 +633,13 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
 
   // ---- training loop --------------------------------------------------------------------
   const std::string peak_dtype = fsdp && cfg.training.mixed_precision_param == "bfloat16" ? "bfloat16" : "float32";
-  const double peak_flops = measure_matmul_peak_flops(peak_dtype);
-  spdlog::info("measured {} matmul peak: {:.1f} GFLOP/s per rank (MFU reference)", peak_dtype, peak_flops / 1e9);
+  // The better of ATen's matmul and the GEMM the model's projections use (models/gemm.h),
+  // so MFU is never taken against a slower kernel than the one training runs.
+  const double peak_flops =
+      std::max(measure_matmul_peak_flops(peak_dtype),
+               gemm::peak_flops(peak_dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat));
+  spdlog::info("measured {} matmul peak: {:.1f} GFLOP/s per rank (MFU reference: the better of {} and ATen "
+               "matmul)", peak_dtype, peak_flops / 1e9, gemm::backend_name(matmuls));
   MetricsLogger metrics(cfg.job.dump_folder, /*write=*/launch.rank == 0, cfg.training.steps);
   const int64_t B = cfg.training.local_batch_size, T = cfg.training.seq_len;
   // Each rank's loss is its token mean; FSDP averages gradients over the dp ranks, so the

@@ -10,7 +10,7 @@
 #
 # Tables:
 #  1. tokens/s, TFLOP/s, MFU against the matmul peak measured here (2048³ matmuls, same
-#     threads), peak RSS, ctitan / eager — debug (dim 256, 6 layers, 16 heads, 8 kv heads,
+#     threads, the better of ATen's and oneDNN's GEMM), peak RSS, ctitan / eager — debug (dim 256, 6 layers, 16 heads, 8 kv heads,
 #     vocab 2048, seq 512, batch 8) and 33M (dim 512, 8 layers, 8 heads, 4 kv heads, vocab
 #     8192, seq 512, batch 4), fp32 and bf16 (ctitan: bf16 mixed precision; eager: autocast).
 #  2. sequence scaling: 33M bf16 at seq 2048 × batch 1 against seq 512 × batch 4.
@@ -79,17 +79,29 @@ eager_run() {
     | $PY -c 'import json,sys; r=json.loads(sys.stdin.read()); print(r["tokens_per_s"], r["peak_rss_gib"])'
 }
 
-peak() {  # matmul peak of this process's threads, GFLOP/s (best of several 2048³ matmuls)
+peak() {  # matmul peak of this process's threads, GFLOP/s: the best of several 2048³ matmuls, each
+          # through ATen (torch.mm) and through oneDNN's GEMM (what ctitan's projections call)
   $PY - "$1" "$THREADS" <<'EOF'
-import sys, time, torch
+import ctypes, sys, time, torch
 torch.set_num_threads(int(sys.argv[2]))
 dt = torch.bfloat16 if sys.argv[1] == "bf16" else torch.float32
 n = 2048
 a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
-a @ b
+c = torch.empty(n, n)
+fns = [lambda: a @ b]
+try:  # the libdnnl this LibTorch links (row-major C API; C in fp32)
+    dnnl = ctypes.CDLL("libdnnl.so.2")
+    f = dnnl.dnnl_gemm_bf16bf16f32 if dt == torch.bfloat16 else dnnl.dnnl_sgemm
+    i64, fl, p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    f.argtypes = [ctypes.c_char, ctypes.c_char, i64, i64, i64, fl, p, i64, p, i64, fl, p, i64]
+    fns.append(lambda: f(b"N", b"N", n, n, n, 1.0, a.data_ptr(), n, b.data_ptr(), n, 0.0, c.data_ptr(), n))
+except (OSError, AttributeError):
+    pass
 best = 0
-for _ in range(6):
-    t = time.perf_counter(); a @ b; best = max(best, 2 * n**3 / (time.perf_counter() - t))
+for fn in fns:
+    fn()
+    for _ in range(6):
+        t = time.perf_counter(); fn(); best = max(best, 2 * n**3 / (time.perf_counter() - t))
 print(best / 1e9)
 EOF
 }

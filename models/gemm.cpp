@@ -4,6 +4,8 @@
 #include <dlfcn.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -160,6 +162,19 @@ void gemm(at::ScalarType type, int64_t m, int64_t n, int64_t k, double alpha, Op
   } else {
     cview.mul_(beta).add_(prod, alpha);
   }
+}
+
+double peak_flops(at::ScalarType type, int64_t n) {
+  const auto a = torch::randn({n, n}).to(type), b = torch::randn({n, n}).to(type);
+  auto c = torch::empty({n, n});
+  double best = 0.0;
+  for (int rep = 0; rep < 5; ++rep) {  // the first is a warm-up (JIT, thread pool)
+    const auto t0 = std::chrono::steady_clock::now();
+    gemm(type, n, n, n, 1.0, {a.data_ptr(), n, false}, {b.data_ptr(), n, false}, 0.0, c.data_ptr(), n);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (rep > 0) best = std::max(best, 2.0 * n * n * n / s);
+  }
+  return best;
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {

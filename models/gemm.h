@@ -39,6 +39,10 @@ struct Operand {
 void gemm(at::ScalarType type, int64_t m, int64_t n, int64_t k, double alpha, Operand a, Operand b, double beta,
           void* c, int64_t ldc);
 
+// Best-of-4 GFLOP/s·1e9 of gemm() on n×n×n operands of `type` (kFloat or kBFloat16), on the
+// calling thread's intra-op threads: the MFU reference next to ATen's own matmul peak.
+double peak_flops(at::ScalarType type, int64_t n = 2048);
+
 // The operand view of a 2-D tensor with one unit stride (row-major or a transposed view of
 // a row-major matrix); false if it has neither.
 bool as_operand(const at::Tensor& t, Operand& out);
