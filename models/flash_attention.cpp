@@ -24,9 +24,11 @@ using torch::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Grouped layout used inside: q as [B·KV, T·rep, hd] with row t·rep + r (query head
-// kv·rep + r at position t), k and v as [B·KV, T, hd]. A query block of positions
-// [q0, q0 + n) is then the contiguous row range [q0·rep, (q0 + n)·rep).
+// The kernels work in the model's own layout, q [B, T, H, hd] and k, v [B, T, KV, hd]: the
+// rows of one head (positions t = 0..T-1) are a matrix with leading dimension H·hd (KV·hd),
+// which the GEMM reads in place, so no head is ever copied out (nor, for GQA, repeated).
+// A tile is the scores of query positions [q0, q0 + nq) of one head against key positions
+// [k0, k0 + nk) of its kv head.
 struct Tile {
   int64_t q0, nq;  // query positions
   int64_t k0, nk;  // key positions
@@ -37,21 +39,21 @@ struct Tile {
 // cast, mask, max, maximum, sub, exp, sum, cast, ...). Loops are written so the compiler
 // vectorises them (this file is built with -O3 -fno-trapping-math, as LibTorch's kernels).
 
-// Keys visible to row `row` of tile t: positions k0 .. min(q, k0 + nk - 1) → a count.
-inline int64_t visible_keys(const Tile& t, int64_t row, int64_t rep) {
-  const int64_t q = t.q0 + row / rep;
-  return std::max<int64_t>(0, std::min<int64_t>(t.nk, q - t.k0 + 1));
+// Keys visible to row `row` (query position q0 + row) of tile t: positions k0 .. min(q,
+// k0 + nk - 1) → a count.
+inline int64_t visible_keys(const Tile& t, int64_t row) {
+  return std::max<int64_t>(0, std::min<int64_t>(t.nk, t.q0 + row - t.k0 + 1));
 }
 
-// Forward, one tile of one batch item: scores s [rows, nk] (accumulator dtype, already
+// Forward, one tile of one head: scores s [rows, nk] (accumulator dtype, already
 // scaled) → p = exp(s − m_new) in the input dtype (0 on future keys); m (running max), l
 // (running sum) updated in place; alpha = e^(m_old − m_new) for rescaling the accumulator
 // (first tile: m starts at -inf, l at 0).
 template <class scalar_t, class acc_t>
 CTITAN_KERNEL void softmax_tile_forward_rows(const acc_t* S, scalar_t* P, acc_t* M, acc_t* L, acc_t* A, int64_t rows,
-                                             int64_t nk, Tile t, int64_t rep) {
+                                             int64_t nk, Tile t) {
   for (int64_t i = 0; i < rows; ++i) {
-    const int64_t vis = visible_keys(t, i, rep);
+    const int64_t vis = visible_keys(t, i);
     const acc_t* __restrict__ sr = S + i * nk;
     scalar_t* __restrict__ pr = P + i * nk;
     const acc_t mx = kernel::lane_max<acc_t>(vis, -std::numeric_limits<acc_t>::infinity(),
@@ -70,16 +72,15 @@ CTITAN_KERNEL void softmax_tile_forward_rows(const acc_t* S, scalar_t* P, acc_t*
   }
 }
 
-// Backward, one strip of one batch item: scores s and dp [rows, nk] (accumulator dtype),
+// Backward, one strip of one head: scores s and dp [rows, nk] (accumulator dtype),
 // lse [rows] → p = e^(s − lse) and dS = p ∘ (dp − D) with D = Σ p ∘ dp (the same dp both
 // times, as autograd's softmax backward), both in the input dtype, 0 on future keys.
 // prob: nk scratch values.
 template <class scalar_t, class acc_t>
 CTITAN_KERNEL void softmax_strip_backward_rows(const acc_t* S, const acc_t* DP, const acc_t* LSE, scalar_t* P,
-                                               scalar_t* DS, acc_t* prob, int64_t rows, int64_t nk, Tile t,
-                                               int64_t rep) {
+                                               scalar_t* DS, acc_t* prob, int64_t rows, int64_t nk, Tile t) {
   for (int64_t i = 0; i < rows; ++i) {
-    const int64_t vis = visible_keys(t, i, rep);
+    const int64_t vis = visible_keys(t, i);
     const acc_t* __restrict__ sr = S + i * nk;
     const acc_t* __restrict__ dpr = DP + i * nk;
     scalar_t* __restrict__ pr = P + i * nk;
@@ -97,10 +98,10 @@ CTITAN_KERNEL void softmax_strip_backward_rows(const acc_t* S, const acc_t* DP, 
   }
 }
 
-// Every product goes through gemm::gemm on the raw rows of one batch item: q, k and v are
-// read in place (a key strip is the first rows of the item's k, no copy), the softmax scale
-// rides in alpha, and dK/dV accumulate over the query blocks in the accumulator dtype with
-// beta = 1. Scores S = QKᵀ and dP = dO Vᵀ come out in the accumulator dtype (fp32 for bf16
+// Every product goes through gemm::gemm on the rows of one head: q, k and v are read in
+// place (a key strip is the first rows of the head's k, no copy), the softmax scale rides
+// in alpha, and dK/dV accumulate over the query blocks and the query heads sharing them in
+// the accumulator dtype with beta = 1. Scores S = QKᵀ and dP = dO Vᵀ come out in the accumulator dtype (fp32 for bf16
 // inputs: one rounding fewer than a bf16 matmul); P and dS are rounded to the input dtype
 // before they are multiplied again, as in the naive formula.
 template <class scalar_t>
@@ -120,82 +121,82 @@ T* scratch(Tensor& keep, int64_t n, at::ScalarType type) {
   return static_cast<T*>(keep.data_ptr());
 }
 
-// Forward of one query block [q0, q0 + nq) of one batch item over its key tiles.
+// Forward of query positions [q0, q0 + nq) of one head over its key tiles.
 template <class scalar_t, class acc_t>
 struct ForwardBlock {
-  const scalar_t *Q, *K, *V;  // the item's [T·rep, hd], [T, hd], [T, hd]
-  scalar_t* O;                // [T·rep, hd]
-  acc_t* LSE;                 // [T·rep]
-  int64_t hd, rep, block_k;
+  const scalar_t *Q, *K, *V;  // the head's rows: Q, K, V at position t are Q + t·ldq, ...
+  scalar_t* O;                // rows with leading dimension ldq
+  acc_t* LSE;                 // [T]
+  int64_t ldq, ldk, hd, block_k;
   double scale;
 
   void operator()(int64_t q0, int64_t nq, acc_t* S, scalar_t* P, acc_t* acc, acc_t* M, acc_t* L, acc_t* A) const {
     constexpr auto type = gemm_type<scalar_t>();
-    const int64_t rows = nq * rep, kend = q0 + nq;
-    const scalar_t* q = Q + q0 * rep * hd;
-    std::fill(M, M + rows, -std::numeric_limits<acc_t>::infinity());
-    std::fill(L, L + rows, acc_t(0));
+    const int64_t kend = q0 + nq;
+    std::fill(M, M + nq, -std::numeric_limits<acc_t>::infinity());
+    std::fill(L, L + nq, acc_t(0));
     for (int64_t k0 = 0; k0 < kend; k0 += block_k) {
       const Tile t{q0, nq, k0, std::min(block_k, kend - k0)};
-      gemm::gemm(type, rows, t.nk, hd, scale, rows_of(q, hd), transposed(K + k0 * hd, hd), 0.0, S, t.nk);
-      softmax_tile_forward_rows<scalar_t, acc_t>(S, P, M, L, A, rows, t.nk, t, rep);
+      gemm::gemm(type, nq, t.nk, hd, scale, rows_of(Q + q0 * ldq, ldq), transposed(K + k0 * ldk, ldk), 0.0, S,
+                 t.nk);
+      softmax_tile_forward_rows<scalar_t, acc_t>(S, P, M, L, A, nq, t.nk, t);
       if (k0 > 0)  // online softmax: the rows' earlier sums were taken against a smaller max
-        for (int64_t i = 0; i < rows; ++i)
+        for (int64_t i = 0; i < nq; ++i)
           for (int64_t d = 0; d < hd; ++d) acc[i * hd + d] *= A[i];
-      gemm::gemm(type, rows, hd, t.nk, 1.0, rows_of(P, t.nk), rows_of(V + k0 * hd, hd), k0 > 0 ? 1.0 : 0.0, acc, hd);
+      gemm::gemm(type, nq, hd, t.nk, 1.0, rows_of(P, t.nk), rows_of(V + k0 * ldk, ldk), k0 > 0 ? 1.0 : 0.0, acc, hd);
     }
-    scalar_t* o = O + q0 * rep * hd;
-    acc_t* lse = LSE + q0 * rep;
-    for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t i = 0; i < nq; ++i) {
       const acc_t inv = acc_t(1) / L[i];
-      for (int64_t d = 0; d < hd; ++d) o[i * hd + d] = narrow_to<scalar_t>(acc[i * hd + d] * inv);
-      lse[i] = M[i] + std::log(L[i]);
+      scalar_t* o = O + (q0 + i) * ldq;
+      for (int64_t d = 0; d < hd; ++d) o[d] = narrow_to<scalar_t>(acc[i * hd + d] * inv);
+      LSE[q0 + i] = M[i] + std::log(L[i]);
     }
   }
 };
 
 class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
  public:
-  static Tensor forward(AutogradContext* ctx, const Tensor& qg_in, const Tensor& kg_in, const Tensor& vg_in,
-                        int64_t rep, int64_t block_q, int64_t block_k) {
+  // q [B, T, H, hd], k and v [B, T, KV, hd], all contiguous.
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, int64_t block_q,
+                        int64_t block_k) {
     RECORD_FUNCTION("ctitan::flash_attention_forward", std::vector<c10::IValue>());
-    const auto qg = qg_in.contiguous(), kg = kg_in.contiguous(), vg = vg_in.contiguous();
-    const int64_t BKV = qg.size(0), T = kg.size(1), hd = kg.size(2);
+    const int64_t B = q.size(0), T = q.size(1), H = q.size(2), hd = q.size(3), KV = k.size(2), rep = H / KV;
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
-    const auto st = kernel::acc_dtype(qg.scalar_type());
-    auto out = torch::empty_like(qg);
-    auto lse = torch::empty({BKV, qg.size(1)}, qg.options().dtype(st));
+    const auto st = kernel::acc_dtype(q.scalar_type());
+    auto out = torch::empty_like(q);
+    auto lse = torch::empty({B, H, T}, q.options().dtype(st));
     const int64_t nblocks = (T + block_q - 1) / block_q;
     const int64_t bq = std::min(block_q, T), bk = std::min(block_k, T);
-    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qg.scalar_type(), "ctitan_flash_forward", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "ctitan_flash_forward", [&] {
       using acc_t = at::opmath_type<scalar_t>;
-      const scalar_t *Q = qg.data_ptr<scalar_t>(), *K = kg.data_ptr<scalar_t>(), *V = vg.data_ptr<scalar_t>();
+      const scalar_t *Q = q.data_ptr<scalar_t>(), *K = k.data_ptr<scalar_t>(), *V = v.data_ptr<scalar_t>();
       scalar_t* O = out.data_ptr<scalar_t>();
       acc_t* LSE = lse.data_ptr<acc_t>();
-      // Tasks: (item, query block), item-major, so two halves of the range do equal work.
-      at::parallel_for(0, BKV * nblocks, 1, [&](int64_t begin, int64_t end) {
-        const int64_t rows = bq * rep;
+      // Tasks: (batch item, head, query block) in that order, so the halves of the range
+      // given to two threads do equal work.
+      at::parallel_for(0, B * H * nblocks, 1, [&](int64_t begin, int64_t end) {
         Tensor k1, k2, k3, k4;
-        acc_t* S = scratch<acc_t>(k1, rows * bk, st);
-        scalar_t* P = scratch<scalar_t>(k2, rows * bk, qg.scalar_type());
-        acc_t* acc = scratch<acc_t>(k3, rows * hd, st);
-        acc_t* stats = scratch<acc_t>(k4, 3 * rows, st);
+        acc_t* S = scratch<acc_t>(k1, bq * bk, st);
+        scalar_t* P = scratch<scalar_t>(k2, bq * bk, q.scalar_type());
+        acc_t* acc = scratch<acc_t>(k3, bq * hd, st);
+        acc_t* stats = scratch<acc_t>(k4, 3 * bq, st);
         for (int64_t task = begin; task < end; ++task) {
-          const int64_t b = task / nblocks, q0 = (task % nblocks) * block_q;
-          const ForwardBlock<scalar_t, acc_t> fb{Q + b * T * rep * hd, K + b * T * hd, V + b * T * hd,
-                                                 O + b * T * rep * hd, LSE + b * T * rep, hd, rep, bk, scale};
-          fb(q0, std::min(block_q, T - q0), S, P, acc, stats, stats + rows, stats + 2 * rows);
+          const int64_t bh = task / nblocks, b = bh / H, h = bh % H, q0 = (task % nblocks) * block_q;
+          const int64_t qoff = (b * T * H + h) * hd, koff = (b * T * KV + h / rep) * hd;
+          const ForwardBlock<scalar_t, acc_t> fb{Q + qoff, K + koff,    V + koff, O + qoff, LSE + bh * T,
+                                                 H * hd,   KV * hd, hd, bk,       scale};
+          fb(q0, std::min(block_q, T - q0), S, P, acc, stats, stats + bq, stats + 2 * bq);
         }
       });
     });
-    ctx->save_for_backward({qg, kg, vg, lse});
-    ctx->saved_data["rep"] = rep;
+    ctx->save_for_backward({q, k, v, lse});
     ctx->saved_data["block_q"] = block_q;
     return out;
   }
 
-  // Backward, one query block (a strip of rows × all keys up to the diagonal) at a time,
-  // the items spread over the threads (an item's dK, dV collect all its strips):
+  // Backward, one query block (a strip of rows × all keys up to the diagonal) of one head at
+  // a time; a task is one (batch item, kv head) with every query head that reads it, so its
+  // dK and dV collect all their strips on one thread:
   //   S = QKᵀ/√hd;  P = e^(S − lse);  dP = dO Vᵀ;  dS = P ∘ (dP − rowsum(P ∘ dP));
   //   dV += Pᵀ dO;  dQ = dS K/√hd;  dK += dSᵀ Q/√hd.
   // D = rowsum(P ∘ dP) is taken from the same dP that dS uses, as autograd's softmax
@@ -204,50 +205,53 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     RECORD_FUNCTION("ctitan::flash_attention_backward", std::vector<c10::IValue>());
     const auto saved = ctx->get_saved_variables();
-    const Tensor &qg = saved[0], &kg = saved[1], &vg = saved[2], &lse = saved[3];
-    const int64_t rep = ctx->saved_data["rep"].toInt();
+    const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &lse = saved[3];
     const int64_t block_q = ctx->saved_data["block_q"].toInt();
-    const auto dt = qg.scalar_type(), st = lse.scalar_type();
-    const int64_t BKV = qg.size(0), T = kg.size(1), hd = kg.size(2);
+    const auto dt = q.scalar_type(), st = lse.scalar_type();
+    const int64_t B = q.size(0), T = q.size(1), H = q.size(2), hd = q.size(3), KV = k.size(2), rep = H / KV;
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
     const auto dout = grads[0].to(dt).contiguous();
-    auto dq = torch::empty(qg.sizes(), qg.options().dtype(st));
-    auto dk = torch::zeros(kg.sizes(), kg.options().dtype(st));
-    auto dv = torch::zeros(vg.sizes(), vg.options().dtype(st));
+    // Gradients in the accumulator dtype (for fp32 inputs: the outputs themselves).
+    auto dq = torch::empty(q.sizes(), q.options().dtype(st));
+    auto dk = torch::zeros(k.sizes(), k.options().dtype(st));
+    auto dv = torch::zeros(v.sizes(), v.options().dtype(st));
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dt, "ctitan_flash_backward", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       constexpr auto type = gemm_type<scalar_t>();
-      const scalar_t *Q = qg.data_ptr<scalar_t>(), *K = kg.data_ptr<scalar_t>(), *V = vg.data_ptr<scalar_t>(),
+      const scalar_t *Q = q.data_ptr<scalar_t>(), *K = k.data_ptr<scalar_t>(), *V = v.data_ptr<scalar_t>(),
                      *DO = dout.data_ptr<scalar_t>();
       const acc_t* LSE = lse.data_ptr<acc_t>();
       acc_t *DQ = dq.data_ptr<acc_t>(), *DK = dk.data_ptr<acc_t>(), *DV = dv.data_ptr<acc_t>();
-      at::parallel_for(0, BKV, 1, [&](int64_t begin, int64_t end) {
-        const int64_t rows = std::min(block_q, T) * rep, strip = rows * T;
+      const int64_t ldq = H * hd, ldk = KV * hd;
+      at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
+        const int64_t strip = std::min(block_q, T) * T;
         Tensor k1, k2, k3, k4, k5;
         acc_t* S = scratch<acc_t>(k1, strip, st);
         acc_t* DP = scratch<acc_t>(k2, strip, st);
         scalar_t* P = scratch<scalar_t>(k3, strip, dt);
         scalar_t* DS = scratch<scalar_t>(k4, strip, dt);
         acc_t* prob = scratch<acc_t>(k5, T, st);
-        for (int64_t b = begin; b < end; ++b) {
-          const scalar_t *q = Q + b * T * rep * hd, *k = K + b * T * hd, *v = V + b * T * hd,
-                         *dO = DO + b * T * rep * hd;
-          acc_t *dQ = DQ + b * T * rep * hd, *dK = DK + b * T * hd, *dV = DV + b * T * hd;
-          for (int64_t q0 = 0; q0 < T; q0 += block_q) {
-            const int64_t nq = std::min(block_q, T - q0), r = nq * rep, nk = q0 + nq, off = q0 * rep * hd;
-            const Tile t{q0, nq, 0, nk};
-            gemm::gemm(type, r, nk, hd, scale, rows_of(q + off, hd), transposed(k, hd), 0.0, S, nk);
-            gemm::gemm(type, r, nk, hd, 1.0, rows_of(dO + off, hd), transposed(v, hd), 0.0, DP, nk);
-            softmax_strip_backward_rows<scalar_t, acc_t>(S, DP, LSE + b * T * rep + q0 * rep, P, DS, prob, r, nk,
-                                                         t, rep);
-            gemm::gemm(type, nk, hd, r, 1.0, transposed(P, nk), rows_of(dO + off, hd), 1.0, dV, hd);
-            gemm::gemm(type, r, hd, nk, scale, rows_of(DS, nk), rows_of(k, hd), 0.0, dQ + off, hd);
-            gemm::gemm(type, nk, hd, r, scale, transposed(DS, nk), rows_of(q + off, hd), 1.0, dK, hd);
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t b = task / KV, kv = task % KV, koff = (b * T * KV + kv) * hd;
+          const scalar_t *kk = K + koff, *vv = V + koff;
+          acc_t *dK = DK + koff, *dV = DV + koff;
+          for (int64_t h = kv * rep; h < (kv + 1) * rep; ++h) {
+            const int64_t qoff = (b * T * H + h) * hd;
+            for (int64_t q0 = 0; q0 < T; q0 += block_q) {
+              const int64_t nq = std::min(block_q, T - q0), nk = q0 + nq, off = qoff + q0 * ldq;
+              const Tile t{q0, nq, 0, nk};
+              gemm::gemm(type, nq, nk, hd, scale, rows_of(Q + off, ldq), transposed(kk, ldk), 0.0, S, nk);
+              gemm::gemm(type, nq, nk, hd, 1.0, rows_of(DO + off, ldq), transposed(vv, ldk), 0.0, DP, nk);
+              softmax_strip_backward_rows<scalar_t, acc_t>(S, DP, LSE + (b * H + h) * T + q0, P, DS, prob, nq, nk, t);
+              gemm::gemm(type, nk, hd, nq, 1.0, transposed(P, nk), rows_of(DO + off, ldq), 1.0, dV, ldk);
+              gemm::gemm(type, nq, hd, nk, scale, rows_of(DS, nk), rows_of(kk, ldk), 0.0, DQ + off, ldq);
+              gemm::gemm(type, nk, hd, nq, scale, transposed(DS, nk), rows_of(Q + off, ldq), 1.0, dK, ldk);
+            }
           }
         }
       });
     });
-    return {dq.to(dt), dk.to(dt), dv.to(dt), Tensor(), Tensor(), Tensor()};
+    return {dq.to(dt), dk.to(dt), dv.to(dt), Tensor(), Tensor()};
   }
 };
 
@@ -262,13 +266,9 @@ torch::Tensor flash_causal_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(k.size(0) == B && k.size(1) == T && k.size(3) == hd && KV > 0 && H % KV == 0,
               "[models] flash_causal_attention: q ", q.sizes(), " and k ", k.sizes(), " do not fit");
   TORCH_CHECK(blocks.q > 0 && blocks.k > 0, "[models] flash_causal_attention: block sizes must be positive");
-  const int64_t rep = H / KV;
-  // [B, T, KV, rep, hd] → [B, KV, T, rep, hd]: the heads sharing a kv head become rows.
-  const auto qg = q.reshape({B, T, KV, rep, hd}).permute({0, 2, 1, 3, 4}).reshape({B * KV, T * rep, hd});
-  const auto kg = k.permute({0, 2, 1, 3}).reshape({B * KV, T, hd});
-  const auto vg = v.permute({0, 2, 1, 3}).reshape({B * KV, T, hd});
-  const auto out = FlashAttentionFn::apply(qg, kg, vg, rep, blocks.q, blocks.k);
-  return out.view({B, KV, T, rep, hd}).permute({0, 2, 1, 3, 4}).reshape({B, T, H, hd});
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "[models] flash_causal_attention: q, k and v must share a dtype");
+  return FlashAttentionFn::apply(q.contiguous(), k.contiguous(), v.contiguous(), blocks.q, blocks.k);
 }
 
 }  // namespace ctitan

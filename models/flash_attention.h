@@ -1,12 +1,14 @@
 // Fused causal attention for CPU with its own backward: block-wise with an online softmax,
-// so the T×T score matrix is never materialised (at most a [rows of one query block] ×
-// [one key block] tile per (batch, kv head)), key blocks entirely in the future are
-// skipped (half the FLOPs of the masked formula), and grouped-query attention reads each
-// kv head once for all the query heads that share it (no repeat_kv copies).
+// so the T×T score matrix is never materialised (at most a [one query block] × [one key
+// block] tile per worker thread), key blocks entirely in the future are skipped (half the
+// FLOPs of the masked formula), and grouped-query attention reads the kv head each query
+// head shares in place (no repeat_kv copies, nor any other copy of q, k, v: the tiles'
+// GEMMs read the [B, T, heads, hd] tensors with their strides).
 //
-// Numerics follow the naive formula softmax(q kᵀ / √hd, causal) v: products in the input
-// dtype (bf16 matmuls for bf16 inputs), the softmax statistics (running max, sum,
-// log-sum-exp) and the output accumulator in float32. Only q, k, v and the log-sum-exp are
+// Numerics follow the naive formula softmax(q kᵀ / √hd, causal) v: bf16 operands for bf16
+// inputs, their products summed in float32 (scores and dP stay float32), the softmax
+// statistics (running max, sum, log-sum-exp), the output accumulator and dQ/dK/dV sums in
+// float32. Only q, k, v and the log-sum-exp are
 // saved; the backward recomputes the probabilities one query block at a time (a strip of
 // block.q rows × the keys up to the diagonal, still never T×T):
 //   P = exp(S - lse);  dV += Pᵀ dO;  dP = dO Vᵀ;  D = rowsum(P ∘ dP);  dS = P ∘ (dP - D);
@@ -17,7 +19,7 @@
 namespace ctitan {
 
 struct FlashAttentionBlocks {
-  int64_t q = 128;  // query positions per tile (× the heads sharing a kv head)
+  int64_t q = 128;  // query positions per tile
   // Key positions per tile. The default covers every key up to the diagonal in one tile
   // (the strip the backward works on anyway): fewer, larger matmuls and no rescaling passes;
   // a smaller k bounds the forward's tile memory further (online softmax over the tiles).
