@@ -582,9 +582,12 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   spdlog::info("dataset: {} (dp rank {} of {})", data.source, par.dp_rank, dp_world);
   check_blas_and_warn();
   const int threads = configure_threads(launch.local_world_size);
-  spdlog::info("launch: {} rank {} of {} (local {} of {}); intra-op threads: {}; matmuls: {}; seed: {}{}",
+  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+  spdlog::info("launch: {} rank {} of {} (local {} of {}); intra-op threads: {} (OpenMP wait policy: {}); "
+               "matmuls: {}; seed: {}{}",
                launch.launcher, launch.rank, launch.world_size, launch.local_rank, launch.local_world_size, threads,
-               gemm::backend_name(matmuls), seed, cfg.debug.seed ? "" : " (random: set debug.seed to repeat this run)");
+               wait_policy ? wait_policy : "libgomp default", gemm::backend_name(matmuls), seed,
+               cfg.debug.seed ? "" : " (random: set debug.seed to repeat this run)");
 
   // ---- model: build, initialise, then shard. Construction and init are separate so a
   // sharded build could initialise only what it holds; here every rank initialises the

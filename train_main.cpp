@@ -3,19 +3,36 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <exception>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "components/cpu_allocator.h"
+#include "models/gemm.h"
 #include "train.h"
 
+namespace {
+// Whether the model's matmuls will run on oneDNN's GEMM (a bad CTITAN_GEMM is reported by
+// train_main; here it counts as "no").
+bool onednn_gemm() {
+  try {
+    return ctitan::gemm::backend() == ctitan::gemm::Backend::OneDNN;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+}  // namespace
+
 int main(int argc, char** argv) {
-  // libgomp reads OMP_WAIT_POLICY when it is loaded, before main. Its default lets idle
-  // OpenMP workers spin, stealing the cores OpenBLAS's own threads need for the matmuls
-  // (debug model, 2 cores: 987 → 1,548 tokens/s with PASSIVE). Set it and start again,
-  // same pid, unless the user chose a policy.
-  if (!std::getenv("OMP_WAIT_POLICY")) {
+  // libgomp reads OMP_WAIT_POLICY when it is loaded, before main; unless the user chose a
+  // policy, pick it by where the matmuls run (models/gemm.h) and start again, same pid:
+  //  - oneDNN's GEMM runs on the OpenMP workers themselves: libgomp's default (spin briefly,
+  //    then sleep) saves a wake-up per back-to-back GEMM call (33M, 2 cores: +5-10% tok/s
+  //    against PASSIVE, measured in fp32 and bf16);
+  //  - ATen's fp32 matmuls run on OpenBLAS's own threads, which spinning OpenMP workers
+  //    starve (debug model, 2 cores: 987 → 1,548 tokens/s with PASSIVE).
+  if (!std::getenv("OMP_WAIT_POLICY") && !onednn_gemm()) {
     setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
     execv("/proc/self/exe", argv);  // returns only on failure: then run as we are
   }
