@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <stdexcept>
@@ -137,7 +138,10 @@ void gemm(at::ScalarType type, int64_t m, int64_t n, int64_t k, double alpha, Op
     beta == 0.0 ? cview.zero_() : cview.mul_(beta);
     return;
   }
-  if (backend() == Backend::OneDNN && type != at::kDouble) {
+  // oneDNN implements the bf16 GEMM only from AVX-512 on: elsewhere (an AVX2 CPU running
+  // bf16 by request) it answers dnnl_unimplemented once and ATen's path serves from then on.
+  static std::atomic<bool> bf16_unimplemented{false};
+  if (backend() == Backend::OneDNN && type != at::kDouble && !(type == at::kBFloat16 && bf16_unimplemented)) {
     const char ta = a.trans ? 'T' : 'N', tb = b.trans ? 'T' : 'N';
     float* cf = static_cast<float*>(c);
     const auto al = static_cast<float>(alpha), be = static_cast<float>(beta);
@@ -146,8 +150,13 @@ void gemm(at::ScalarType type, int64_t m, int64_t n, int64_t k, double alpha, Op
                                         static_cast<const float*>(b.p), b.ld, be, cf, ldc)
                        : onednn().bf16(ta, tb, m, n, k, al, static_cast<const uint16_t*>(a.p), a.ld,
                                        static_cast<const uint16_t*>(b.p), b.ld, be, cf, ldc);
-    TORCH_CHECK(rc == 0, "[models] oneDNN gemm ", m, "x", n, "x", k, " failed with dnnl status ", rc);
-    return;
+    constexpr int kUnimplemented = 3;  // dnnl_unimplemented: C is untouched
+    if (rc == kUnimplemented && type == at::kBFloat16) {
+      bf16_unimplemented = true;
+    } else {
+      TORCH_CHECK(rc == 0, "[models] oneDNN gemm ", m, "x", n, "x", k, " failed with dnnl status ", rc);
+      return;
+    }
   }
   // ATen: the same product through at::mm on views of the operands. bf16 operands are
   // widened first, so the products are summed in fp32 as oneDNN does (ATen's own bf16 mm of
