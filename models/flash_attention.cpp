@@ -101,9 +101,9 @@ CTITAN_KERNEL void softmax_strip_backward_rows(const acc_t* S, const acc_t* DP, 
 // Every product goes through gemm::gemm on the rows of one head: q, k and v are read in
 // place (a key strip is the first rows of the head's k, no copy), the softmax scale rides
 // in alpha, and dK/dV accumulate over the query blocks and the query heads sharing them in
-// the accumulator dtype with beta = 1. Scores S = QKᵀ and dP = dO Vᵀ come out in the accumulator dtype (fp32 for bf16
-// inputs: one rounding fewer than a bf16 matmul); P and dS are rounded to the input dtype
-// before they are multiplied again, as in the naive formula.
+// the accumulator dtype with beta = 1. Scores S = QKᵀ and dP = dO Vᵀ come out in the
+// accumulator dtype (fp32 for bf16 inputs: one rounding fewer than a bf16 matmul); P and dS
+// are rounded to the input dtype before they are multiplied again, as in the naive formula.
 template <class scalar_t>
 constexpr at::ScalarType gemm_type() {
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) return at::kBFloat16;

@@ -3,9 +3,10 @@
 // LibTorch 1.13 (Debian's CPU build) sends fp32 matmuls to the system BLAS (OpenBLAS) and
 // bf16 ones to oneDNN's matmul primitive. The same libdnnl that LibTorch links also exports
 // plain GEMM entry points (dnnl_sgemm, and dnnl_gemm_bf16bf16f32: bf16 operands, fp32
-// result). Measured on this machine (2 cores, Zen 4; bench/gemm_bench.py), oneDNN's sgemm
-// runs the backward's layouts (dY·W and dYᵀ·X) at ~205-220 GFLOP/s where OpenBLAS gets
-// 150-180, and both GEMMs take leading dimensions, alpha and beta: attention tiles are read
+// result). Measured on this machine (2 cores, Zen 4; bench/gemm_bench.py, the 33M model's
+// shapes), oneDNN's sgemm runs the backward's layouts (dY·W and dYᵀ·X) 1.06-1.18x faster
+// than OpenBLAS (190-219 against 178-196 GFLOP/s; other runs of the same script 150-185
+// for OpenBLAS), and both GEMMs take leading dimensions, alpha and beta: attention tiles are read
 // in place (no strip copies), the softmax scale rides in alpha and dK/dV accumulate in fp32
 // with beta = 1 (no partial-product tensors, no bf16 rounding of the partial sums).
 //
@@ -39,7 +40,7 @@ struct Operand {
 void gemm(at::ScalarType type, int64_t m, int64_t n, int64_t k, double alpha, Operand a, Operand b, double beta,
           void* c, int64_t ldc);
 
-// Best-of-4 GFLOP/s·1e9 of gemm() on n×n×n operands of `type` (kFloat or kBFloat16), on the
+// Best-of-4 FLOP/s of gemm() on n×n×n operands of `type` (kFloat or kBFloat16), on the
 // calling thread's intra-op threads: the MFU reference next to ATen's own matmul peak.
 double peak_flops(at::ScalarType type, int64_t n = 2048);
 
