@@ -18,6 +18,8 @@ namespace ctitan {
 namespace {
 
 using kernel::exp_fast;
+using kernel::ld;
+using kernel::st;
 using kernel::narrow_to;
 using kernel::widen;
 using torch::Tensor;
@@ -57,11 +59,11 @@ CTITAN_KERNEL void softmax_tile_forward_rows(const acc_t* S, scalar_t* P, acc_t*
     const acc_t* __restrict__ sr = S + i * nk;
     scalar_t* __restrict__ pr = P + i * nk;
     const acc_t mx = kernel::lane_max<acc_t>(vis, -std::numeric_limits<acc_t>::infinity(),
-                                             [&](int64_t j) { return widen(sr[j]); });
+                                             [&](auto j) { return ld(sr, j); });
     const acc_t m_old = M[i], m_new = std::max(m_old, mx);
-    const acc_t sum = kernel::lane_sum<acc_t>(vis, [&](int64_t j) {
-      const acc_t v = exp_fast(widen(sr[j]) - m_new);
-      pr[j] = narrow_to<scalar_t>(v);
+    const acc_t sum = kernel::lane_sum<acc_t>(vis, [&](auto j) {
+      const auto v = exp_fast(ld(sr, j) - m_new);
+      st(pr, j, v);
       return v;
     });
     for (int64_t j = vis; j < nk; ++j) pr[j] = scalar_t(0);
@@ -87,13 +89,13 @@ CTITAN_KERNEL void softmax_strip_backward_rows(const acc_t* S, const acc_t* DP, 
     scalar_t* __restrict__ dsr = DS + i * nk;
     acc_t* __restrict__ pb = prob;
     const acc_t lse_i = LSE[i];
-    const acc_t D = kernel::lane_sum<acc_t>(vis, [&](int64_t j) {
-      const acc_t v = exp_fast(widen(sr[j]) - lse_i);
-      pb[j] = v;
-      pr[j] = narrow_to<scalar_t>(v);
-      return v * widen(dpr[j]);
+    const acc_t D = kernel::lane_sum<acc_t>(vis, [&](auto j) {
+      const auto v = exp_fast(ld(sr, j) - lse_i);
+      st(pb, j, v);
+      st(pr, j, v);
+      return v * ld(dpr, j);
     });
-    for (int64_t j = 0; j < vis; ++j) dsr[j] = narrow_to<scalar_t>(pb[j] * (widen(dpr[j]) - D));
+    kernel::for_lanes<acc_t>(vis, [&](auto j) { st(dsr, j, ld(pb, j) * (ld(dpr, j) - D)); });
     for (int64_t j = vis; j < nk; ++j) pr[j] = dsr[j] = scalar_t(0);
   }
 }

@@ -15,6 +15,8 @@ namespace {
 
 using kernel::acc_dtype;
 using kernel::exp_fast;
+using kernel::ld;
+using kernel::st;
 using kernel::narrow_to;
 using kernel::widen;
 using torch::Tensor;
@@ -59,7 +61,7 @@ CTITAN_KERNEL void rms_norm_backward_rows(const scalar_t* X, const scalar_t* W, 
     const acc_t r = R[n];
     for (int64_t d = 0; d < D; ++d) pw[d] += widen(gr[d]) * widen(narrow_to<scalar_t>(widen(xr[d]) * r));
     // Σ dxhat · xhat
-    const acc_t dot = kernel::lane_sum<acc_t>(D, [&](int64_t d) { return widen(gr[d]) * widen(W[d]) * (widen(xr[d]) * r); });
+    const acc_t dot = kernel::lane_sum<acc_t>(D, [&](auto d) { return ld(gr, d) * ld(W, d) * (ld(xr, d) * r); });
     const acc_t mean_dot = dot / static_cast<acc_t>(D);
     scalar_t* __restrict__ dxr = DX + n * D;
     for (int64_t d = 0; d < D; ++d) {
@@ -247,8 +249,8 @@ CTITAN_KERNEL void cross_entropy_rows(const scalar_t* X, const int64_t* Lb, acc_
   for (int64_t n = b; n < e; ++n) {
     const scalar_t* __restrict__ xr = X + n * V;
     const acc_t mx = kernel::lane_max<acc_t>(V, -std::numeric_limits<acc_t>::infinity(),
-                                             [&](int64_t j) { return widen(xr[j]); });
-    const acc_t sum = kernel::lane_sum<acc_t>(V, [&](int64_t j) { return exp_fast(widen(xr[j]) - mx); });
+                                             [&](auto j) { return ld(xr, j); });
+    const acc_t sum = kernel::lane_sum<acc_t>(V, [&](auto j) { return exp_fast(ld(xr, j) - mx); });
     const acc_t l = mx + std::log(sum);
     LSE[n] = l;
     RL[n] = static_cast<double>(l) - static_cast<double>(widen(xr[Lb[n]]));
@@ -263,7 +265,7 @@ CTITAN_KERNEL void cross_entropy_backward_rows(const scalar_t* X, const acc_t* L
     const scalar_t* __restrict__ xr = X + n * V;
     scalar_t* __restrict__ dr = DX + n * V;
     const acc_t l = LSE[n];
-    for (int64_t j = 0; j < V; ++j) dr[j] = narrow_to<scalar_t>(exp_fast(widen(xr[j]) - l) * c);
+    kernel::for_lanes<acc_t>(V, [&](auto j) { st(dr, j, exp_fast(ld(xr, j) - l) * c); });
     const int64_t y = Lb[n];
     dr[y] = narrow_to<scalar_t>((exp_fast(widen(xr[y]) - l) - acc_t(1)) * c);
   }

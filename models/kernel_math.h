@@ -56,17 +56,38 @@ inline T narrow_to(double d) {
   return static_cast<T>(d);
 }
 
+// 16 float32 lanes in a GCC vector (one AVX-512 register, two AVX2 or four SSE ones), and
+// the same lanes as raw bits / as bf16 bits. Loops over a row hand their body a `Lanes`
+// index for each full group of 16 elements and a plain int64_t for the tail; the helpers
+// below (ld, st, exp_fast) take either, so one generic lambda serves both. (GCC does not
+// vectorise a per-element body with exp's bit tricks and bf16 rounding by itself: it built
+// each vector from 16 scalar broadcasts, which made the softmax loops the slowest part of
+// attention.) Each lane computes exactly what the scalar code computes for its element.
+using lanes16f = float __attribute__((vector_size(64)));
+using lanes16u = uint32_t __attribute__((vector_size(64)));
+using lanes16h = uint16_t __attribute__((vector_size(32)));
+struct Lanes {
+  int64_t j;  // the first of 16 consecutive elements
+};
+
+template <class V>
+inline V splat(float c) {
+  return V{} + c;
+}
+
 // e^x in float32 within ~2 ulp, branch-free: x = n·ln2 + r, e^r by its degree-7 Taylor
 // polynomial (|r| <= ln2/2), 2^n written into the exponent. Below -87 (e^x < 2^-125, where
 // the exponent trick stops working) the result is 0, as for the masked keys' -inf.
-inline float exp_fast(float x) {
-  const bool under = x < -87.0f;
-  x = x < -87.0f ? -87.0f : x;
-  x = x > 88.0f ? 88.0f : x;
-  const float big = x * 1.44269504088896341f + 12582912.0f;  // n in big's low mantissa bits
-  const float n = big - 12582912.0f;
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;  // ln2 in two parts
-  float p = 1.0f / 5040;
+// V, U: float and uint32_t, or lanes16f and lanes16u.
+template <class V, class U>
+inline V exp_fast_lanes(V x) {
+  const auto under = x < -87.0f;
+  x = x < -87.0f ? splat<V>(-87.0f) : x;
+  x = x > 88.0f ? splat<V>(88.0f) : x;
+  const V big = x * 1.44269504088896341f + 12582912.0f;  // n in big's low mantissa bits
+  const V n = big - 12582912.0f;
+  const V r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;  // ln2 in two parts
+  V p = splat<V>(1.0f / 5040);
   p = p * r + 1.0f / 720;
   p = p * r + 1.0f / 120;
   p = p * r + 1.0f / 24;
@@ -74,33 +95,73 @@ inline float exp_fast(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  uint32_t bb;
+  U bb;
   std::memcpy(&bb, &big, sizeof bb);
-  const uint32_t e = (bb - 0x4B400000u + 127u) << 23;
-  float scale;
+  const U e = (bb - 0x4B400000u + 127u) << 23;
+  V scale;
   std::memcpy(&scale, &e, sizeof scale);
-  return under ? 0.0f : p * scale;
+  return under ? splat<V>(0.0f) : p * scale;
 }
+inline float exp_fast(float x) { return exp_fast_lanes<float, uint32_t>(x); }
+inline lanes16f exp_fast(lanes16f x) { return exp_fast_lanes<lanes16f, lanes16u>(x); }
 inline double exp_fast(double x) { return std::exp(x); }
+
+// Element j of a row, widened to the accumulator type (scalar), or elements j.j .. j.j + 15.
+template <class T>
+inline auto ld(const T* p, int64_t j) {
+  return widen(p[j]);
+}
+inline lanes16f ld(const float* p, Lanes j) {
+  lanes16f v;
+  std::memcpy(&v, p + j.j, sizeof v);
+  return v;
+}
+inline lanes16f ld(const c10::BFloat16* p, Lanes j) {
+  lanes16h h;
+  std::memcpy(&h, p + j.j, sizeof h);
+  const lanes16u bits = __builtin_convertvector(h, lanes16u) << 16;
+  lanes16f v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+// Store v rounded to T at element j (scalar), or 16 lanes from j.j on (narrow_to per lane).
+template <class T, class A>
+inline void st(T* p, int64_t j, A v) {
+  p[j] = narrow_to<T>(v);
+}
+inline void st(float* p, Lanes j, lanes16f v) { std::memcpy(p + j.j, &v, sizeof v); }
+inline void st(c10::BFloat16* p, Lanes j, lanes16f v) {
+  lanes16u u;
+  std::memcpy(&u, &v, sizeof u);
+  const lanes16u rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const auto nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  const lanes16u out = nan ? lanes16u{} + 0x7FC0u : rounded;
+  const lanes16h h = __builtin_convertvector(out, lanes16h);
+  std::memcpy(p + j.j, &h, sizeof h);
+}
+
+// Acc float: f(Lanes{j}) for each full group of 16 elements of [0, n), f(j) for the rest;
+// Acc double: f(j) for every element.
+template <class Acc, class F>
+inline void for_lanes(int64_t n, F&& f) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<Acc, float>)
+    for (; j + 16 <= n; j += 16) f(Lanes{j});
+  for (; j < n; ++j) f(j);
+}
 
 // Reductions over j in [0, n) in interleaved partial lanes, combined at the end: without
 // -ffast-math GCC will not reorder a float sum or max into vector lanes itself, and a scalar
-// reduction is what made these loops slow. float uses 16 lanes in a GCC vector (one AVX-512
-// register, two AVX2 or four SSE ones; f is then evaluated as a vector where GCC can),
-// double 8 scalar lanes. The order is fixed, so results are reproducible.
-using lanes16f = float __attribute__((vector_size(64)));
-
+// reduction is what made these loops slow. float: f(Lanes) gives 16 lanes at a time (see
+// above), f(int64_t) one tail element; double: 8 scalar lanes of f(int64_t). The order is
+// fixed, so results are reproducible.
 template <class Acc, class F>
 inline Acc lane_sum(int64_t n, F&& f) {
   int64_t j = 0;
   Acc s = 0;
   if constexpr (std::is_same_v<Acc, float>) {
     lanes16f part = {};
-    for (; j + 16 <= n; j += 16) {
-      lanes16f v = {};
-      for (int k = 0; k < 16; ++k) v[k] = f(j + k);
-      part += v;
-    }
+    for (; j + 16 <= n; j += 16) part += f(Lanes{j});
     for (int k = 0; k < 16; ++k) s += part[k];
   } else {
     Acc part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -116,10 +177,9 @@ inline Acc lane_max(int64_t n, Acc init, F&& f) {
   int64_t j = 0;
   Acc m = init;
   if constexpr (std::is_same_v<Acc, float>) {
-    lanes16f part = init - lanes16f{};  // init in every lane
+    lanes16f part = splat<lanes16f>(init);
     for (; j + 16 <= n; j += 16) {
-      lanes16f v = {};
-      for (int k = 0; k < 16; ++k) v[k] = f(j + k);
+      const lanes16f v = f(Lanes{j});
       part = v > part ? v : part;
     }
     for (int k = 0; k < 16; ++k) m = part[k] > m ? part[k] : m;

@@ -7,8 +7,10 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "config/errors.h"
@@ -16,6 +18,7 @@
 #include "models/fused_ops.h"
 #include "models/gemm.h"
 #include "models/init.h"
+#include "models/kernel_math.h"
 #include "models/layers.h"
 #include "models/llama/args.h"
 #include "models/llama/model.h"
@@ -833,6 +836,78 @@ TEST(FusedOps, CrossEntropyMatchesAten) {
     EXPECT_LT(max_abs_diff(a.grad(), b.grad()) / scale, tol);
   }
   EXPECT_THROW(fused_cross_entropy(torch::randn({2, 5}), torch::tensor({0, 5}, torch::kLong), 1.0), c10::Error);
+}
+
+// ---- kernel_math.h: the 16-lane forms of the kernels' helpers -----------------------------
+// Each lane must compute exactly what the scalar helper computes for its element, so the
+// vectorised softmax / cross-entropy loops give the bits a scalar loop would.
+TEST(KernelMath, LanesComputeExactlyWhatTheScalarHelpersDo) {
+  using namespace kernel;
+  std::vector<float> x;  // the exp's special ranges, a sweep, then random bit patterns
+  for (float v : {-std::numeric_limits<float>::infinity(), std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::quiet_NaN(), -87.5f, -87.0f, -86.99f, 0.0f, -0.0f, 1e-30f, 87.9f,
+                  88.0f, 88.5f, 0.5f, -0.5f, 0.34657359f, 1.0f})
+    x.push_back(v);
+  for (int i = 0; i < 400; ++i) x.push_back(-100.0f + 0.47f * static_cast<float>(i));
+  uint32_t state = 12345u;
+  for (int i = 0; i < 4000; ++i) {
+    state = state * 1664525u + 1013904223u;
+    float v;
+    std::memcpy(&v, &state, sizeof v);
+    x.push_back(v);
+  }
+  x.resize(x.size() / 16 * 16);
+  auto bits = [](float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, sizeof u);
+    return u;
+  };
+  std::vector<c10::BFloat16> h(x.size()), h_ref(x.size());
+  std::vector<float> e(x.size()), back(x.size());
+  for (size_t j = 0; j < x.size(); j += 16) {
+    const lanes16f v = ld(x.data(), Lanes{static_cast<int64_t>(j)});
+    st(e.data(), Lanes{static_cast<int64_t>(j)}, exp_fast(v));
+    st(h.data(), Lanes{static_cast<int64_t>(j)}, v);
+  }
+  for (size_t j = 0; j < x.size(); j += 16) st(back.data(), Lanes{static_cast<int64_t>(j)}, ld(h.data(), Lanes{static_cast<int64_t>(j)}));
+  int exp_mismatch = 0, bf16_mismatch = 0, widen_mismatch = 0;
+  for (size_t j = 0; j < x.size(); ++j) {
+    const float want = exp_fast(x[j]);
+    exp_mismatch += !(bits(e[j]) == bits(want) || (std::isnan(e[j]) && std::isnan(want)));
+    st(h_ref.data(), static_cast<int64_t>(j), x[j]);
+    bf16_mismatch += h[j].x != h_ref[j].x;
+    widen_mismatch += bits(back[j]) != bits(widen(h_ref[j]));
+  }
+  EXPECT_EQ(exp_mismatch, 0);
+  EXPECT_EQ(bf16_mismatch, 0);
+  EXPECT_EQ(widen_mismatch, 0);
+  // The scalar helpers themselves: e^x within a few ulp where it is representable, 0 below
+  // the cut-off, bf16 rounding to nearest even, NaN kept NaN.
+  for (float v : {-80.0f, -10.0f, -1.0f, -0.01f, 0.0f, 0.7f, 5.0f, 80.0f})
+    EXPECT_NEAR(exp_fast(v), std::exp(v), 4e-7 * std::exp(v)) << v;
+  EXPECT_EQ(exp_fast(-std::numeric_limits<float>::infinity()), 0.0f);
+  EXPECT_EQ(exp_fast(-90.0f), 0.0f);
+  EXPECT_EQ(narrow_to<c10::BFloat16>(1.0f + 1.0f / 256).x, narrow_to<c10::BFloat16>(1.0f).x);  // tie → even
+  EXPECT_EQ(narrow_to<c10::BFloat16>(1.0f + 3.0f / 256).x, narrow_to<c10::BFloat16>(1.0f + 1.0f / 64).x);
+  EXPECT_TRUE(std::isnan(widen(narrow_to<c10::BFloat16>(std::numeric_limits<float>::quiet_NaN()))));
+  // The reductions: partial lanes over full groups plus a scalar tail.
+  const int64_t n = 37;
+  const float mx = lane_max<float>(n, -std::numeric_limits<float>::infinity(), [&](auto j) { return ld(x.data() + 100, j); });
+  const float sm = lane_sum<float>(n, [&](auto j) { return ld(x.data() + 16, j); });
+  float mx_ref = -std::numeric_limits<float>::infinity();
+  double sm_ref = 0.0;
+  for (int64_t j = 0; j < n; ++j) {
+    mx_ref = std::max(mx_ref, x[100 + j]);
+    sm_ref += x[16 + j];
+  }
+  EXPECT_EQ(mx, mx_ref);
+  EXPECT_NEAR(sm, sm_ref, 1e-5 * std::abs(sm_ref) + 1e-4);
+  int visited = 0;
+  for_lanes<float>(n, [&](auto j) {
+    if constexpr (std::is_same_v<decltype(j), Lanes>) visited += 16;
+    else visited += 1;
+  });
+  EXPECT_EQ(visited, n);
 }
 
 // ---- GEMM (models/gemm.h) against at::mm / at::linear -------------------------------------
