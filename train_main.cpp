@@ -1,5 +1,6 @@
 // The train executable: process set-up, then ctitan::train_main (train.cpp).
 #include <malloc.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -36,6 +37,12 @@ int main(int argc, char** argv) {
     setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
     execv("/proc/self/exe", argv);  // returns only on failure: then run as we are
   }
+  // A peer rank that dies closes its sockets; the next write to one (Gloo writes with plain
+  // writev) would raise SIGPIPE, whose default action ends this rank silently, with no line
+  // saying why (seen once: a surviving rank of a killed-during-save test exited with no
+  // message). Ignored, the write fails with EPIPE and the collective's error names the rank,
+  // as in PyTorch, whose interpreter ignores SIGPIPE for the same reason.
+  signal(SIGPIPE, SIG_IGN);
   // Fixed mmap threshold: glibc otherwise raises it after large frees, so memory that
   // FSDP releases (full parameters after sharding, unsharded units after use) would stay
   // in the heap and in RSS instead of going back to the system.

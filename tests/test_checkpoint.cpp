@@ -855,7 +855,7 @@ TEST_F(CheckpointE2E, FailuresDuringSaveKeepThePreviousCheckpoint) {
       EXPECT_EQ(rs[1].exit_code, 128 + SIGKILL);
       EXPECT_NE(rs[0].output.find("checkpoint save of step 4 failed: rank 1 did not finish writing"),
                 std::string::npos)
-          << rs[0].output;
+          << "exit code " << rs[0].exit_code << "\n" << rs[0].output;
     }
     const auto scan = ckpt::scan_folder(dump + "/checkpoint");
     EXPECT_EQ(scan.complete, (std::vector<int64_t>{2}));
