@@ -139,7 +139,8 @@ echo "## Sequence scaling (33M, bf16, 2048 tokens per step)"
 echo
 log "33M seq 2048"
 s512=$(awk '$1=="33M" && $2=="bf16" {print $3}' "$OUT/tps")
-read -r s2048 _ _ <<<"$(ctitan_run seq2048 33M_2048 bf16)"
+# Two runs, the better kept, as for the seq 512 figure it is compared with.
+read -r s2048 _ _ <<<"$({ ctitan_run seq2048_a 33M_2048 bf16; ctitan_run seq2048_b 33M_2048 bf16; } | best_of)"
 echo "| seq × batch | ctitan tok/s | vs seq 512 |"
 echo "|---|---:|---:|"
 awk -v a="$s512" -v b="$s2048" 'BEGIN { printf "| 512 × 4 | %.0f | 1.00x |\n| 2048 × 1 | %.0f | **%.2fx** |\n", a, b, b/a }'
