@@ -51,10 +51,14 @@ Backend choose_backend() {
   return onednn().found() ? Backend::OneDNN : Backend::ATen;
 }
 
+// fp32 projections only. bf16 ones stay on at::linear, i.e. oneDNN's matmul primitive for
+// forward, dX and dW: it writes bf16 directly, and in a 33M bf16 step that beat the GEMM's
+// fp32 dW plus a rounding pass (alternating 10-step runs: 1,755 vs 1,679 tok/s on average,
+// 4 of 5 pairs; in isolation the GEMM's dW was 1-6% faster, bench/gemm_bench.py) — the
+// forward and dX had already measured no faster through the GEMM.
 bool on_gemm(const at::Tensor& x, const at::Tensor& w) {
-  const auto t = x.scalar_type();
   return backend() == Backend::OneDNN && x.device().is_cpu() && w.device().is_cpu() && w.dim() == 2 &&
-         w.scalar_type() == t && (t == at::kFloat || t == at::kBFloat16);
+         x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat;
 }
 
 // A 2-D tensor as a gemm operand, copied to row-major first if it has no unit stride.
@@ -84,10 +88,7 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
     const auto x2 = x.reshape({-1, in});
     std::vector<int64_t> shape = x.sizes().vec();
     shape.back() = out;
-    // bf16: oneDNN's matmul primitive (what at::linear runs) writes bf16 directly; the
-    // GEMM's fp32 result would need one more pass to round it (measured: no faster).
-    if (x.scalar_type() == at::kBFloat16) return at::mm(x2, w.t()).view(shape);
-    // fp32: oneDNN's sgemm reads a transposed B slower than a plain one when the output is
+    // oneDNN's sgemm reads a transposed B slower than a plain one when the output is
     // narrow (measured, M = 2048: 167-169 vs 182-192 GFLOP/s for out <= in, the other way
     // round for out 1536 and 8192); Wᵀ is one small copy (out·in, not M·anything).
     if (out <= in) return mm_f32(x2, w.t().contiguous()).view(shape);
@@ -215,13 +216,8 @@ std::pair<at::Tensor, at::Tensor> linear_backward(const at::Tensor& g_in, const 
       gw = (wt.stride(0) == 1 && wt.stride(1) == wt.size(0)) ? g.t().mm(x2) : x2.t().mm(g).t();
     return {gx, gw};
   }
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  if (need_x)  // dX = dY W; bf16 through oneDNN's matmul primitive (bf16 out), as forward
-    gx = (bf16 ? at::mm(g, w) : mm_f32(g, w)).view(x.sizes());
-  if (need_w) {  // dW = dYᵀ X, accumulated in fp32 for bf16 too
-    gw = mm_f32(g.t(), x2);
-    if (bf16) gw = gw.to(at::kBFloat16);
-  }
+  if (need_x) gx = mm_f32(g, w).view(x.sizes());  // dX = dY W
+  if (need_w) gw = mm_f32(g.t(), x2);               // dW = dYᵀ X
   return {gx, gw};
 }
 

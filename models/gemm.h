@@ -49,8 +49,9 @@ double peak_flops(at::ScalarType type, int64_t n = 2048);
 bool as_operand(const at::Tensor& t, Operand& out);
 
 // y = x Wᵀ for x [..., in], w [out, in] → [..., out], differentiable in x and w. fp32
-// (and, for dW, bf16) multiplies go through gemm(); other dtypes, and the ATen backend, run
-// the calls at::linear's autograd would.
+// multiplies go through gemm(); bf16 (oneDNN's matmul primitive, bf16 out: faster in a
+// training step, see on_gemm), other dtypes and the ATen backend run the calls at::linear's
+// autograd would.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w);
 
 // The backward of linear for an output gradient g [..., out]: {dx or undefined, dw or
