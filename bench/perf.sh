@@ -142,8 +142,8 @@ log "33M seq 2048"
 # a ratio of runs minutes apart (the 512 figure of the first table) moves with the machine.
 seq_run() { ctitan_run "seq$1_$2" "$3" bf16 | cut -d' ' -f1; }
 a1=$(seq_run 512 a 33M); b1=$(seq_run 2048 a 33M_2048); a2=$(seq_run 512 b 33M); b2=$(seq_run 2048 b 33M_2048)
-s512=$(printf '%s\n%s\n' "$a1" "$a2" | sort -g | tail -1)
-s2048=$(printf '%s\n%s\n' "$b1" "$b2" | sort -g | tail -1)
+s512=$(printf '%s\n%s\n' "$a1" "$a2" | best_of)
+s2048=$(printf '%s\n%s\n' "$b1" "$b2" | best_of)
 echo "| seq × batch | ctitan tok/s | vs seq 512 |"
 echo "|---|---:|---:|"
 awk -v a="$s512" -v b="$s2048" 'BEGIN { printf "| 512 × 4 | %.0f | 1.00x |\n| 2048 × 1 | %.0f | **%.2fx** |\n", a, b, b/a }'

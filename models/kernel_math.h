@@ -43,13 +43,19 @@ template <class T>
 inline T narrow_to(float f) {
   return static_cast<T>(f);
 }
+// The bf16 bits of float32 bits u, rounded to nearest even, NaN kept NaN (in the low 16 bits).
+// U: uint32_t, or a vector of them (kernel_math's 16-lane store uses the same rounding).
+template <class U>
+inline U bf16_bits(U u) {
+  const U rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const auto nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  return nan ? U{} + 0x7FC0u : rounded;
+}
 template <>
-inline c10::BFloat16 narrow_to<c10::BFloat16>(float f) {  // round to nearest even, NaN kept NaN
+inline c10::BFloat16 narrow_to<c10::BFloat16>(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-  return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
+  return c10::BFloat16(static_cast<uint16_t>(bf16_bits(u)), c10::BFloat16::from_bits());
 }
 template <class T>
 inline T narrow_to(double d) {
@@ -133,10 +139,7 @@ inline void st(float* p, Lanes j, lanes16f v) { std::memcpy(p + j.j, &v, sizeof 
 inline void st(c10::BFloat16* p, Lanes j, lanes16f v) {
   lanes16u u;
   std::memcpy(&u, &v, sizeof u);
-  const lanes16u rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const auto nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-  const lanes16u out = nan ? lanes16u{} + 0x7FC0u : rounded;
-  const lanes16h h = __builtin_convertvector(out, lanes16h);
+  const lanes16h h = __builtin_convertvector(bf16_bits(u), lanes16h);
   std::memcpy(p + j.j, &h, sizeof h);
 }
 
