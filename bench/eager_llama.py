@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
-"""Plain PyTorch eager reference of ctitan's Llama 3 training step.
+"""PyTorch 2 reference of ctitan's Llama 3 training step (the venv's PyTorch 2.13).
 
 Written for bench/perf.sh: the same model (torchtitan's Llama 3 layout and parameter names,
 so ctitan's consolidated export loads with load_state_dict), the same loss (token-mean
-cross-entropy on float32 logits), AdamW and gradient-norm clipping, run the way a torchtitan
-user runs it on a CPU: eager mode, and for bf16 torch.autocast("cpu", torch.bfloat16).
-Debian's python3-torch is 1.13: there is no scaled_dot_product_attention, so attention is
-the explicit masked-softmax formula torchtitan falls back to.
+cross-entropy on float32 logits), AdamW (fused, torchtitan's default implementation) and
+gradient-norm clipping, run the way a torchtitan user runs it on a CPU: attention through
+F.scaled_dot_product_attention (is_causal, GQA without repeat_kv copies), bf16 through
+torch.autocast("cpu", torch.bfloat16), and optionally:
+  --compile   each transformer block under torch.compile (inductor), as torchtitan's
+              compile.enable does;
+  --fsdp      FSDP2: fully_shard on every block, then the root, over Gloo; bf16 as
+              MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) instead of autocast,
+              as torchtitan does. Start it with torchrun; tokens/s is summed over the ranks.
 
 Two modes:
   speed:  random tokens, --warmup steps untimed, then --steps timed; prints one JSON line.
@@ -15,7 +20,7 @@ Two modes:
 """
 import argparse
 import json
-import math
+import os
 import resource
 import time
 
@@ -67,16 +72,9 @@ class Attention(nn.Module):
         q = rotate(self.wq(x).view(B, T, -1, self.hd), table)
         k = rotate(self.wk(x).view(B, T, -1, self.hd), table)
         v = self.wv(x).view(B, T, -1, self.hd)
-        rep = self.heads // self.kv_heads
-        if rep > 1:  # torchtitan's repeat_kv
-            k = k[:, :, :, None, :].expand(B, T, self.kv_heads, rep, self.hd).reshape(B, T, -1, self.hd)
-            v = v[:, :, :, None, :].expand(B, T, self.kv_heads, rep, self.hd).reshape(B, T, -1, self.hd)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        scores = torch.matmul(q * (1.0 / math.sqrt(self.hd)), k.transpose(-2, -1))
-        mask = torch.ones(T, T, dtype=torch.bool).triu(1)
-        probs = torch.softmax(scores.masked_fill(mask, float("-inf")).float(), -1).type_as(v)
-        out = torch.matmul(probs, v).transpose(1, 2).reshape(B, T, -1)
-        return self.wo(out)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):
@@ -119,12 +117,26 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
+def shard(model, args):
+    """FSDP2 as torchtitan applies it: every block, then the root. Returns the world size."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dist.init_process_group("gloo")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
+                              reduce_dtype=torch.float32)
+    for blk in model.layers:
+        fully_shard(blk, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return dist.get_world_size()
+
+
 def train_step(model, opt, inputs, labels, args, lr=None):
     if lr is not None:
         for g in opt.param_groups:
             g["lr"] = lr
     opt.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bf16" and not args.fsdp):
         logits = model(inputs)
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
     loss.backward()
@@ -169,12 +181,20 @@ def main():
     p.add_argument("--weights", help="ctitan consolidated export (.pt): parity mode")
     p.add_argument("--windows", help="CTITAN_TRACE_WINDOWS file of the ctitan run: parity mode")
     p.add_argument("--lrs", help="comma-separated learning rate of each step: parity mode")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block (inductor)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 over Gloo (start with torchrun)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = Llama(args)
     opt_kw = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+    world = 1
+    if args.fsdp:
+        world = shard(model, args)
+    if args.compile:  # per block, as torchtitan's apply_compile
+        for i, blk in enumerate(model.layers):
+            model.layers[i] = torch.compile(blk)
 
     if args.weights:  # parity: ctitan's weights, ctitan's batches, ctitan's learning rates
         state = torch.load(args.weights)
@@ -193,7 +213,7 @@ def main():
 
     for prm in model.parameters():  # speed only: torchtitan-like scales
         nn.init.normal_(prm, std=0.02) if prm.dim() > 1 else None
-    opt = torch.optim.AdamW(model.parameters(), foreach=True, **opt_kw)
+    opt = torch.optim.AdamW(model.parameters(), fused=not args.fsdp, **opt_kw)
     g = torch.Generator().manual_seed(1)
     toks = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
     inputs, labels = toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
@@ -203,8 +223,10 @@ def main():
     for _ in range(args.steps):
         loss, _ = train_step(model, opt, inputs, labels, args)
     dt = (time.perf_counter() - t0) / args.steps
+    if args.fsdp and int(os.environ["RANK"]) != 0:
+        return
     print(json.dumps({
-        "tokens_per_s": args.batch * args.seq / dt,
+        "tokens_per_s": world * args.batch * args.seq / dt,
         "step_s": dt,
         "loss": loss,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,

@@ -1,29 +1,31 @@
 #!/usr/bin/env bash
-# Training-speed benchmark (not a test): ctitan against a plain PyTorch eager reference of the
-# same model (bench/eager_llama.py, Debian's python3-torch: the same LibTorch kernels), side by
-# side in one run, same config, same threads, each side with the OpenMP wait policy that
-# serves it best (ctitan: its own choice, see train_main.cpp; eager: PASSIVE for fp32, whose
-# OpenBLAS threads spinning OpenMP workers starve — 551 vs 412 tok/s on 33M — and libgomp's
-# default for bf16, 1,005-1,040 vs 975-999). The machine is shared and noisy, so every number is read next to a reference measured in the same run, and the two
-# sides alternate (ctitan, eager, ctitan, eager; the better of the two runs of each is kept).
+# Training-speed benchmark (not a test): ctitan against PyTorch 2.13 (the venv's, whose LibTorch
+# ctitan is built on) running the same model (bench/eager_llama.py: torchtitan's layout, SDPA,
+# fused AdamW) eagerly and under torch.compile, side by side in one run, same config, same
+# threads. The machine is shared and noisy, so every number is read next to a reference measured
+# in the same run, and the sides alternate (ctitan, eager, compile, ctitan, eager, compile; the
+# better of the two runs of each is kept).
 #
 #   bench/perf.sh            # everything below, prints Markdown tables (README: "Performance")
 #   STEPS=6 bench/perf.sh    # timed steps per run (after 2 untimed warm-up steps)
+#   PARTS="speed fsdp" bench/perf.sh   # some tables only: speed seq fsdp data parity
 #
 # Tables:
-#  1. tokens/s, TFLOP/s, MFU against the matmul peak measured here (2048³ matmuls, same
-#     threads, the better of ATen's and oneDNN's GEMM), peak RSS, ctitan / eager — debug (dim 256, 6 layers, 16 heads, 8 kv heads,
-#     vocab 2048, seq 512, batch 8) and 33M (dim 512, 8 layers, 8 heads, 4 kv heads, vocab
-#     8192, seq 512, batch 4), fp32 and bf16 (ctitan: bf16 mixed precision; eager: autocast).
+#  1. tokens/s, TFLOP/s, MFU against the matmul peak measured here (2048³ torch.mm, same
+#     threads), peak RSS, ctitan / eager and ctitan / compile — debug (dim 256, 6 layers,
+#     16 heads, 8 kv heads, vocab 2048, seq 512, batch 8) and 33M (dim 512, 8 layers, 8 heads,
+#     4 kv heads, vocab 8192, seq 512, batch 4), fp32 and bf16 (ctitan: bf16 mixed precision;
+#     PyTorch: autocast).
 #  2. sequence scaling: 33M bf16 at seq 2048 × batch 1 against seq 512 × batch 4.
-#  3. FSDP 2 ranks × 1 thread against 1 rank × 2 threads (33M, bf16).
+#  3. FSDP, 33M bf16, 2 ranks × 1 thread: ctitan against PyTorch 2.13's FSDP2 (fully_shard
+#     over Gloo, started by torchrun) and against ctitan 1 rank × 2 threads.
 #  4. data pipeline alone: tokens/s of the dataloader (no model).
 #  5. loss parity: ctitan's first losses and eager's from ctitan's initial weights, the same
 #     batches and learning rates, fp32 (and bf16 for information).
 set -euo pipefail
 source "$(dirname "$0")/../scripts/common.sh"
 cd "$CTITAN_ROOT"
-"$CTITAN_ROOT/scripts/install_deps.sh" --bench >&2
+ctitan_ensure_deps >&2
 ctitan_build train checkpoint_tool ctitan_spm_shim dataloader_bench >&2
 ctitan_ensure_default_corpus
 TOK8K="$CTITAN_DATA_DIR/tokenizers/moby_dick_8192.model"
@@ -31,7 +33,9 @@ if [[ ! -s "$TOK8K" ]]; then
   "$CTITAN_ROOT/scripts/train_tokenizer.sh" "$CTITAN_DATA_DIR/moby_dick/moby_dick.txt" "$TOK8K" 8192 >&2
 fi
 
-PY=/usr/bin/python3
+PY=$CTITAN_PYTHON
+PARTS="${PARTS:-speed seq fsdp data parity}"
+part() { [[ " $PARTS " == *" $1 "* ]]; }
 STEPS="${STEPS:-6}"
 WARMUP=2
 THREADS="${THREADS:-$(nproc)}"
@@ -74,66 +78,59 @@ print(tps * ranks, max(r["memory_gib"] for r in rows), fpt)
 EOF
 }
 
-# eager_run <config> <prec> → prints "tokens/s peak_rss_gib"
+# eager_run <config> <prec> [--compile | --fsdp ...] → prints "tokens/s peak_rss_gib"
 eager_run() {
-  local policy=()
-  [[ "$2" == fp32 ]] && policy=(env OMP_WAIT_POLICY=PASSIVE)
+  local cfg=$1 prec=$2; shift 2
   # shellcheck disable=SC2086
-  "${policy[@]}" $PY bench/eager_llama.py ${EG[$1]} --dtype "$2" --threads "$THREADS" --steps "$STEPS" --warmup $WARMUP \
-    | $PY -c 'import json,sys; r=json.loads(sys.stdin.read()); print(r["tokens_per_s"], r["peak_rss_gib"])'
+  $PY bench/eager_llama.py ${EG[$cfg]} --dtype "$prec" --threads "$THREADS" --steps "$STEPS" --warmup $WARMUP "$@" \
+    2>"$OUT/eager.err" | $PY -c 'import json,sys; r=json.loads(sys.stdin.read()); print(r["tokens_per_s"], r["peak_rss_gib"])' \
+    || { log "eager run failed ($cfg $prec $*):"; tail -20 "$OUT/eager.err" >&2; exit 1; }
 }
 
-peak() {  # matmul peak of this process's threads, GFLOP/s: the best of several 2048³ matmuls, each
-          # through ATen (torch.mm) and through oneDNN's GEMM (what ctitan's projections call)
+peak() {  # matmul peak of this process's threads, GFLOP/s: the best of several 2048³ torch.mm
   $PY - "$1" "$THREADS" <<'EOF'
-import ctypes, sys, time, torch
+import sys, time, torch
 torch.set_num_threads(int(sys.argv[2]))
 dt = torch.bfloat16 if sys.argv[1] == "bf16" else torch.float32
 n = 2048
 a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
-c = torch.empty(n, n)
-fns = [lambda: a @ b]
-try:  # the libdnnl this LibTorch links (row-major C API; C in fp32)
-    dnnl = ctypes.CDLL("libdnnl.so.2")
-    f = dnnl.dnnl_gemm_bf16bf16f32 if dt == torch.bfloat16 else dnnl.dnnl_sgemm
-    i64, fl, p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-    f.argtypes = [ctypes.c_char, ctypes.c_char, i64, i64, i64, fl, p, i64, p, i64, fl, p, i64]
-    fns.append(lambda: f(b"N", b"N", n, n, n, 1.0, a.data_ptr(), n, b.data_ptr(), n, 0.0, c.data_ptr(), n))
-except (OSError, AttributeError):
-    pass
 best = 0
-for fn in fns:
-    fn()
-    for _ in range(6):
-        t = time.perf_counter(); fn(); best = max(best, 2 * n**3 / (time.perf_counter() - t))
+a @ b
+for _ in range(6):
+    t = time.perf_counter(); a @ b; best = max(best, 2 * n**3 / (time.perf_counter() - t))
 print(best / 1e9)
 EOF
 }
 
 best_of() { sort -g -k1,1 | tail -1; }
 
+if part speed; then
 echo
-echo "## ctitan vs PyTorch eager ($(nproc) cores, $THREADS threads, $STEPS timed steps after $WARMUP warm-up, best of 2 alternating runs)"
+echo "## ctitan vs PyTorch $($PY -c 'import torch; print(torch.__version__)') eager and torch.compile ($(nproc) cores, $THREADS threads, $STEPS timed steps after $WARMUP warm-up, best of 2 alternating runs)"
 echo
-echo "| model | precision | matmul peak (GFLOP/s) | eager tok/s | ctitan tok/s | ctitan / eager | ctitan TFLOP/s | ctitan MFU | eager MFU | peak RSS eager / ctitan (GiB) |"
-echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+echo "| model | precision | matmul peak (GFLOP/s) | eager tok/s | compile tok/s | ctitan tok/s | ctitan / eager | ctitan / compile | ctitan MFU | eager MFU | compile MFU | peak RSS eager / compile / ctitan (GiB) |"
+echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 for cfg in debug 33M; do
   for prec in fp32 bf16; do
     log "$cfg $prec"
     pk=$(peak "$prec")
-    c1=$(ctitan_run "${cfg}_${prec}_a" "$cfg" "$prec"); e1=$(eager_run "$cfg" "$prec")
-    c2=$(ctitan_run "${cfg}_${prec}_b" "$cfg" "$prec"); e2=$(eager_run "$cfg" "$prec")
+    c1=$(ctitan_run "${cfg}_${prec}_a" "$cfg" "$prec"); e1=$(eager_run "$cfg" "$prec"); k1=$(eager_run "$cfg" "$prec" --compile)
+    c2=$(ctitan_run "${cfg}_${prec}_b" "$cfg" "$prec"); e2=$(eager_run "$cfg" "$prec"); k2=$(eager_run "$cfg" "$prec" --compile)
     pk2=$(peak "$prec")
     pk=$(printf '%s\n%s\n' "$pk" "$pk2" | sort -g | tail -1)
     c=$(printf '%s\n%s\n' "$c1" "$c2" | best_of); e=$(printf '%s\n%s\n' "$e1" "$e2" | best_of)
-    read -r ct cm fpt <<<"$c"; read -r et em <<<"$e"
+    k=$(printf '%s\n%s\n' "$k1" "$k2" | best_of)
+    read -r ct cm fpt <<<"$c"; read -r et em <<<"$e"; read -r kt km <<<"$k"
     echo "$cfg $prec $ct" >>"$OUT/tps"
-    awk -v m="$cfg" -v p="$prec" -v pk="$pk" -v ct="$ct" -v et="$et" -v f="$fpt" -v cm="$cm" -v em="$em" \
-      'BEGIN { printf "| %s | %s | %.0f | %.0f | %.0f | **%.2fx** | %.3f | %.1f%% | %.1f%% | %.2f / %.2f |\n",
-               m, p, pk, et, ct, ct/et, ct*f/1e12, 100*ct*f/(pk*1e9), 100*et*f/(pk*1e9), em, cm }'
+    log "runs: ctitan $c1 | $c2; eager $e1 | $e2; compile $k1 | $k2"
+    awk -v m="$cfg" -v p="$prec" -v pk="$pk" -v ct="$ct" -v et="$et" -v kt="$kt" -v f="$fpt" -v cm="$cm" -v em="$em" -v km="$km" \
+      'BEGIN { printf "| %s | %s | %.0f | %.0f | %.0f | %.0f | **%.2fx** | **%.2fx** | %.1f%% | %.1f%% | %.1f%% | %.2f / %.2f / %.2f |\n",
+               m, p, pk, et, kt, ct, ct/et, ct/kt, 100*ct*f/(pk*1e9), 100*et*f/(pk*1e9), 100*kt*f/(pk*1e9), em, km, cm }'
   done
 done
+fi
 
+if part seq; then
 echo
 echo "## Sequence scaling (33M, bf16, 2048 tokens per step)"
 echo
@@ -147,9 +144,11 @@ s2048=$(printf '%s\n%s\n' "$b1" "$b2" | best_of)
 echo "| seq × batch | ctitan tok/s | vs seq 512 |"
 echo "|---|---:|---:|"
 awk -v a="$s512" -v b="$s2048" 'BEGIN { printf "| 512 × 4 | %.0f | 1.00x |\n| 2048 × 1 | %.0f | **%.2fx** |\n", a, b, b/a }'
+fi
 
+if part fsdp; then
 echo
-echo "## FSDP: 2 ranks × 1 thread vs 1 rank × 2 threads (33M, bf16, global batch 4 × 512)"
+echo "## FSDP: 2 ranks × 1 thread (33M, bf16, global batch 4 × 512): ctitan, PyTorch FSDP2, ctitan 1 rank × 2 threads"
 echo
 log "FSDP 2x1"
 fsdp_run() {  # fsdp_run <tag> → tokens/s of 2 ranks × 1 thread (both ranks)
@@ -162,15 +161,26 @@ fsdp_run() {  # fsdp_run <tag> → tokens/s of 2 ranks × 1 thread (both ranks)
   read -r t _ _ <<<"$(ctitan_summary "$dir" 2)"
   echo "$t"
 }
+fsdp2_run() {  # PyTorch's FSDP2 (fully_shard) on the same 2 ranks × 1 thread, started by torchrun
+  # shellcheck disable=SC2086
+  OMP_NUM_THREADS=1 "$CTITAN_VENV/bin/torchrun" --standalone --nproc-per-node 2 bench/eager_llama.py ${EG[33M]} \
+    --batch 2 --dtype bf16 --threads 1 --steps "$STEPS" --warmup $WARMUP --fsdp 2>"$OUT/fsdp2.err" \
+    | $PY -c 'import json,sys; print(json.loads(sys.stdin.read())["tokens_per_s"])' \
+    || { log "FSDP2 run failed:"; tail -20 "$OUT/fsdp2.err" >&2; exit 1; }
+}
 # Alternating, best of two each, as in the first table.
-o1=$(THREADS=2 ctitan_run fsdp1x2_a 33M bf16 | cut -d' ' -f1); t1=$(fsdp_run fsdp2x1_a)
-o2=$(THREADS=2 ctitan_run fsdp1x2_b 33M bf16 | cut -d' ' -f1); t2=$(fsdp_run fsdp2x1_b)
-one=$(printf '%s\n%s\n' "$o1" "$o2" | sort -g | tail -1)
-two=$(printf '%s\n%s\n' "$t1" "$t2" | sort -g | tail -1)
-echo "| layout | tok/s | vs 1 × 2 |"
+o1=$(THREADS=2 ctitan_run fsdp1x2_a 33M bf16 | cut -d' ' -f1); t1=$(fsdp_run fsdp2x1_a); f1=$(fsdp2_run)
+o2=$(THREADS=2 ctitan_run fsdp1x2_b 33M bf16 | cut -d' ' -f1); t2=$(fsdp_run fsdp2x1_b); f2=$(fsdp2_run)
+one=$(printf '%s\n%s\n' "$o1" "$o2" | best_of)
+two=$(printf '%s\n%s\n' "$t1" "$t2" | best_of)
+ref=$(printf '%s\n%s\n' "$f1" "$f2" | best_of)
+log "runs: ctitan 1x2 $o1 | $o2; ctitan FSDP $t1 | $t2; FSDP2 $f1 | $f2"
+echo "| layout | tok/s | ctitan FSDP / this |"
 echo "|---|---:|---:|"
-awk -v a="$one" -v b="$two" 'BEGIN { printf "| 1 rank × 2 threads | %.0f | 1.00x |\n| 2 ranks × 1 thread (FSDP) | %.0f | **%.2fx** |\n", a, b, b/a }'
+awk -v a="$one" -v b="$two" -v r="$ref" 'BEGIN { printf "| ctitan, 2 ranks × 1 thread (FSDP) | %.0f | 1.00x |\n| PyTorch FSDP2, 2 ranks × 1 thread | %.0f | **%.2fx** |\n| ctitan, 1 rank × 2 threads | %.0f | **%.2fx** |\n", b, r, b/r, a, b/a }'
+fi
 
+if part data; then
 echo
 echo "## Data pipeline alone (one rank: read, tokenize, pack; no model)"
 echo
@@ -186,6 +196,9 @@ for cfg in debug 33M; do
     'BEGIN { printf "| %s | 512 × %d | %.0f | %.0f | **%.0fx** |\n", t, b, dl, tr, dl/tr }'
 done
 
+fi
+
+if part parity; then
 echo
 echo "## Loss parity (debug model, same initial weights, batches and learning rates)"
 echo
@@ -215,3 +228,4 @@ rel = max(abs(a - b) / abs(b) for a, b in zip(c, e))
 print(f"| {sys.argv[1]} | {len(c)} | {rel:.2e} | {' '.join(f'{v:.6f}' for v in c)} | {' '.join(f'{v:.6f}' for v in e)} |")
 EOF
 done
+fi

@@ -179,7 +179,7 @@ std::string write_rank_file(const std::vector<StateEntry>& entries, const std::s
 template <class S>
 S& adam_state(torch::optim::Optimizer& opt, const at::Tensor& p) {
   // The key LibTorch's Adam/AdamW use for a parameter's state.
-  const std::string key = c10::guts::to_string(p.unsafeGetTensorImpl());
+  void* const key = p.unsafeGetTensorImpl();
   auto& st = opt.state();
   auto it = st.find(key);
   if (it == st.end()) {

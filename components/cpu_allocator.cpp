@@ -34,12 +34,15 @@ int64_t default_max_cached() {
 
 class CachingCpuAllocator final : public c10::Allocator {
  public:
-  c10::DataPtr allocate(size_t n) const override {
+  c10::DataPtr allocate(size_t n) override {
     void* p = n < kMinCachedBytes ? system_alloc(n) : self().take((n + kGranule - 1) / kGranule * kGranule);
     return {p, p, &free_block, c10::Device(c10::DeviceType::CPU)};
   }
   // Context == data, so raw_allocate/raw_deallocate work (oneDNN's bf16 matmuls use them).
   c10::DeleterFnPtr raw_deleter() const override { return &free_block; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
 
   static CachingCpuAllocator& self() {
     static auto* a = new CachingCpuAllocator();  // never destroyed: tensors may outlive main

@@ -66,7 +66,7 @@ class FusedAdamW : public torch::optim::AdamW {
 
  private:
   torch::optim::AdamWParamState& state_for(const torch::Tensor& p) {
-    const auto key = c10::guts::to_string(p.unsafeGetTensorImpl());  // torch's key
+    void* const key = p.unsafeGetTensorImpl();  // the key LibTorch files state under
     auto it = state_.find(key);
     if (it == state_.end()) {
       auto s = std::make_unique<torch::optim::AdamWParamState>();

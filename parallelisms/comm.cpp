@@ -10,11 +10,6 @@
 
 namespace ctitan {
 namespace {
-// Gloo in LibTorch 1.13 rejects bfloat16. Collectives that only move data (all-gather,
-// all-to-all) move it bit-for-bit through a same-sized type Gloo knows.
-at::Tensor as_gloo_movable(const at::Tensor& t) {
-  return t.scalar_type() == at::kBFloat16 ? t.view(at::kHalf) : t;
-}
 std::atomic<int64_t> g_step{0};
 std::atomic<int64_t> g_timeout_ms{300000};
 }  // namespace
@@ -55,7 +50,7 @@ void PendingCollective::wait() {
   }
 }
 
-Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::string name, int64_t global_rank)
+Comm::Comm(c10::intrusive_ptr<c10d::Backend> pg, std::string name, int64_t global_rank)
     : pg_(std::move(pg)), name_(std::move(name)), global_rank_(global_rank),
       rank_(pg_->getRank()), size_(pg_->getSize()) {}
 
@@ -86,21 +81,16 @@ PendingCollective Comm::all_gather_flat(const at::Tensor& input, at::Tensor out,
     out.copy_(input.reshape({-1}));
     return {};
   }
-  std::vector<at::Tensor> outs;
-  outs.reserve(size_);
-  auto flat = as_gloo_movable(out).view({size_, S});
-  for (int64_t r = 0; r < size_; ++r) outs.push_back(flat[r]);
-  std::vector<std::vector<at::Tensor>> outputs{outs};
-  std::vector<at::Tensor> inputs{as_gloo_movable(input.reshape({-1}).contiguous())};
+  auto in = input.reshape({-1}).contiguous();
+  auto flat = out.view({-1});
   c10::intrusive_ptr<c10d::Work> work;
   try {
-    work = pg_->allgather(outputs, inputs);
+    work = pg_->_allgather_base(flat, in);
   } catch (const std::exception& e) {
     fail("all_gather(" + tag + ")", e.what());
   }
   // Keep the input alive until the collective completes.
-  auto keep = inputs;
-  return PendingCollective(work, [keep] {}, "all_gather(" + tag + ")", where_of(global_rank_, name_));
+  return PendingCollective(work, [in] {}, "all_gather(" + tag + ")", where_of(global_rank_, name_));
 }
 
 PendingCollective Comm::reduce_scatter_sum(const at::Tensor& input, at::Tensor out,
@@ -108,26 +98,23 @@ PendingCollective Comm::reduce_scatter_sum(const at::Tensor& input, at::Tensor o
   const int64_t S = out.numel();
   TORCH_CHECK(input.numel() == S * size_, "[comm] reduce_scatter_sum: input has ", input.numel(),
               " elements, expected N*S = ", size_, "*", S);
+  TORCH_CHECK(out.is_contiguous() && out.dtype() == input.dtype(),
+              "[comm] reduce_scatter_sum: output must be contiguous, of the input dtype");
   if (size_ == 1) {
     out.copy_(input.reshape_as(out));
     return {};
   }
   auto send = input.reshape({-1}).contiguous();
-  auto recv = at::empty({size_ * S}, input.options());
-  std::vector<int64_t> splits(size_, S);
+  auto recv = out.view({-1});
   c10::intrusive_ptr<c10d::Work> work;
   try {
-    auto recv_m = as_gloo_movable(recv), send_m = as_gloo_movable(send);
-    work = pg_->alltoall_base(recv_m, send_m, splits, splits);
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    work = pg_->_reduce_scatter_base(recv, send, opts);
   } catch (const std::exception& e) {
     fail("reduce_scatter(" + tag + ")", e.what());
   }
-  // recv[j] is rank j's contribution to this rank's chunk.
-  auto finish = [send, recv, out, n = size_, S]() mutable {
-    auto flat = out.view({S});
-    at::sum_out(flat, recv.view({n, S}), {0});
-  };
-  return PendingCollective(work, finish, "reduce_scatter(" + tag + ")", where_of(global_rank_, name_));
+  return PendingCollective(work, [send] {}, "reduce_scatter(" + tag + ")", where_of(global_rank_, name_));
 }
 
 PendingCollective Comm::all_reduce_sum(at::Tensor t, const std::string& tag) {
@@ -163,7 +150,7 @@ void Comm::barrier(const std::string& tag) {
   all_reduce_sum(t, "barrier:" + tag).wait();
 }
 
-static c10::intrusive_ptr<c10d::ProcessGroup> make_gloo(const c10::intrusive_ptr<c10d::Store>& store,
+static c10::intrusive_ptr<c10d::Backend> make_gloo(const c10::intrusive_ptr<c10d::Store>& store,
                                                         int64_t rank, int64_t size,
                                                         std::chrono::milliseconds timeout) {
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);

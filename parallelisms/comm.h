@@ -1,19 +1,17 @@
 // Process groups and the collectives FSDP needs, with timeouts that become errors.
 //
-// LibTorch 1.13's Gloo backend has no reduce_scatter and no flat (_allgather_base)
-// all-gather. Here:
-//  - all_gather_flat: the list form of allgather whose outputs are views into one
-//    [N, S] buffer, so callers see one contiguous tensor;
-//  - reduce_scatter_sum: alltoall_base (rank r sends chunk j of its input to rank j) and a
-//    local sum of the N received chunks. Each rank sends and receives (N-1)/N of the
-//    buffer, the traffic of a ring reduce-scatter — an all-reduce would move twice that.
+// Each group is a c10d Gloo Backend used directly (no ProcessGroup dispatcher in between):
+// all_gather_flat is Gloo's flat all-gather (_allgather_base) into one [N·S] buffer,
+// reduce_scatter_sum its flat reduce-scatter (_reduce_scatter_base), bf16 on the wire as
+// bf16. bench/comm_bench.cpp measures them against what LibTorch 1.13 forced on ctitan
+// (a list all-gather into views; alltoall plus a local sum for the reduce-scatter).
 #pragma once
 #include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
 
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "parallelisms/launch_env.h"
@@ -49,7 +47,7 @@ class PendingCollective {
 
 class Comm {
  public:
-  Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::string name, int64_t global_rank);
+  Comm(c10::intrusive_ptr<c10d::Backend> pg, std::string name, int64_t global_rank);
   // A group of one process and no backend: every collective is a local copy or a no-op.
   // Lets one process run FSDP's mixed-precision machinery (bf16 compute parameters, fp32
   // master weights and gradients) without a process group.
@@ -72,7 +70,7 @@ class Comm {
 
  private:
   Comm() = default;
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  c10::intrusive_ptr<c10d::Backend> pg_;
   std::string name_;
   int64_t global_rank_ = 0, rank_ = 0, size_ = 1;
 };

