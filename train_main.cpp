@@ -14,11 +14,11 @@
 #include "train.h"
 
 namespace {
-// Whether the model's matmuls will run on oneDNN's GEMM (a bad CTITAN_GEMM is reported by
-// train_main; here it counts as "no").
-bool onednn_gemm() {
+// Whether the model's matmuls will run on a GEMM of oneDNN's or MKL's, on the OpenMP workers
+// (a bad CTITAN_GEMM is reported by train_main; here it counts as "no").
+bool gemm_on_openmp_workers() {
   try {
-    return ctitan::gemm::backend() == ctitan::gemm::Backend::OneDNN;
+    return ctitan::gemm::backend() != ctitan::gemm::Backend::ATen;
   } catch (const std::exception&) {
     return false;
   }
@@ -28,12 +28,13 @@ bool onednn_gemm() {
 int main(int argc, char** argv) {
   // libgomp reads OMP_WAIT_POLICY when it is loaded, before main; unless the user chose a
   // policy, pick it by where the matmuls run (models/gemm.h) and start again, same pid:
-  //  - oneDNN's GEMM runs on the OpenMP workers themselves: libgomp's default (spin briefly,
+  //  - oneDNN's or MKL's GEMM runs on the OpenMP workers themselves: libgomp's default (spin briefly,
   //    then sleep) saves a wake-up per back-to-back GEMM call (33M, 2 cores: +5-10% tok/s
   //    against PASSIVE, measured in fp32 and bf16);
-  //  - ATen's fp32 matmuls run on OpenBLAS's own threads, which spinning OpenMP workers
-  //    starve (debug model, 2 cores: 987 → 1,548 tokens/s with PASSIVE).
-  if (!std::getenv("OMP_WAIT_POLICY") && !onednn_gemm()) {
+  //  - on a LibTorch exporting neither (Debian's 1.13 sent fp32 matmuls to OpenBLAS), ATen's
+  //    matmuls may run on a BLAS's own threads, which spinning OpenMP workers starve
+  //    (OpenBLAS, debug model, 2 cores: 987 → 1,548 tokens/s with PASSIVE).
+  if (!std::getenv("OMP_WAIT_POLICY") && !gemm_on_openmp_workers()) {
     setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
     execv("/proc/self/exe", argv);  // returns only on failure: then run as we are
   }

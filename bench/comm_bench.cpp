@@ -98,7 +98,10 @@ int main() {
     reduce_scatter_native(pg, full, out_part);
     auto ref = out_part.clone();
     reduce_scatter_113(pg, full, out_part, world);
-    TORCH_CHECK(at::allclose(ref.to(at::kFloat), out_part.to(at::kFloat), 1e-2, 1e-2), "reduce-scatter ways differ");
+    // fp32: the same sum up to ordering; bf16: each way rounds its partial sums to bf16.
+    const double tol = dtype == at::kFloat ? 1e-5 : 0.1;
+    const double diff = (ref.to(at::kFloat) - out_part.to(at::kFloat)).abs().max().item<double>();
+    TORCH_CHECK(diff <= tol, "reduce-scatter ways differ by ", diff, " (", dn, ")");
     all_gather_native(pg, part, out_full);
     ref = out_full.clone();
     all_gather_113(pg, part, out_full, world);

@@ -17,38 +17,106 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// oneDNN's C GEMM API (oneapi/dnnl/dnnl.h): row-major, dnnl_dim_t = int64_t, returns
-// dnnl_status_t (0 = success). bf16 travels as its 16 raw bits.
-using SgemmFn = int (*)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*,
-                        int64_t, float, float*, int64_t);
-using Bf16GemmFn = int (*)(char, char, int64_t, int64_t, int64_t, float, const uint16_t*, int64_t,
-                           const uint16_t*, int64_t, float, float*, int64_t);
+// Row-major GEMM entry points (C[m, n] = alpha·op(A)·op(B) + beta·C, C fp32, bf16 operands
+// as their 16 raw bits, products summed in fp32), bound to whichever library the loaded
+// LibTorch exports. Looked up among the libraries already loaded, never dlopen'ed: a second
+// copy could bring a second OpenMP runtime along.
+using RowMajorSgemm = void (*)(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                               int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+using RowMajorBf16Gemm = void (*)(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha,
+                                  const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
+                                  float* c, int64_t ldc);
 
-struct OneDNN {
-  // Looked up among the libraries already loaded (Debian's libtorch_cpu links libdnnl.so.2);
-  // never dlopen'ed here: a second copy could bring a second OpenMP runtime along.
-  SgemmFn sgemm = reinterpret_cast<SgemmFn>(dlsym(RTLD_DEFAULT, "dnnl_sgemm"));
-  Bf16GemmFn bf16 = reinterpret_cast<Bf16GemmFn>(dlsym(RTLD_DEFAULT, "dnnl_gemm_bf16bf16f32"));
-  bool found() const { return sgemm != nullptr && bf16 != nullptr; }
-};
+// oneDNN's C API (oneapi/dnnl/dnnl.h): row-major, dnnl_dim_t = int64_t, returns dnnl_status_t.
+// Debian's LibTorch 1.13 linked libdnnl.so.2 and exported these; a LibTorch built that way
+// still does.
+using DnnlSgemm = int (*)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*,
+                          int64_t, float, float*, int64_t);
+using DnnlBf16 = int (*)(char, char, int64_t, int64_t, int64_t, float, const uint16_t*, int64_t, const uint16_t*,
+                         int64_t, float, float*, int64_t);
+// MKL, which PyTorch's x86-64 wheels link statically and export: the Fortran BLAS sgemm_
+// (column-major, 32-bit integers) and cblas_gemm_bf16bf16f32 (CBLAS enums, 32-bit MKL_INT).
+using MklSgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                          const int*, const float*, const int*, const float*, float*, const int*);
+using MklBf16 = void (*)(int layout, int ta, int tb, int m, int n, int k, float alpha, const uint16_t* a, int lda,
+                         const uint16_t* b, int ldb, float beta, float* c, int ldc);
+constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112;
 
-const OneDNN& onednn() {
-  static const OneDNN d;
-  return d;
+template <class F>
+F lookup(const char* name) {
+  return reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));
 }
 
-Backend choose_backend() {
-  const char* env = std::getenv("CTITAN_GEMM");
-  const std::string want = env ? env : "";
-  if (want == "aten") return Backend::ATen;
-  if (want == "onednn") {
-    if (!onednn().found())
-      throw std::runtime_error("CTITAN_GEMM=onednn, but dnnl_sgemm/dnnl_gemm_bf16bf16f32 are not exported by "
-                               "the loaded LibTorch (unset CTITAN_GEMM to use ATen's matmuls)");
-    return Backend::OneDNN;
+struct Library {
+  Backend backend = Backend::ATen;
+  RowMajorSgemm sgemm = nullptr;
+  RowMajorBf16Gemm bf16 = nullptr;
+};
+
+// oneDNN implements the bf16 GEMM only from AVX-512 on: elsewhere (an AVX2 CPU running bf16
+// by request) it answers dnnl_unimplemented (3, C untouched); the caller then falls back.
+std::atomic<bool> g_bf16_unimplemented{false};
+
+void dnnl_sgemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float al, const float* a, int64_t lda,
+                const float* b, int64_t ldb, float be, float* c, int64_t ldc) {
+  static const auto f = lookup<DnnlSgemm>("dnnl_sgemm");
+  const int rc = f(ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
+  TORCH_CHECK(rc == 0, "[models] oneDNN sgemm ", m, "x", n, "x", k, " failed with dnnl status ", rc);
+}
+void dnnl_bf16(char ta, char tb, int64_t m, int64_t n, int64_t k, float al, const uint16_t* a, int64_t lda,
+               const uint16_t* b, int64_t ldb, float be, float* c, int64_t ldc) {
+  static const auto f = lookup<DnnlBf16>("dnnl_gemm_bf16bf16f32");
+  const int rc = f(ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
+  if (rc == 3) {
+    g_bf16_unimplemented = true;
+    return;
   }
-  if (!want.empty()) throw std::runtime_error("CTITAN_GEMM=" + want + " is not one of: aten, onednn");
-  return onednn().found() ? Backend::OneDNN : Backend::ATen;
+  TORCH_CHECK(rc == 0, "[models] oneDNN bf16 gemm ", m, "x", n, "x", k, " failed with dnnl status ", rc);
+}
+
+int i32(int64_t v) {
+  TORCH_CHECK(v <= INT32_MAX, "[models] gemm: dimension ", v, " exceeds MKL's 32-bit integers");
+  return static_cast<int>(v);
+}
+// Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: the same buffers with A and B
+// swapped, and m and n.
+void mkl_sgemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float al, const float* a, int64_t lda,
+               const float* b, int64_t ldb, float be, float* c, int64_t ldc) {
+  static const auto f = lookup<MklSgemm>("sgemm_");
+  const int M = i32(m), N = i32(n), K = i32(k), LDA = i32(lda), LDB = i32(ldb), LDC = i32(ldc);
+  f(&tb, &ta, &N, &M, &K, &al, b, &LDB, a, &LDA, &be, c, &LDC);
+}
+void mkl_bf16(char ta, char tb, int64_t m, int64_t n, int64_t k, float al, const uint16_t* a, int64_t lda,
+              const uint16_t* b, int64_t ldb, float be, float* c, int64_t ldc) {
+  static const auto f = lookup<MklBf16>("cblas_gemm_bf16bf16f32");
+  f(kCblasRowMajor, ta == 'T' ? kCblasTrans : kCblasNoTrans, tb == 'T' ? kCblasTrans : kCblasNoTrans, i32(m), i32(n),
+    i32(k), al, a, i32(lda), b, i32(ldb), be, c, i32(ldc));
+}
+
+Library find_library(Backend want) {
+  const bool dnnl = lookup<void*>("dnnl_sgemm") && lookup<void*>("dnnl_gemm_bf16bf16f32");
+  const bool mkl = lookup<void*>("sgemm_") && lookup<void*>("cblas_gemm_bf16bf16f32");
+  if ((want == Backend::OneDNN || want == Backend::ATen) && dnnl) return {Backend::OneDNN, dnnl_sgemm, dnnl_bf16};
+  if ((want == Backend::MKL || want == Backend::ATen) && mkl) return {Backend::MKL, mkl_sgemm, mkl_bf16};
+  return {};
+}
+
+const Library& library() {
+  static const Library lib = [] {
+    const char* env = std::getenv("CTITAN_GEMM");
+    const std::string want = env ? env : "";
+    if (want == "aten") return Library{};
+    const Backend w = want == "onednn" ? Backend::OneDNN : want == "mkl" ? Backend::MKL : Backend::ATen;
+    if (!want.empty() && w == Backend::ATen)
+      throw std::runtime_error("CTITAN_GEMM=" + want + " is not one of: aten, mkl, onednn");
+    Library lib = find_library(w);
+    if (w != Backend::ATen && lib.backend != w)
+      throw std::runtime_error("CTITAN_GEMM=" + want + ", but the loaded LibTorch does not export its GEMM (" +
+                               (w == Backend::MKL ? "sgemm_, cblas_gemm_bf16bf16f32" : "dnnl_sgemm, dnnl_gemm_bf16bf16f32") +
+                               "; unset CTITAN_GEMM to use the best one found)");
+    return lib;
+  }();
+  return lib;
 }
 
 // fp32 projections only. bf16 ones stay on at::linear, i.e. oneDNN's matmul primitive for
@@ -57,7 +125,7 @@ Backend choose_backend() {
 // 4 of 5 pairs; in isolation the GEMM's dW was 1-6% faster, bench/gemm_bench.py) — the
 // forward and dX had already measured no faster through the GEMM.
 bool on_gemm(const at::Tensor& x, const at::Tensor& w) {
-  return backend() == Backend::OneDNN && x.device().is_cpu() && w.device().is_cpu() && w.dim() == 2 &&
+  return backend() != Backend::ATen && x.device().is_cpu() && w.device().is_cpu() && w.dim() == 2 &&
          x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat;
 }
 
@@ -103,12 +171,11 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
 
 }  // namespace
 
-Backend backend() {
-  static const Backend b = choose_backend();
-  return b;
-}
+Backend backend() { return library().backend; }
 
-const char* backend_name(Backend b) { return b == Backend::OneDNN ? "oneDNN GEMM" : "ATen matmul"; }
+const char* backend_name(Backend b) {
+  return b == Backend::OneDNN ? "oneDNN GEMM" : b == Backend::MKL ? "MKL GEMM" : "ATen matmul";
+}
 
 bool as_operand(const at::Tensor& t, Operand& out) {
   if (t.dim() != 2) return false;
@@ -139,28 +206,22 @@ void gemm(at::ScalarType type, int64_t m, int64_t n, int64_t k, double alpha, Op
     beta == 0.0 ? cview.zero_() : cview.mul_(beta);
     return;
   }
-  // oneDNN implements the bf16 GEMM only from AVX-512 on: elsewhere (an AVX2 CPU running
-  // bf16 by request) it answers dnnl_unimplemented once and ATen's path serves from then on.
-  static std::atomic<bool> bf16_unimplemented{false};
-  if (backend() == Backend::OneDNN && type != at::kDouble && !(type == at::kBFloat16 && bf16_unimplemented)) {
+  const Library& lib = library();
+  if (lib.backend != Backend::ATen && type != at::kDouble && !(type == at::kBFloat16 && g_bf16_unimplemented)) {
     const char ta = a.trans ? 'T' : 'N', tb = b.trans ? 'T' : 'N';
     float* cf = static_cast<float*>(c);
     const auto al = static_cast<float>(alpha), be = static_cast<float>(beta);
-    const int rc = type == at::kFloat
-                       ? onednn().sgemm(ta, tb, m, n, k, al, static_cast<const float*>(a.p), a.ld,
-                                        static_cast<const float*>(b.p), b.ld, be, cf, ldc)
-                       : onednn().bf16(ta, tb, m, n, k, al, static_cast<const uint16_t*>(a.p), a.ld,
-                                       static_cast<const uint16_t*>(b.p), b.ld, be, cf, ldc);
-    constexpr int kUnimplemented = 3;  // dnnl_unimplemented: C is untouched
-    if (rc == kUnimplemented && type == at::kBFloat16) {
-      bf16_unimplemented = true;
-    } else {
-      TORCH_CHECK(rc == 0, "[models] oneDNN gemm ", m, "x", n, "x", k, " failed with dnnl status ", rc);
+    if (type == at::kFloat) {
+      lib.sgemm(ta, tb, m, n, k, al, static_cast<const float*>(a.p), a.ld, static_cast<const float*>(b.p), b.ld, be,
+                cf, ldc);
       return;
     }
+    lib.bf16(ta, tb, m, n, k, al, static_cast<const uint16_t*>(a.p), a.ld, static_cast<const uint16_t*>(b.p), b.ld,
+             be, cf, ldc);
+    if (!g_bf16_unimplemented) return;
   }
   // ATen: the same product through at::mm on views of the operands. bf16 operands are
-  // widened first, so the products are summed in fp32 as oneDNN does (ATen's own bf16 mm of
+  // widened first, so the products are summed in fp32 as oneDNN and MKL do (ATen's own bf16 mm of
   // small or strided operands can take a path that rounds far more).
   const auto opts = at::TensorOptions().dtype(type);
   auto view = [&](const Operand& o, int64_t rows, int64_t cols) {

@@ -20,7 +20,7 @@
 
 namespace ctitan::gemm {
 
-enum class Backend { OneDNN, ATen };
+enum class Backend { OneDNN, MKL, ATen };
 Backend backend();
 const char* backend_name(Backend b);
 

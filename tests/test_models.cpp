@@ -2,6 +2,7 @@
 // transformer block against an independent plain-ATen reference (forward and backward),
 // RoPE convention, causality, torchtitan's initialisation, and the fused causal attention
 // against the naive masked-softmax formula (fp32 and bf16, GQA, several tilings).
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -921,14 +922,24 @@ torch::Tensor op_view(const torch::Tensor& buf, int64_t rows, int64_t cols, int6
 
 }  // namespace
 
-TEST(Gemm, OneDnnIsUsedWhenLibTorchExportsIt) {
+TEST(Gemm, LibTorchsOwnGemmIsUsedWhenExported) {
   const char* env = std::getenv("CTITAN_GEMM");
   if (env != nullptr && std::string(env) == "aten") {
     EXPECT_EQ(gemm::backend(), gemm::Backend::ATen);
-  } else {
-    // Debian's libtorch_cpu links libdnnl.so.2: the fast path must be the one in use.
-    EXPECT_EQ(gemm::backend(), gemm::Backend::OneDNN);
+    return;
   }
+  // The GEMM entry points the loaded LibTorch exports: oneDNN's (a LibTorch linking
+  // libdnnl, as Debian's) first, else MKL's (PyTorch's x86-64 wheels link MKL statically and
+  // export it). ATen only when neither is there.
+  auto has = [](const char* s) { return dlsym(RTLD_DEFAULT, s) != nullptr; };
+  const auto expected = has("dnnl_sgemm") && has("dnnl_gemm_bf16bf16f32") ? gemm::Backend::OneDNN
+                        : has("sgemm_") && has("cblas_gemm_bf16bf16f32")  ? gemm::Backend::MKL
+                                                                          : gemm::Backend::ATen;
+  EXPECT_EQ(gemm::backend(), expected) << gemm::backend_name(gemm::backend());
+#if defined(__x86_64__)
+  // Every LibTorch ctitan is built and tested on here (PyTorch 2.13's wheel) exports MKL's.
+  EXPECT_NE(gemm::backend(), gemm::Backend::ATen);
+#endif
 }
 
 TEST(Gemm, MatchesMatmulInEveryLayoutAlphaBeta) {
