@@ -584,10 +584,10 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   const int threads = configure_threads(launch.local_world_size);
   const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
   spdlog::info("launch: {} rank {} of {} (local {} of {}); intra-op threads: {} (OpenMP wait policy: {}); "
-               "matmuls: {}; seed: {}{}",
+               "matmuls: {}; seed: {}{}; LibTorch {}",
                launch.launcher, launch.rank, launch.world_size, launch.local_rank, launch.local_world_size, threads,
                wait_policy ? wait_policy : "libgomp default", gemm::backend_name(matmuls), seed,
-               cfg.debug.seed ? "" : " (random: set debug.seed to repeat this run)");
+               cfg.debug.seed ? "" : " (random: set debug.seed to repeat this run)", TORCH_VERSION);
 
   // ---- model: build, initialise, then shard. Construction and init are separate so a
   // sharded build could initialise only what it holds; here every rank initialises the

@@ -8,7 +8,7 @@
 #
 #   bench/perf.sh            # everything below, prints Markdown tables (README: "Performance")
 #   STEPS=6 bench/perf.sh    # timed steps per run (after 2 untimed warm-up steps)
-#   PARTS="speed fsdp" bench/perf.sh   # some tables only: speed seq fsdp data parity
+#   PARTS="speed fsdp" bench/perf.sh   # some tables only: speed seq fsdp data parity kernels
 #
 # Tables:
 #  1. tokens/s, TFLOP/s, MFU against the matmul peak measured here (2048³ torch.mm, same
@@ -22,11 +22,13 @@
 #  4. data pipeline alone: tokens/s of the dataloader (no model).
 #  5. loss parity: ctitan's first losses and eager's from ctitan's initial weights, the same
 #     batches and learning rates, fp32 (and bf16 for information).
+#  6. kernels: each of ctitan's own kernels against the ATen op that
+#     does the same job in LibTorch 2.13 (bench/kernel_bench.cpp), forward + backward.
 set -euo pipefail
 source "$(dirname "$0")/../scripts/common.sh"
 cd "$CTITAN_ROOT"
 ctitan_ensure_deps >&2
-ctitan_build train checkpoint_tool ctitan_spm_shim dataloader_bench >&2
+ctitan_build train checkpoint_tool ctitan_spm_shim dataloader_bench kernel_bench >&2
 ctitan_ensure_default_corpus
 TOK8K="$CTITAN_DATA_DIR/tokenizers/moby_dick_8192.model"
 if [[ ! -s "$TOK8K" ]]; then
@@ -34,7 +36,7 @@ if [[ ! -s "$TOK8K" ]]; then
 fi
 
 PY=$CTITAN_PYTHON
-PARTS="${PARTS:-speed seq fsdp data parity}"
+PARTS="${PARTS:-speed seq fsdp data parity kernels}"
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 STEPS="${STEPS:-6}"
 WARMUP=2
@@ -228,4 +230,12 @@ rel = max(abs(a - b) / abs(b) for a, b in zip(c, e))
 print(f"| {sys.argv[1]} | {len(c)} | {rel:.2e} | {' '.join(f'{v:.6f}' for v in c)} | {' '.join(f'{v:.6f}' for v in e)} |")
 EOF
 done
+fi
+
+if part kernels; then
+echo
+echo "## ctitan's kernels against LibTorch 2.13's own ops"
+echo
+log "kernels"
+OMP_NUM_THREADS=$THREADS "$CTITAN_BUILD_DIR/kernel_bench" 7
 fi
