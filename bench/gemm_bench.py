@@ -1,14 +1,15 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """GEMM micro-benchmark (not a test): the 33M model's projection shapes in the three layouts a
-linear layer multiplies in (forward Y = X·Wᵀ, dX = dY·W, dW = dYᵀ·X), through ATen (torch.mm:
-OpenBLAS for fp32, oneDNN's matmul primitive for bf16) and through the plain GEMM of the
-libdnnl that LibTorch links (dnnl_sgemm / dnnl_gemm_bf16bf16f32, what models/gemm.h calls),
-side by side in one process, best of 5 rounds each. Prints a Markdown table.
+linear layer multiplies in (forward Y = X·Wᵀ, dX = dY·W, dW = dYᵀ·X), through ATen (torch.mm)
+and through the plain GEMM entry points of the MKL that PyTorch's wheel links and exports
+(sgemm_ for fp32, cblas_gemm_bf16bf16f32 for bf16: what models/gemm.h calls), side by side in
+one process, best of 5 rounds each. Prints a Markdown table.
 
-    /usr/bin/python3 bench/gemm_bench.py [--threads N] [--tokens 2048]
+    .venv/bin/python bench/gemm_bench.py [--threads N] [--tokens 2048]
 """
 import argparse
 import ctypes
+import os
 import time
 
 import torch
@@ -19,10 +20,25 @@ p.add_argument("--tokens", type=int, default=2048)  # 33M: batch 4 × seq 512
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 
-dnnl = ctypes.CDLL("libdnnl.so.2")
-i64, f32, ptr, ch = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_char
-for fn in (dnnl.dnnl_sgemm, dnnl.dnnl_gemm_bf16bf16f32):
-    fn.argtypes = [ch, ch, i64, i64, i64, f32, ptr, i64, ptr, i64, f32, ptr, i64]
+# The symbols live in libtorch_cpu.so, already loaded by `import torch`.
+lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+i32, f32, ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+lib.cblas_gemm_bf16bf16f32.argtypes = [i32, i32, i32, i32, i32, i32, f32, ptr, i32, ptr, i32, f32, ptr, i32]
+ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
+
+
+def mkl_sgemm(ta, tb, m, n, k, a, lda, b, ldb, c, ldc):
+    # Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: swap the operands.
+    def ref(v, t):
+        return ctypes.byref(t(v))
+    lib.sgemm_(ref(b"T" if tb else b"N", ctypes.c_char), ref(b"T" if ta else b"N", ctypes.c_char),
+               ref(n, i32), ref(m, i32), ref(k, i32), ref(1.0, f32), ptr(b), ref(ldb, i32), ptr(a), ref(lda, i32),
+               ref(0.0, f32), ptr(c), ref(ldc, i32))
+
+
+def mkl_bf16(ta, tb, m, n, k, a, lda, b, ldb, c, ldc):
+    lib.cblas_gemm_bf16bf16f32(ROW_MAJOR, TRANS if ta else NO_TRANS, TRANS if tb else NO_TRANS, m, n, k, 1.0,
+                               a, lda, b, ldb, 0.0, c, ldc)
 
 
 def best_seconds(f, reps=10, rounds=5):
@@ -39,10 +55,10 @@ def best_seconds(f, reps=10, rounds=5):
 M = args.tokens
 # (name, in, out) of the 33M model's projections (dim 512, 4 kv heads of 64, FFN 1536, vocab 8192)
 layers = [("wq/wo", 512, 512), ("wk/wv", 512, 256), ("w1/w3", 512, 1536), ("w2", 1536, 512), ("output", 512, 8192)]
-print(f"| layer | layout | m×k×n | dtype | ATen GFLOP/s | oneDNN GEMM GFLOP/s | GEMM / ATen |")
+print(f"| layer | layout | m×k×n | dtype | ATen GFLOP/s | MKL GEMM GFLOP/s | GEMM / ATen |")
 print("|---|---|---|---|---:|---:|---:|")
 for dt in (torch.float32, torch.bfloat16):
-    gemm = dnnl.dnnl_sgemm if dt == torch.float32 else dnnl.dnnl_gemm_bf16bf16f32
+    gemm = mkl_sgemm if dt == torch.float32 else mkl_bf16
     for name, fin, fout in layers:
         x = torch.randn(M, fin).to(dt)
         w = torch.randn(fout, fin).to(dt)
@@ -56,9 +72,11 @@ for dt in (torch.float32, torch.bfloat16):
             out = torch.empty(m, n, dtype=dt)
             c = torch.empty(m, n)
             t_aten = best_seconds(lambda: torch.mm(opa, opb, out=out))
-            t_gemm = best_seconds(lambda: gemm(b"T" if ta else b"N", b"T" if tb else b"N", m, n, k, 1.0,
-                                               a.data_ptr(), a.shape[1], b.data_ptr(), b.shape[1], 0.0,
+            t_gemm = best_seconds(lambda: gemm(ta, tb, m, n, k, a.data_ptr(), a.shape[1], b.data_ptr(), b.shape[1],
                                                c.data_ptr(), n))
+            ref = opa.double() @ opb.double()
+            err = ((c.double() - ref).abs().max() / ref.abs().max()).item()
+            assert err < (1e-5 if dt == torch.float32 else 1e-2), f"{name} {label}: GEMM result off by {err:.1e}"
             flop = 2.0 * m * n * k
             print(f"| {name} | {label} | {m}×{k}×{n} | {str(dt)[6:]} | {flop / t_aten / 1e9:.0f} | "
                   f"{flop / t_gemm / 1e9:.0f} | {t_aten / t_gemm:.2f}x |")

@@ -1,18 +1,18 @@
 // Matrix multiplies for the model's projections and attention tiles.
 //
-// LibTorch 1.13 (Debian's CPU build) sends fp32 matmuls to the system BLAS (OpenBLAS) and
-// bf16 ones to oneDNN's matmul primitive. The same libdnnl that LibTorch links also exports
-// plain GEMM entry points (dnnl_sgemm, and dnnl_gemm_bf16bf16f32: bf16 operands, fp32
-// result). Measured on this machine (2 cores, Zen 4; bench/gemm_bench.py, the 33M model's
-// shapes), oneDNN's sgemm runs the backward's layouts (dY·W and dYᵀ·X) 1.06-1.18x faster
-// than OpenBLAS (190-219 against 178-196 GFLOP/s; other runs of the same script 150-185
-// for OpenBLAS), and both GEMMs take leading dimensions, alpha and beta: attention tiles are read
-// in place (no strip copies), the softmax scale rides in alpha and dK/dV accumulate in fp32
-// with beta = 1 (no partial-product tensors, no bf16 rounding of the partial sums).
+// ATen's matmul takes whole tensors: no leading dimensions, no alpha/beta accumulation. The
+// GEMM libraries under LibTorch take both, so attention tiles are read in place (no strip
+// copies), the softmax scale rides in alpha and dK/dV accumulate in fp32 with beta = 1 (no
+// partial-product tensors, no bf16 rounding of the partial sums). Which library depends on
+// the LibTorch: PyTorch 2.x's x86-64 wheels link MKL statically and export its sgemm_ and
+// cblas_gemm_bf16bf16f32 (bf16 operands, fp32 result); a LibTorch built against a shared
+// libdnnl (Debian's 1.13) exports oneDNN's dnnl_sgemm / dnnl_gemm_bf16bf16f32.
+// bench/gemm_bench.py puts MKL's entry points beside torch.mm on the 33M model's shapes.
 //
-// Backend, chosen once per process: oneDNN when its symbols are found, else ATen (at::mm,
-// what at::linear would run). CTITAN_GEMM=aten forces ATen (A/B measurements, and a way
-// out should a oneDNN build misbehave); CTITAN_GEMM=onednn insists on oneDNN (error if absent).
+// Backend, chosen once per process: oneDNN when its symbols are found, else MKL, else ATen
+// (at::mm, what at::linear would run). CTITAN_GEMM=aten forces ATen (A/B measurements, and a
+// way out should a library misbehave); CTITAN_GEMM=onednn or =mkl insists on that one (error
+// if absent).
 #pragma once
 #include <cstdint>
 
@@ -40,7 +40,7 @@ struct Operand {
 void gemm(at::ScalarType type, int64_t m, int64_t n, int64_t k, double alpha, Operand a, Operand b, double beta,
           void* c, int64_t ldc);
 
-// Best-of-4 FLOP/s of gemm() on n×n×n operands of `type` (kFloat or kBFloat16), on the
+// Best FLOP/s of gemm() over >= 0.3 s of runs on n×n×n operands of `type` (kFloat or kBFloat16), on the
 // calling thread's intra-op threads: the MFU reference next to ATen's own matmul peak.
 double peak_flops(at::ScalarType type, int64_t n = 2048);
 
