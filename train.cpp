@@ -638,9 +638,12 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   const std::string peak_dtype = fsdp && cfg.training.mixed_precision_param == "bfloat16" ? "bfloat16" : "float32";
   // The better of ATen's matmul and the GEMM the model's projections use (models/gemm.h),
   // so MFU is never taken against a slower kernel than the one training runs.
-  const double peak_flops =
-      std::max(measure_matmul_peak_flops(peak_dtype),
-               gemm::peak_flops(peak_dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat));
+  const auto measure_peak = [&] {
+    return std::max(measure_matmul_peak_flops(peak_dtype),
+                    gemm::peak_flops(peak_dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat));
+  };
+  double peak_flops = measure_peak();
+  int peak_remeasures = 0;  // see the metrics below
   spdlog::info("measured {} matmul peak: {:.1f} GFLOP/s per rank (MFU reference: the better of {} and ATen "
                "matmul)", peak_dtype, peak_flops / 1e9, gemm::backend_name(matmuls));
   MetricsLogger metrics(cfg.job.dump_folder, /*write=*/launch.rank == 0, cfg.training.steps);
@@ -744,6 +747,14 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
       m.lr = lr;
       m.tps = window_tokens / dt;
       m.tflops = m.tps * flops_per_tok / 1e12;
+      if (m.tps * flops_per_tok > peak_flops && peak_remeasures < 3) {
+        // Training ran faster than the start-up peak: that measurement met a busy moment of a
+        // shared machine. Measure again (outside the timed window) rather than report MFU > 100%.
+        ++peak_remeasures;
+        peak_flops = std::max(peak_flops, measure_peak());
+        spdlog::info("step {} ran at {:.1f} GFLOP/s, above the start-up matmul peak: re-measured, {:.1f} GFLOP/s",
+                     step, m.tps * flops_per_tok / 1e9, peak_flops / 1e9);
+      }
       m.mfu = 100.0 * m.tps * flops_per_tok / peak_flops;
       m.memory_gib = maxes[0];
       m.data_loading_s = maxes[2];
