@@ -1,6 +1,7 @@
 // Inspect / verify / convert / logits; see tool.h.
 #include "checkpoint/tool.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -139,7 +140,10 @@ c10::IValue load_pt(const std::string& path) {
       throw RuntimeFailure("checkpoint tool: cannot read " + path);
   }
   const std::string what = "checkpoint tool: " + path + " is not a readable .pt file";
-  if (torch_save::looks_like_zip(bytes.data(), bytes.size())) torch_save::check_archive(bytes.data(), bytes.size(), what);
+  if (bytes.empty()) throw UserError(what + ": the file is empty");
+  if (!torch_save::looks_like_zip(bytes.data(), bytes.size()))
+    throw UserError(what + ": not a zip archive (torch.save writes one since PyTorch 1.6; its older format is not read)");
+  torch_save::check_archive(bytes.data(), bytes.size(), what);
   auto first_line = [](std::string s) {
     s = s.substr(0, s.find('\n'));
     return s.size() > 300 ? s.substr(0, 300) + "..." : s;
@@ -178,6 +182,16 @@ ModelTensors open_model(const std::string& path, const std::string& name_arg, co
     for (const auto& [key, e] : r->meta().entries)
       if (!e.is_bytes && is_model_key(key)) m.params.push_back({key, e.shape});
     if (!r->has("tok_embeddings.weight")) throw UserError("checkpoint tool: " + path + " holds no model tensors");
+    // The metadata lists entries by name; a known model's own parameter order (its
+    // state_dict's, as the HF and .pt forms give it) when it holds exactly those tensors.
+    try {
+      ParamList model_order = ctitan_params(
+          hf_config_for(m.model_name, m.flavor, r->entry("tok_embeddings.weight").shape.at(0)));
+      if (std::is_permutation(model_order.begin(), model_order.end(), m.params.begin(), m.params.end()))
+        m.params = std::move(model_order);
+    } catch (const std::exception&) {
+      // another model (a test's, say): metadata order
+    }
     m.dtype = r->entry("tok_embeddings.weight").dtype;
     m.read = [r](const std::string& fqn) { return r->read_tensor(fqn); };
     m.dtype_of = [r](const std::string& fqn) { return r->entry(fqn).dtype; };
@@ -460,9 +474,10 @@ int checkpoint_tool_main(const std::vector<std::string>& args) {
         }
         opt[args[i]] = args[i + 1];
       }
-      std::cout << "converted " << convert_checkpoint(args[1], args[2], opt["--to"], opt["--dtype"], opt["--model"],
-                                                      opt["--flavor"])
-                << "\n";
+      // Converted first: nothing on stdout before an error line, or before the save's log line.
+      const std::string done =
+          convert_checkpoint(args[1], args[2], opt["--to"], opt["--dtype"], opt["--model"], opt["--flavor"]);
+      std::cout << "converted " << done << "\n";
       return 0;
     }
     if (args.size() == 4 && args[0] == "logits") {

@@ -29,7 +29,7 @@ namespace ctitan {
 std::string inspect_checkpoint(const std::string& path, bool verify);
 
 // The model entries (top-level keys: not optimizer./lr_scheduler./train_state./dataloader./
-// rng.) as full tensors, in `dtype` ("" = as saved), as an OrderedDict {fqn: tensor} in
+// rng.) as full tensors, in `dtype` ("" = as saved), as a dict {fqn: tensor}, in model order, in
 // torch.save's format (checkpoint/torch_save.h): Python reads it with torch.load(path), its
 // default weights_only=True included. Written durably, one tensor in memory at a time.
 void export_consolidated(const std::string& step_path, const std::string& out_file, const std::string& dtype);

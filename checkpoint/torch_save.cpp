@@ -158,8 +158,9 @@ size_t dtype_size(const std::string& d) {
 
 std::string pickle_state_dict(const std::vector<TensorSpec>& tensors) {
   Pickler p;
-  p.global("collections", "OrderedDict");
-  p.out += ")R";  // OrderedDict()
+  // A plain dict, as torch.save({...}) writes: LibTorch's unpickler (which ctitan reads .pt
+  // files with) takes a top-level collections.OrderedDict for a tensor's hooks, i.e. None.
+  p.out += '}';  // EMPTY_DICT
   p.put();
   // Python's batch_dict: batches of 1000 items, MARK ... SETITEMS; a batch of one is SETITEM.
   constexpr size_t kBatch = 1000;

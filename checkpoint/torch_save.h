@@ -22,7 +22,7 @@
 //   descriptor (miniz's writer, which PyTorch uses, does exactly this).
 //
 // data.pkl, pickle protocol 2, only globals that torch.load's weights_only unpickler allows:
-//   collections.OrderedDict() filled with SETITEMS (batches of 1000), name -> tensor, where
+//   a dict ({}) filled with SETITEMS (batches of 1000), name -> tensor, where
 //   each tensor is torch._utils._rebuild_tensor_v2(
 //       persistent id ('storage', torch.<T>Storage, "<i>", 'cpu', numel),
 //       0, size tuple, stride tuple (contiguous), False, collections.OrderedDict())
@@ -50,7 +50,7 @@ struct TensorSpec {
 // Bytes per element of a dtype above; 0 when it is not one of them.
 size_t dtype_size(const std::string& dtype);
 
-// The data.pkl record for an OrderedDict of these tensors, storage keys "0", "1", ... in order.
+// The data.pkl record for a dict of these tensors, storage keys "0", "1", ... in order.
 std::string pickle_state_dict(const std::vector<TensorSpec>& tensors);
 
 // The archive name torch.save uses for `path`: its file name without extension.
