@@ -36,7 +36,7 @@ at::ScalarType export_dtype(const std::string& d) {
 // (tests/test_checkpoint_hf.cpp runs scripts/pt_load_check.py in the venv).
 const char* const kPtLoadNote =
     "torch.save's format: torch.load reads it with its default weights_only=True, mmap=True too "
-    "(checked with PyTorch 2.13.0)";
+    "(checked with PyTorch 2.13.0+cpu)";
 
 }  // namespace
 
@@ -125,10 +125,11 @@ at::ScalarType scalar_type_named(const std::string& d) {
   return export_dtype(d);
 }
 
-// A .pt file's bytes, checked as a zip archive when it is one (every .pt written by
-// torch.save since PyTorch 1.6, by LibTorch's pickle_save and by ctitan), then unpickled by
-// LibTorch, which reads both torch.save's form and the TorchScript-tagged one earlier ctitan
-// versions wrote. A damaged or unreadable file is one UserError line.
+// A .pt file's bytes, checked as a zip archive (as every .pt written by torch.save since
+// PyTorch 1.6, by LibTorch's pickle_save and by ctitan is), then unpickled by LibTorch, which
+// reads both torch.save's plain-dict form and the TorchScript-tagged one earlier ctitan
+// versions wrote (not a top-level OrderedDict). A damaged or unreadable file is one UserError
+// line.
 c10::IValue load_pt(const std::string& path) {
   std::vector<char> bytes;
   {
@@ -143,7 +144,14 @@ c10::IValue load_pt(const std::string& path) {
   if (bytes.empty()) throw UserError(what + ": the file is empty");
   if (!torch_save::looks_like_zip(bytes.data(), bytes.size()))
     throw UserError(what + ": not a zip archive (torch.save writes one since PyTorch 1.6; its older format is not read)");
-  torch_save::check_archive(bytes.data(), bytes.size(), what);
+  for (const auto& r : torch_save::check_archive(bytes.data(), bytes.size(), what)) {
+    // LibTorch's unpickler reads a top-level collections.OrderedDict as None: say so.
+    static const std::string kOrderedDict = std::string("\x80\x02", 2) + "ccollections\nOrderedDict\n";
+    if (r.name == "data.pkl" && r.size >= kOrderedDict.size() &&
+        std::equal(kOrderedDict.begin(), kOrderedDict.end(), bytes.begin() + static_cast<std::ptrdiff_t>(r.data_offset)))
+      throw UserError(what + ": it holds a collections.OrderedDict (as torch.save(model.state_dict()) writes), "
+                      "which is not read here; save a plain dict: torch.save(dict(state_dict), path)");
+  }
   auto first_line = [](std::string s) {
     s = s.substr(0, s.find('\n'));
     return s.size() > 300 ? s.substr(0, 300) + "..." : s;
@@ -445,8 +453,9 @@ int checkpoint_tool_main(const std::vector<std::string>& args) {
       "           else from its name (*.pt: consolidated, step-<N>: sharded, other: HF folder)\n"
       "       checkpoint_tool logits <src> <token,token,...> <out.safetensors>\n"
       "           runs the model (float32, one process) on the tokens; writes logits [T, V] and tokens [T]\n"
-      "       .pt files are written in torch.save's format: torch.load(path) reads them with its default\n"
-      "           weights_only=True, and with mmap=True (checked with PyTorch 2.13.0)\n"
+      "       .pt files are written as torch.save writes a dict of tensors: torch.load(path) reads them with\n"
+      "           its default weights_only=True, and with mmap=True (checked with PyTorch 2.13.0+cpu); read are\n"
+      "           those, earlier ctitan versions' .pt files and torch.save's of a plain dict (not an OrderedDict)\n"
       "exit status: 0 done; 2 a usage error or a bad input (a damaged .pt file included: truncated, a bad\n"
       "           zip entry, a CRC-32 mismatch); 1 a damaged checkpoint folder or an I/O failure\n";
   try {
