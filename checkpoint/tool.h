@@ -7,7 +7,8 @@
 // tensors: torch.load(path) reads it with its default weights_only=True, and with mmap=True
 // (checked with PyTorch 2.13.0 by tests/test_checkpoint_hf.cpp through scripts/pt_load_check.py).
 // A .pt is read by LibTorch's pickle_load after checking its zip structure and CRCs: torch.save
-// files and the TorchScript-tagged files earlier ctitan versions wrote (torch::pickle_save).
+// files of a plain dict and the TorchScript-tagged files earlier ctitan versions wrote
+// (torch::pickle_save); a top-level OrderedDict (torch.save(model.state_dict())) is a UserError.
 //
 //   checkpoint_tool inspect  <step folder | checkpoint folder | HF folder> [--verify]
 //   checkpoint_tool export   <step folder> <out.pt> [--dtype float32|bfloat16|float16]
