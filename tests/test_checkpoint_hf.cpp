@@ -777,6 +777,14 @@ TEST(PtExport, DamagedFilesAreOneErrorLineAndExitTwo) {
   ASSERT_EQ(checkpoint_tool_main({"convert", (dir / "old.pt").string(), (dir / "good.pt").string()}), 0);
   const std::string good = ckpt::read_whole_file((dir / "good.pt").string());
   const std::string old = ckpt::read_whole_file((dir / "old.pt").string());
+  // A bare output name (no folder part): written as any other, its archive folder "bare/".
+  {
+    const auto r = ctitan::testing::sh("cd " + dir.string() + " && " + tool_bin() + " convert old.pt bare.pt");
+    ASSERT_EQ(r.code, 0) << r.out;
+    std::string bare = ckpt::read_whole_file((dir / "bare.pt").string());
+    for (size_t i = bare.find("bare/"); i != std::string::npos; i = bare.find("bare/", i + 5)) bare.replace(i, 5, "good/");
+    EXPECT_EQ(bare, good);
+  }
   auto replace_first = [](std::string s, const std::string& from, const std::string& to, size_t from_pos = 0) {
     const size_t i = s.find(from, from_pos);
     EXPECT_NE(i, std::string::npos) << from;
