@@ -219,7 +219,8 @@ void DurableFileWriter::commit() {
   fd_ = -1;
   if (::rename(tmp_.c_str(), path_.c_str()) != 0) io_fail("rename into place", path_);
   committed_ = true;
-  fsync_dir(fs::path(path_).parent_path().string());
+  const fs::path parent = fs::path(path_).parent_path();  // "" for a bare file name
+  fsync_dir(parent.empty() ? "." : parent.string());
 }
 
 const char* rule_name(Rule r) {

@@ -1,7 +1,9 @@
 // Inspect / verify / convert / logits; see tool.h.
 #include "checkpoint/tool.h"
 
+#include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -13,6 +15,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/hf.h"
+#include "checkpoint/torch_save.h"
 #include "config/errors.h"
 #include "models/llama/model.h"
 #include "models/mixtral/model.h"
@@ -28,6 +31,12 @@ at::ScalarType export_dtype(const std::string& d) {
   if (d == "float16") return at::kHalf;
   throw UserError("export dtype \"" + d + "\" is not one of: float32, bfloat16, float16");
 }
+
+// What the tool says about the .pt files it writes: what was checked, with which PyTorch
+// (tests/test_checkpoint_hf.cpp runs scripts/pt_load_check.py in the venv).
+const char* const kPtLoadNote =
+    "torch.save's format: torch.load reads it with its default weights_only=True, mmap=True too "
+    "(checked with PyTorch 2.13.0+cpu)";
 
 }  // namespace
 
@@ -96,6 +105,7 @@ struct ModelTensors {
   ParamList params;  // ctitan names and global shapes, model order
   std::string dtype;  // dtype of tok_embeddings.weight as stored
   std::function<at::Tensor(const std::string&)> read;  // full tensor, stored dtype
+  std::function<std::string(const std::string&)> dtype_of;  // that stored dtype, without reading
   std::optional<HFModelConfig> hf_config;              // the source's own config.json (hf form)
 };
 
@@ -105,6 +115,54 @@ std::string dtype_name_of(at::ScalarType t) {
   if (t == at::kHalf) return "float16";
   throw UserError(std::string("checkpoint tool: model tensors of dtype ") + c10::toString(t) +
                   " cannot be exported (float32, bfloat16, float16)");
+}
+
+at::ScalarType scalar_type_named(const std::string& d) {
+  if (d == "float64") return at::kDouble;
+  if (d == "int64") return at::kLong;
+  if (d == "int32") return at::kInt;
+  if (d == "uint8") return at::kByte;
+  return export_dtype(d);
+}
+
+// A .pt file's bytes, checked as a zip archive (as every .pt written by torch.save since
+// PyTorch 1.6, by LibTorch's pickle_save and by ctitan is), then unpickled by LibTorch, which
+// reads both torch.save's plain-dict form and the TorchScript-tagged one earlier ctitan
+// versions wrote (not a top-level OrderedDict). A damaged or unreadable file is one UserError
+// line.
+c10::IValue load_pt(const std::string& path) {
+  std::vector<char> bytes;
+  {
+    std::ifstream f(path, std::ios::binary | std::ios::ate);
+    if (!f) throw RuntimeFailure("checkpoint tool: cannot open " + path);
+    bytes.resize(static_cast<size_t>(f.tellg()));
+    f.seekg(0);
+    if (!f.read(bytes.data(), static_cast<std::streamsize>(bytes.size())))
+      throw RuntimeFailure("checkpoint tool: cannot read " + path);
+  }
+  const std::string what = "checkpoint tool: " + path + " is not a readable .pt file";
+  if (bytes.empty()) throw UserError(what + ": the file is empty");
+  if (!torch_save::looks_like_zip(bytes.data(), bytes.size()))
+    throw UserError(what + ": not a zip archive (torch.save writes one since PyTorch 1.6; its older format is not read)");
+  for (const auto& r : torch_save::check_archive(bytes.data(), bytes.size(), what)) {
+    // LibTorch's unpickler reads a top-level collections.OrderedDict as None: say so.
+    static const std::string kOrderedDict = std::string("\x80\x02", 2) + "ccollections\nOrderedDict\n";
+    if (r.name == "data.pkl" && r.size >= kOrderedDict.size() &&
+        std::equal(kOrderedDict.begin(), kOrderedDict.end(), bytes.begin() + static_cast<std::ptrdiff_t>(r.data_offset)))
+      throw UserError(what + ": it holds a collections.OrderedDict (as torch.save(model.state_dict()) writes), "
+                      "which is not read here; save a plain dict: torch.save(dict(state_dict), path)");
+  }
+  auto first_line = [](std::string s) {
+    s = s.substr(0, s.find('\n'));
+    return s.size() > 300 ? s.substr(0, 300) + "..." : s;
+  };
+  try {
+    return torch::pickle_load(bytes);
+  } catch (const c10::Error& e) {
+    throw UserError(what + ": " + first_line(e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    throw UserError(what + ": " + first_line(e.what()));
+  }
 }
 
 // The flavor of `name` whose parameters have exactly these shapes.
@@ -132,8 +190,19 @@ ModelTensors open_model(const std::string& path, const std::string& name_arg, co
     for (const auto& [key, e] : r->meta().entries)
       if (!e.is_bytes && is_model_key(key)) m.params.push_back({key, e.shape});
     if (!r->has("tok_embeddings.weight")) throw UserError("checkpoint tool: " + path + " holds no model tensors");
+    // The metadata lists entries by name; a known model's own parameter order (its
+    // state_dict's, as the HF and .pt forms give it) when it holds exactly those tensors.
+    try {
+      ParamList model_order = ctitan_params(
+          hf_config_for(m.model_name, m.flavor, r->entry("tok_embeddings.weight").shape.at(0)));
+      if (std::is_permutation(model_order.begin(), model_order.end(), m.params.begin(), m.params.end()))
+        m.params = std::move(model_order);
+    } catch (const std::exception&) {
+      // another model (a test's, say): metadata order
+    }
     m.dtype = r->entry("tok_embeddings.weight").dtype;
     m.read = [r](const std::string& fqn) { return r->read_tensor(fqn); };
+    m.dtype_of = [r](const std::string& fqn) { return r->entry(fqn).dtype; };
     return m;
   }
   if (is_hf_folder(path)) {
@@ -154,16 +223,15 @@ ModelTensors open_model(const std::string& path, const std::string& name_arg, co
     m.dtype = st == "BF16" ? "bfloat16" : st == "F16" ? "float16" : "float32";  // F64 is exported as float32
     m.read = [hf, shapes = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())](
                  const std::string& fqn) { return hf->read_param(fqn, shapes.at(fqn)); };
+    m.dtype_of = [hf, shapes = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())](
+                     const std::string& fqn) {  // read_param's dtype: the first piece's
+      const std::string st = hf->info(hf_pieces(fqn, shapes.at(fqn), hf->config())[0].key).dtype;
+      return st == "BF16" ? "bfloat16" : st == "F16" ? "float16" : st == "F64" ? "float64" : "float32";
+    };
     return m;
   }
   if (fs::is_regular_file(path, ec)) {
-    const std::string bytes = ckpt::read_whole_file(path);
-    c10::IValue v;
-    try {
-      v = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
-    } catch (const std::exception& e) {
-      throw RuntimeFailure("checkpoint tool: " + path + " is not a torch.save file: " + std::string(e.what()).substr(0, 200));
-    }
+    const c10::IValue v = load_pt(path);
     if (!v.isGenericDict()) throw UserError("checkpoint tool: " + path + " does not hold a dict of tensors");
     auto dict = std::make_shared<std::map<std::string, at::Tensor>>();
     std::map<std::string, std::vector<int64_t>> shapes;
@@ -186,10 +254,20 @@ ModelTensors open_model(const std::string& path, const std::string& name_arg, co
     }
     m.dtype = dtype_name_of(dict->at("tok_embeddings.weight").scalar_type());
     m.read = [dict](const std::string& fqn) { return dict->at(fqn); };
+    m.dtype_of = [dict](const std::string& fqn) {
+      const at::ScalarType t = dict->at(fqn).scalar_type();
+      return t == at::kDouble ? std::string("float64") : dtype_name_of(t);
+    };
     return m;
   }
   throw UserError("checkpoint tool: " + path +
                   " is neither a checkpoint step folder, an HF safetensors folder nor a consolidated .pt file");
+}
+
+std::string shape_text(const std::vector<int64_t>& s) {
+  std::string o = "[";
+  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+  return o + "]";
 }
 
 // "step-<N>" -> N, else -1.
@@ -200,15 +278,19 @@ int64_t step_of_folder_name(const std::string& path) {
   return std::regex_match(name, m, re) ? std::stoll(m[1]) : -1;
 }
 
+// torch.save's format (checkpoint/torch_save.h), one tensor in memory at a time; each tensor
+// in `dtype`, or as stored when "".
 void write_consolidated(const ModelTensors& m, const std::string& out_file, const std::string& dtype) {
-  c10::Dict<std::string, at::Tensor> dict;
-  for (const auto& [fqn, shape] : m.params) {
-    at::Tensor t = m.read(fqn);
-    if (!dtype.empty()) t = t.to(export_dtype(dtype));
-    dict.insert(fqn, t.contiguous());
+  std::vector<torch_save::TensorSpec> specs;
+  for (const auto& [fqn, shape] : m.params) specs.push_back({fqn, dtype.empty() ? m.dtype_of(fqn) : dtype, shape});
+  torch_save::Writer w(out_file, specs);
+  for (const auto& s : specs) {
+    const at::Tensor t = m.read(s.name).to(scalar_type_named(s.dtype)).contiguous();
+    TORCH_CHECK(t.sizes().vec() == s.shape, "[checkpoint tool] ", s.name, " read with shape ", t.sizes(),
+                ", declared ", shape_text(s.shape));
+    w.write(s.name, t.data_ptr(), t.nbytes());
   }
-  const std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
-  ckpt::write_file_durable(out_file, std::string(bytes.begin(), bytes.end()));
+  w.commit();
 }
 
 // Writes into <out>.partial, then renames: <out> appears complete or not at all.
@@ -255,12 +337,6 @@ void write_sharded(const ModelTensors& m, const std::string& out, const std::str
   mgr.save_to(o.folder, step, /*model_only=*/true);
 }
 
-std::string shape_text(const std::vector<int64_t>& s) {
-  std::string o = "[";
-  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-  return o + "]";
-}
-
 }  // namespace
 
 void export_consolidated(const std::string& step_path, const std::string& out_file, const std::string& dtype) {
@@ -289,7 +365,8 @@ std::string convert_checkpoint(const std::string& src, const std::string& dst, s
   else
     throw UserError("checkpoint tool: --to " + to + " is not one of: sharded, consolidated, hf");
   return m.form + " " + m.model_name + " \"" + m.flavor + "\" (" + std::to_string(m.params.size()) + " tensors, " +
-         (dtype.empty() ? m.dtype : dtype) + ") -> " + to + " " + dst;
+         (dtype.empty() ? m.dtype : dtype) + ") -> " + to + " " + dst +
+         (to == "consolidated" ? std::string(" (") + kPtLoadNote + ")" : "");
 }
 
 std::string inspect_hf(const std::string& path, bool verify) {
@@ -375,7 +452,12 @@ int checkpoint_tool_main(const std::vector<std::string>& args) {
       "           src: a step folder, an HF safetensors folder or a consolidated .pt file; dst form from --to,\n"
       "           else from its name (*.pt: consolidated, step-<N>: sharded, other: HF folder)\n"
       "       checkpoint_tool logits <src> <token,token,...> <out.safetensors>\n"
-      "           runs the model (float32, one process) on the tokens; writes logits [T, V] and tokens [T]\n";
+      "           runs the model (float32, one process) on the tokens; writes logits [T, V] and tokens [T]\n"
+      "       .pt files are written as torch.save writes a dict of tensors: torch.load(path) reads them with\n"
+      "           its default weights_only=True, and with mmap=True (checked with PyTorch 2.13.0+cpu); read are\n"
+      "           those, earlier ctitan versions' .pt files and torch.save's of a plain dict (not an OrderedDict)\n"
+      "exit status: 0 done; 2 a usage error or a bad input (a damaged .pt file included: truncated, a bad\n"
+      "           zip entry, a CRC-32 mismatch); 1 a damaged checkpoint folder or an I/O failure\n";
   try {
     if (args.size() >= 2 && args[0] == "inspect" && (args.size() == 2 || (args.size() == 3 && args[2] == "--verify"))) {
       const bool verify = args.size() == 3;
@@ -389,7 +471,7 @@ int checkpoint_tool_main(const std::vector<std::string>& args) {
     if (args.size() >= 3 && args[0] == "export" &&
         (args.size() == 3 || (args.size() == 5 && args[3] == "--dtype"))) {
       export_consolidated(args[1], args[2], args.size() == 5 ? args[4] : "");
-      std::cout << "wrote " << args[2] << " (torch.load reads it: a dict of model tensors)\n";
+      std::cout << "wrote " << args[2] << ": a dict of model tensors in " << kPtLoadNote << "\n";
       return 0;
     }
     if (args.size() >= 3 && args[0] == "convert" && args.size() % 2 == 1) {
@@ -401,9 +483,10 @@ int checkpoint_tool_main(const std::vector<std::string>& args) {
         }
         opt[args[i]] = args[i + 1];
       }
-      std::cout << "converted " << convert_checkpoint(args[1], args[2], opt["--to"], opt["--dtype"], opt["--model"],
-                                                      opt["--flavor"])
-                << "\n";
+      // Converted first: nothing on stdout before an error line, or before the save's log line.
+      const std::string done =
+          convert_checkpoint(args[1], args[2], opt["--to"], opt["--dtype"], opt["--model"], opt["--flavor"]);
+      std::cout << "converted " << done << "\n";
       return 0;
     }
     if (args.size() == 4 && args[0] == "logits") {

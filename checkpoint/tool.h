@@ -1,7 +1,14 @@
 // Offline checkpoint tools: inspect a checkpoint folder or an HF safetensors folder, verify
 // every checksum, convert the model between the three forms (sharded step folder,
-// consolidated .pt that Python's torch.load reads, HF safetensors folder), and run the model
-// on given tokens (the HF parity script compares those logits with its own).
+// consolidated .pt in torch.save's format, HF safetensors folder), and run the model on given
+// tokens (the HF parity script compares those logits with its own).
+//
+// A .pt is written by checkpoint/torch_save.h, as Python's torch.save writes a dict of
+// tensors: torch.load(path) reads it with its default weights_only=True, and with mmap=True
+// (checked with PyTorch 2.13.0 by tests/test_checkpoint_hf.cpp through scripts/pt_load_check.py).
+// A .pt is read by LibTorch's pickle_load after checking its zip structure and CRCs: torch.save
+// files of a plain dict and the TorchScript-tagged files earlier ctitan versions wrote
+// (torch::pickle_save); a top-level OrderedDict (torch.save(model.state_dict())) is a UserError.
 //
 //   checkpoint_tool inspect  <step folder | checkpoint folder | HF folder> [--verify]
 //   checkpoint_tool export   <step folder> <out.pt> [--dtype float32|bfloat16|float16]
@@ -23,8 +30,9 @@ namespace ctitan {
 std::string inspect_checkpoint(const std::string& path, bool verify);
 
 // The model entries (top-level keys: not optimizer./lr_scheduler./train_state./dataloader./
-// rng.) as full tensors, in `dtype` ("" = as saved), pickled as a {fqn: tensor} dict with
-// torch::pickle_save: Python reads it with torch.load(path). Written durably.
+// rng.) as full tensors, in `dtype` ("" = as saved), as a dict {fqn: tensor}, in model order, in
+// torch.save's format (checkpoint/torch_save.h): Python reads it with torch.load(path), its
+// default weights_only=True included. Written durably, one tensor in memory at a time.
 void export_consolidated(const std::string& step_path, const std::string& out_file, const std::string& dtype);
 
 // The model of `src` (step folder, HF folder or .pt file) written to `dst` in form `to`
@@ -42,8 +50,9 @@ std::string inspect_hf(const std::string& path, bool verify);
 // a safetensors file with "logits" [T, V] (F32) and "tokens" [T] (I64).
 void dump_logits(const std::string& src, const std::vector<int64_t>& tokens, const std::string& out_file);
 
-// argv-style entry point of the tool; returns the process exit code (0 ok, 2 usage or
-// user error, 1 corrupt or I/O).
+// argv-style entry point of the tool; returns the process exit code: 0 ok; 2 a usage error
+// or a bad input (UserError), a damaged .pt file included (truncated, a bad zip entry, a
+// CRC-32 mismatch, an unreadable pickle); 1 a damaged checkpoint folder or an I/O failure.
 int checkpoint_tool_main(const std::vector<std::string>& args);
 
 }  // namespace ctitan

@@ -576,3 +576,251 @@ TEST_F(HFE2E, ExportImportRoundTripOnOneAndTwoRanks) {
         << rl[0].output;
   }
 }
+
+// ---- consolidated .pt files: torch.save's format ----------------------------------------------
+// checkpoint_tool writes .pt files as Python's torch.save does (checkpoint/torch_save.h); the
+// venv's PyTorch (scripts/install_deps.sh: 2.13.0) loads them with its safe default and with
+// mmap=True (scripts/pt_load_check.py), against tensors this test dumps from the checkpoint
+// itself. The forms ctitan read before keep converting; damaged files are one line, exit 2.
+
+namespace {
+
+// The venv's python, as scripts/common.sh finds it: $CTITAN_PYTHON, else $CTITAN_VENV/bin/python,
+// else <repo>/.venv/bin/python. The PtExport tests fail (not skip) without it.
+std::string venv_python() {
+  if (const char* p = std::getenv("CTITAN_PYTHON"); p && *p) return p;
+  if (const char* v = std::getenv("CTITAN_VENV"); v && *v) return std::string(v) + "/bin/python";
+  return ctitan::testing::kSrc + "/.venv/bin/python";
+}
+
+std::string tool_bin() { return (fs::path(ctitan::testing::kTrain).parent_path() / "checkpoint_tool").string(); }
+
+using Named = std::vector<std::pair<std::string, torch::Tensor>>;
+
+// The Llama debug model's parameters (vocab 300), randomly initialised, in model order.
+Named llama_weights(uint64_t seed) {
+  auto a = llama::llama3_flavor("debugmodel");
+  a.vocab_size = 300;
+  a.max_seq_len = 16;
+  torch::manual_seed(seed);
+  llama::Transformer model(a);
+  model->init_weights();
+  Named out;
+  for (const auto& kv : model->named_parameters()) out.emplace_back(kv.key(), kv.value().detach().clone());
+  return out;
+}
+
+// A .pt file as ctitan wrote it before torch_save.h: LibTorch's pickle_save of a {fqn: tensor}
+// c10::Dict (TorchScript type tags included).
+void write_pickle_save_pt(const fs::path& path, const Named& w, torch::ScalarType dtype) {
+  c10::Dict<std::string, at::Tensor> dict;
+  for (const auto& [k, t] : w) dict.insert(k, t.to(dtype).contiguous());
+  const std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+const char* dtype_text(torch::ScalarType t) {
+  return t == torch::kFloat ? "float32" : t == torch::kBFloat16 ? "bfloat16" : t == torch::kHalf ? "float16" : "?";
+}
+
+// scripts/pt_load_check.py's reference folder: manifest.txt ("<name> <dtype> <d,d,...>") and
+// <i>.bin (the tensor's bytes), in the order given.
+void write_reference(const fs::path& dir, const Named& tensors) {
+  fs::create_directories(dir);
+  std::ofstream manifest(dir / "manifest.txt");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const torch::Tensor t = tensors[i].second.contiguous();
+    std::string dims;
+    for (int64_t d : t.sizes()) dims += (dims.empty() ? "" : ",") + std::to_string(d);
+    manifest << tensors[i].first << " " << dtype_text(t.scalar_type()) << " " << dims << "\n";
+    std::ofstream(dir / (std::to_string(i) + ".bin"), std::ios::binary)
+        .write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+  }
+}
+
+// Runs scripts/pt_load_check.py on a .pt file against a reference folder.
+ctitan::testing::Cmd pt_load_check(const std::string& pt, const fs::path& ref) {
+  return ctitan::testing::sh(venv_python() + " " + ctitan::testing::kSrc + "/scripts/pt_load_check.py " + pt + " " +
+                             ref.string());
+}
+
+}  // namespace
+
+// For each of float32, bfloat16 and float16: a checkpoint holding that dtype (converted from
+// a pre-change .pt), exported as stored and, from the float32 checkpoint, with --dtype; the
+// venv's torch.load reads both with weights_only=True (the default) and with mmap=True, and
+// every tensor equals the checkpoint's, bitwise, names, order and shapes included.
+TEST(PtExport, TorchLoadReadsTheExportWithItsSafeDefaultAndMmapForEachDtype) {
+  const std::string py = venv_python();
+  ASSERT_TRUE(fs::exists(py)) << py << " is missing: scripts/install_deps.sh makes the venv this test needs";
+  const auto dir = temp_dir("pt_export");
+  const Named w = llama_weights(11);
+  write_pickle_save_pt(dir / "old.pt", w, torch::kFloat);
+  for (torch::ScalarType dt : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    const std::string name = dtype_text(dt);
+    SCOPED_TRACE(name);
+    const fs::path ck = dir / ("ck_" + name) / "step-0";
+    ASSERT_EQ(checkpoint_tool_main({"convert", (dir / "old.pt").string(), ck.string(), "--dtype", name}), 0);
+    CheckpointReader r(ck.string());
+    Named ref;
+    for (const auto& [k, t] : w) {
+      const torch::Tensor c = r.read_tensor(k);
+      ASSERT_EQ(c.scalar_type(), dt) << k;
+      ASSERT_TRUE(torch::equal(c, t.to(dt))) << k;
+      ref.emplace_back(k, c);
+    }
+    write_reference(dir / ("ref_" + name), ref);
+
+    // As stored, and (from the float32 checkpoint) converted on export.
+    const std::string as_stored = (dir / ("stored_" + name + ".pt")).string();
+    auto e = ctitan::testing::sh(tool_bin() + " export " + ck.string() + " " + as_stored);
+    ASSERT_EQ(e.code, 0) << e.out;
+    EXPECT_NE(e.out.find("torch.load reads it with its default weights_only=True, mmap=True too (checked with "
+                         "PyTorch 2.13.0+cpu)"),
+              std::string::npos)
+        << e.out;
+    auto c = pt_load_check(as_stored, dir / ("ref_" + name));
+    EXPECT_EQ(c.code, 0) << c.out;
+    EXPECT_NE(c.out.find(std::to_string(w.size()) + " tensors"), std::string::npos) << c.out;
+    std::cout << c.out;
+
+    const std::string cast = (dir / ("cast_" + name + ".pt")).string();
+    e = ctitan::testing::sh(tool_bin() + " export " + (dir / "ck_float32" / "step-0").string() + " " + cast +
+                            " --dtype " + name);
+    ASSERT_EQ(e.code, 0) << e.out;
+    c = pt_load_check(cast, dir / ("ref_" + name));
+    EXPECT_EQ(c.code, 0) << c.out;
+    std::cout << c.out;
+  }
+  // The check itself fails on a tensor that differs in one bit.
+  {
+    Named off;
+    CheckpointReader r((dir / "ck_bfloat16" / "step-0").string());
+    for (const auto& [k, t] : w) off.emplace_back(k, r.read_tensor(k));
+    auto& v = off.back().second;
+    auto* bits = static_cast<int16_t*>(v.data_ptr());  // contiguous, as read
+    bits[7] = static_cast<int16_t>(bits[7] ^ 1);
+    write_reference(dir / "ref_off", off);
+    const auto c = pt_load_check((dir / "stored_bfloat16.pt").string(), dir / "ref_off");
+    EXPECT_EQ(c.code, 1) << c.out;
+    EXPECT_NE(c.out.find(off.back().first + ": bytes differ from the reference (1 bytes)"), std::string::npos) << c.out;
+  }
+  if (!std::getenv("CTITAN_KEEP_TEST_OUTPUT")) fs::remove_all(dir);
+}
+
+// .pt files in every form ctitan read before this writer: LibTorch's pickle_save (what
+// ctitan's exporter wrote, TorchScript type tags included), float32 and bfloat16, and Python's
+// torch.save (a plain dict). Each converts; .pt -> HF -> .pt -> HF -> .pt is byte-stable after
+// the first conversion, and the first .pt holds the original tensors.
+TEST(PtExport, EarlierFormsStillConvertAndRoundTripsAreByteStable) {
+  const std::string py = venv_python();
+  ASSERT_TRUE(fs::exists(py)) << py << " is missing: scripts/install_deps.sh makes the venv this test needs";
+  const auto dir = temp_dir("pt_forms");
+  const Named w = llama_weights(12);
+  for (torch::ScalarType dt : {torch::kFloat, torch::kBFloat16}) {
+    const std::string name = dtype_text(dt);
+    SCOPED_TRACE(name);
+    const fs::path d = dir / name;
+    fs::create_directories(d / "a");
+    fs::create_directories(d / "b");
+    write_pickle_save_pt(d / "old.pt", w, dt);
+    EXPECT_NE(ckpt::read_whole_file((d / "old.pt").string()).find("restore_type_tag"), std::string::npos)
+        << "the pre-change form carries TorchScript type tags";
+    ASSERT_EQ(checkpoint_tool_main({"convert", (d / "old.pt").string(), (d / "hf1").string()}), 0);
+    ASSERT_EQ(checkpoint_tool_main({"convert", (d / "hf1").string(), (d / "a" / "model.pt").string()}), 0);
+    ASSERT_EQ(checkpoint_tool_main({"convert", (d / "a" / "model.pt").string(), (d / "hf2").string()}), 0);
+    ASSERT_EQ(checkpoint_tool_main({"convert", (d / "hf2").string(), (d / "b" / "model.pt").string()}), 0);
+    const std::string a = ckpt::read_whole_file((d / "a" / "model.pt").string());
+    EXPECT_EQ(a, ckpt::read_whole_file((d / "b" / "model.pt").string()));
+    EXPECT_EQ(ckpt::read_whole_file((d / "hf1" / "model.safetensors").string()),
+              ckpt::read_whole_file((d / "hf2" / "model.safetensors").string()));
+    EXPECT_EQ(a.find("restore_type_tag"), std::string::npos);
+    Named ref;
+    for (const auto& [k, t] : w) ref.emplace_back(k, t.to(dt));
+    write_reference(d / "ref", ref);
+    const auto c = pt_load_check((d / "a" / "model.pt").string(), d / "ref");
+    EXPECT_EQ(c.code, 0) << c.out;
+
+    // Python's torch.save, a plain dict: converts to a step folder holding the same tensors.
+    const std::string pysave = (d / "py.pt").string();
+    const auto s = ctitan::testing::sh(py + " -c \"import sys, torch; sd = torch.load(sys.argv[1]); "
+                                            "torch.save(dict(sd), sys.argv[2])\" " +
+                                       (d / "a" / "model.pt").string() + " " + pysave);
+    ASSERT_EQ(s.code, 0) << s.out;
+    ASSERT_EQ(checkpoint_tool_main({"convert", pysave, (d / "ck" / "step-0").string()}), 0);
+    CheckpointReader r((d / "ck" / "step-0").string());
+    ASSERT_EQ(r.meta().entries.size(), w.size());
+    for (const auto& [k, t] : ref) EXPECT_TRUE(torch::equal(r.read_tensor(k), t)) << k;
+  }
+  // torch.save of an OrderedDict (a module's state_dict()) is not read (LibTorch's unpickler
+  // takes it for None): one line saying so, exit 2.
+  const std::string od = (dir / "od.pt").string();
+  const auto s = ctitan::testing::sh(py + " -c \"import sys, collections, torch; sd = torch.load(sys.argv[1]); "
+                                          "torch.save(collections.OrderedDict(sd), sys.argv[2])\" " +
+                                     (dir / "float32" / "a" / "model.pt").string() + " " + od);
+  ASSERT_EQ(s.code, 0) << s.out;
+  const auto r = ctitan::testing::sh(tool_bin() + " convert " + od + " " + (dir / "od_hf").string());
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_EQ(r.out, "checkpoint tool: " + od +
+                       " is not a readable .pt file: it holds a collections.OrderedDict (as "
+                       "torch.save(model.state_dict()) writes), which is not read here; save a plain dict: "
+                       "torch.save(dict(state_dict), path)\n");
+  if (!std::getenv("CTITAN_KEEP_TEST_OUTPUT")) fs::remove_all(dir);
+}
+
+// A damaged .pt file, new form or old: the real binary prints one line naming the file and
+// exits 2, and writes nothing.
+TEST(PtExport, DamagedFilesAreOneErrorLineAndExitTwo) {
+  const auto dir = temp_dir("pt_damaged");
+  const Named w = llama_weights(13);
+  write_pickle_save_pt(dir / "old.pt", w, torch::kFloat);
+  ASSERT_EQ(checkpoint_tool_main({"convert", (dir / "old.pt").string(), (dir / "good.pt").string()}), 0);
+  const std::string good = ckpt::read_whole_file((dir / "good.pt").string());
+  const std::string old = ckpt::read_whole_file((dir / "old.pt").string());
+  // A bare output name (no folder part): written as any other, its archive folder "bare/".
+  {
+    const auto r = ctitan::testing::sh("cd " + dir.string() + " && " + tool_bin() + " convert old.pt bare.pt");
+    ASSERT_EQ(r.code, 0) << r.out;
+    std::string bare = ckpt::read_whole_file((dir / "bare.pt").string());
+    for (size_t i = bare.find("bare/"); i != std::string::npos; i = bare.find("bare/", i + 5)) bare.replace(i, 5, "good/");
+    EXPECT_EQ(bare, good);
+  }
+  auto replace_first = [](std::string s, const std::string& from, const std::string& to, size_t from_pos = 0) {
+    const size_t i = s.find(from, from_pos);
+    EXPECT_NE(i, std::string::npos) << from;
+    if (i != std::string::npos) s.replace(i, from.size(), to);
+    return s;
+  };
+  const size_t first_central = good.find(std::string("PK\x01\x02", 4));
+  ASSERT_NE(first_central, std::string::npos);
+  std::string flipped = good;
+  const size_t data0 = good.find("good/data/0");
+  ASSERT_NE(data0, std::string::npos);
+  flipped[(data0 / 64 + 2) * 64 + 5] ^= 0x10;  // inside data/0's bytes (its header is under 128 bytes)
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"truncated_half", good.substr(0, good.size() / 2)},
+      {"truncated_end", good.substr(0, good.size() - 10)},
+      {"flipped_byte", flipped},
+      // The central directory names an entry the local header does not.
+      {"renamed_entry", replace_first(good, "good/data.pkl", "good/data.pkx", first_central)},
+      {"bad_local_header", replace_first(good, std::string("PK\x03\x04", 4), "PK\x03\x05", 100)},
+      {"old_truncated", old.substr(0, old.size() * 2 / 3)},
+      {"empty", ""},
+      {"not_a_zip", "hello, this is not a .pt file\n"},
+  };
+  for (const auto& [name, bytes] : cases) {
+    SCOPED_TRACE(name);
+    // The archive folder inside the file stays "good" (or "old"): what torch.save would name it.
+    const fs::path bad = dir / (name + ".pt");
+    std::ofstream(bad, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    const fs::path out = dir / (name + "_hf");
+    const auto r = ctitan::testing::sh(tool_bin() + " convert " + bad.string() + " " + out.string());
+    EXPECT_EQ(r.code, 2) << r.out;
+    ASSERT_FALSE(r.out.empty());
+    EXPECT_EQ(r.out.find('\n'), r.out.size() - 1) << "one line:\n" << r.out;
+    EXPECT_EQ(r.out.rfind("checkpoint tool: " + bad.string(), 0), 0u) << r.out;
+    EXPECT_FALSE(fs::exists(out));
+    std::cout << "  " << name << ": " << r.out;
+  }
+  fs::remove_all(dir);
+}
