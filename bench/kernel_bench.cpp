@@ -106,6 +106,22 @@ torch::Tensor rope_complex(const torch::Tensor& x, const torch::Tensor& freqs_ci
   return torch::view_as_real(xc * f).flatten(3).to(x.scalar_type());
 }
 
+// Causal GQA attention [B, T, heads, hd]: ctitan's fused kernel against ATen's SDPA.
+void bench_attention(const std::string& name, const std::string& shape, at::ScalarType dt, int64_t B, int64_t T,
+                     int64_t H, int64_t KV, int64_t hd, int reps) {
+  const auto opts = torch::TensorOptions().dtype(dt);
+  const auto q = torch::randn({B, T, H, hd}, opts), k = torch::randn({B, T, KV, hd}, opts),
+             v = torch::randn({B, T, KV, hd}, opts), go = torch::randn({B, T, H, hd}, opts);
+  bench_layer(
+      name, shape, dt, [](const auto& in) { return ctitan::flash_causal_attention(in[0], in[1], in[2]); },
+      [](const auto& in) {
+        return at::scaled_dot_product_attention(in[0].transpose(1, 2), in[1].transpose(1, 2), in[2].transpose(1, 2),
+                                                {}, 0.0, /*is_causal=*/true, std::nullopt, /*enable_gqa=*/true)
+            .transpose(1, 2);
+      },
+      {q, k, v}, go, reps);
+}
+
 void bench_adamw(int64_t numel, int reps) {
   torch::manual_seed(0);
   std::vector<torch::Tensor> p1, p2, g, m, v, steps;
@@ -159,17 +175,8 @@ int main(int argc, char** argv) {
       torch::manual_seed(1);
       const auto opts = torch::TensorOptions().dtype(dt);
       const std::string shape = std::to_string(s.B) + "×" + std::to_string(s.T);
-      const auto q = torch::randn({s.B, s.T, H, hd}, opts), k = torch::randn({s.B, s.T, KV, hd}, opts),
-                 v = torch::randn({s.B, s.T, KV, hd}, opts), go = torch::randn({s.B, s.T, H, hd}, opts);
-      bench_layer(
-          "attention", shape, dt, [](const auto& in) { return ctitan::flash_causal_attention(in[0], in[1], in[2]); },
-          [](const auto& in) {
-            return at::scaled_dot_product_attention(in[0].transpose(1, 2), in[1].transpose(1, 2),
-                                                    in[2].transpose(1, 2), {}, 0.0, /*is_causal=*/true,
-                                                    std::nullopt, /*enable_gqa=*/true)
-                .transpose(1, 2);
-          },
-          {q, k, v}, go, reps);
+      const auto q = torch::randn({s.B, s.T, H, hd}, opts), go = torch::randn({s.B, s.T, H, hd}, opts);
+      bench_attention("attention", shape, dt, s.B, s.T, H, KV, hd, reps);
 
       const auto x = torch::randn({s.B, s.T, D}, opts), w = torch::rand({D}, opts) + 0.5,
                  gx = torch::randn({s.B, s.T, D}, opts);
@@ -200,6 +207,11 @@ int main(int argc, char** argv) {
           },
           {logits}, torch::Tensor(), reps);
     }
+  }
+  // The debug model's attention: 16 heads of 16 (8 kv heads), batch 8 × 512.
+  for (const auto dt : {torch::kFloat32, torch::kBFloat16}) {
+    torch::manual_seed(1);
+    bench_attention("attention (debug, hd 16)", "8×512", dt, 8, 512, 16, 8, 16, reps);
   }
   bench_adamw(33'000'000, reps);
   return 0;
