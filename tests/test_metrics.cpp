@@ -253,7 +253,8 @@ void expect_tensorboard_equals_jsonl(const TbRead& tb, const std::string& jsonl)
 // torchtitan's tag names; and the file is valid while the job still runs.
 TEST_F(MetricsE2E, FiftyStepRunTensorBoardEqualsMetricsJsonl) {
   const std::string dump = (root_ / "tb50").string();
-  auto r = sh(kTrain + args(dump, 50) + validation_args() + " --metrics.enable_tensorboard --metrics.log_freq 5");
+  auto r = sh(kTrain + args(dump, 50) + validation_args() +
+              " --validation.steps 2 --metrics.enable_tensorboard --metrics.log_freq 5");
   ASSERT_EQ(r.code, 0) << r.out;
   const auto folders = event_folders(fs::path(dump) / "tb");
   ASSERT_EQ(folders.size(), 1u) << "one folder, rank 0's";
@@ -348,7 +349,7 @@ TEST_F(MetricsE2E, WandbIsRefusedAndBadValidationKeysExitTwo) {
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("not supported yet: metrics.enable_wandb = true (ctitan supports: false)"), std::string::npos)
       << r.out;
-  r = sh(kTrain + args(dump, 2) + " --validation.enable");  // torchtitan's default dataset
+  r = sh(kTrain + args(dump, 2) + " --validation.enable --validation.seq_len 32");  // torchtitan's default dataset
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("validation.dataset=c4_validation is not a known corpus"), std::string::npos) << r.out;
   r = sh(kTrain + args(dump, 2) + validation_args() + " --validation.seq_len 65");
@@ -469,6 +470,9 @@ void check_validation(int W, const std::string& dump, const std::string& plain,
   for (int64_t s : {10, 20}) {
     const Reference ref = reference_loss(dump + "/checkpoint/step-" + std::to_string(s), tokenizer, heldout, W, 2, 32,
                                          scratch);
+    std::printf("[ranks %d] validation after step %ld: %.17g; one-process forward %.17g (relative %.2e), %.0f tokens\n",
+                W, static_cast<long>(s), jsonl_val[s], ref.loss, std::fabs(jsonl_val[s] - ref.loss) / ref.loss,
+                ref.tokens);
     EXPECT_EQ(tokens_val[s], ref.tokens) << "step " << s;
     EXPECT_LT(std::fabs(jsonl_val[s] - ref.loss) / ref.loss, 1e-5)
         << "step " << s << ": validation " << jsonl_val[s] << " vs one-process forward " << ref.loss;
@@ -477,12 +481,12 @@ void check_validation(int W, const std::string& dump, const std::string& plain,
 
 TEST_F(MetricsE2E, ValidationEqualsOneProcessForwardOnOneRank) {
   check_validation(1, (root_ / "val1").string(), (root_ / "plain1").string(),
-                   [](const std::string& d) { return args(d, 20); }, validation_args(), tokenizer_, heldout_, root_);
+                   [](const std::string& d) { return args(d, 20) + " --metrics.log_freq 1"; }, validation_args(), tokenizer_, heldout_, root_);
 }
 
 TEST_F(MetricsE2E, ValidationEqualsOneProcessForwardOnTwoRanks) {
   check_validation(2, (root_ / "val2").string(), (root_ / "plain2").string(),
-                   [](const std::string& d) { return args(d, 20); }, validation_args(), tokenizer_, heldout_, root_);
+                   [](const std::string& d) { return args(d, 20) + " --metrics.log_freq 1"; }, validation_args(), tokenizer_, heldout_, root_);
 }
 
 }  // namespace
