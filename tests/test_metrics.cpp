@@ -22,6 +22,7 @@
 #include "checkpoint/tool.h"
 #include "components/metrics.h"
 #include "components/tensorboard.h"
+#include "datasets/dataloader.h"
 #include "datasets/tokenizer.h"
 #include "tests/e2e.h"
 #include "tests/multiprocess.h"
@@ -487,6 +488,52 @@ TEST_F(MetricsE2E, ValidationEqualsOneProcessForwardOnOneRank) {
 TEST_F(MetricsE2E, ValidationEqualsOneProcessForwardOnTwoRanks) {
   check_validation(2, (root_ / "val2").string(), (root_ / "plain2").string(),
                    [](const std::string& d) { return args(d, 20) + " --metrics.log_freq 1"; }, validation_args(), tokenizer_, heldout_, root_);
+}
+
+// MoE: the validation forward routes tokens too; the routing counters it fills are reset, so
+// the next steps' expert load (expert_spread, and the expert-bias update it feeds) and losses
+// equal a run without validation, bitwise.
+TEST_F(MetricsE2E, MixtralValidationLeavesTrainingAndRoutingStatisticsUnchanged) {
+  const std::string base = " --job.config_file " + kSrc + "/train_configs/mixtral_debug.toml --model.tokenizer_path " +
+                           tokenizer_ + " --training.dataset_path " + corpus_ +
+                           " --training.steps 8 --training.seq_len 32 --training.local_batch_size 2"
+                           " --metrics.log_freq 1 --lr_scheduler.warmup_steps 2 --activation_checkpoint.mode none"
+                           " --training.mixed_precision_param float32 --debug.seed 5";
+  const std::string with = (root_ / "moe_val").string(), without = (root_ / "moe_plain").string();
+  auto r = sh(kTrain + base + " --job.dump_folder " + with + validation_args() + " --validation.freq 3 --validation.steps 2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sh(kTrain + base + " --job.dump_folder " + without);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(jsonl_field(with + "/metrics.jsonl", "validation_loss").size(), 3u) << "after steps 1, 3, 6";
+  for (const char* field : {"loss", "expert_spread", "lb_loss", "grad_norm"}) {
+    const auto a = jsonl_field(with + "/metrics.jsonl", field), b = jsonl_field(without + "/metrics.jsonl", field);
+    EXPECT_EQ(a.size(), 8u) << field;
+    EXPECT_EQ(a, b) << field;
+  }
+}
+
+// Validation's "until exhausted" rests on the loader's one-pass mode: whole batches only,
+// then has_next_batch() false and next() a logic error; repeating loaders never run out.
+TEST_F(MetricsE2E, LoaderWithoutRepeatStopsAfterTheLastWholeBatch) {
+  auto tok = Tokenizer::load(tokenizer_);
+  const int T = 32, B = 2;
+  const size_t windows = heldout_windows(*tok, heldout_, 0, 1, T).size();
+  ASSERT_GT(windows, 4u);
+  DataLoader once(*tok, heldout_, T, B, 0, 1);
+  once.set_repeat(false);
+  size_t batches = 0;
+  while (once.has_next_batch()) {
+    const Batch b = once.next();
+    ASSERT_EQ(b.inputs.size(), static_cast<size_t>(B * T));
+    ++batches;
+  }
+  EXPECT_EQ(batches, windows / B);
+  EXPECT_EQ(once.epoch(), 0);
+  EXPECT_THROW(once.next(), std::logic_error);
+  DataLoader looping(*tok, heldout_, T, B, 0, 1);
+  for (size_t i = 0; i < windows; ++i) ASSERT_TRUE(looping.has_next_batch());
+  for (size_t i = 0; i < windows; ++i) looping.next();
+  EXPECT_EQ(looping.epoch(), 1) << "the repeating loader went round";
 }
 
 }  // namespace
