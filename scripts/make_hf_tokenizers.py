@@ -31,6 +31,7 @@ added only when the tokenizer's own post-processor does not) is written here aft
 torchtitan's HuggingFaceTokenizer, so that the reference is what torchtitan would train on.
 """
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -387,6 +388,10 @@ def main():
     for p in [moby] + sorted(os.path.join(sotu, n) for n in os.listdir(sotu)):
         st = os.stat(p)
         h.update(f"{p}:{st.st_size}:{int(st.st_mtime)}".encode())
+    # Test processes run in parallel (ctest -j): one makes the files, the others wait for it.
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    lock = open(os.path.abspath(args.out) + ".lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
     stamp = os.path.join(args.out, "STAMP")
     if os.path.exists(stamp) and open(stamp).read() == h.hexdigest():
         print(f"[make_hf_tokenizers] {args.out} is up to date", file=sys.stderr)
