@@ -140,20 +140,30 @@ DataPipeline build_data(const JobConfig& cfg, int64_t dp_rank, int64_t dp_world)
 }
 
 // The model args of the flavor (model.name picks llama3 or mixtral), completed from the
-// tokenizer and the training config (as torchtitan's update_from_config: vocab from the
-// tokenizer, max_seq_len = seq_len), and validated.
+// training config (as torchtitan v0.2.x's update_from_config: max_seq_len = seq_len) and
+// validated. The vocabulary is the flavor's, as in torchtitan v0.2.x (8B: 128256, debugmodel:
+// 2048), not the tokenizer's: a model's embedding may have more rows than its tokenizer has
+// ids (never fewer: that is an error here, before anything runs).
 struct ModelArgs {
   std::string name;
   TransformerModelArgs llama;
   mixtral::TransformerModelArgs mixtral;
 };
 
+void check_vocab_fits(const JobConfig& cfg, int64_t model_vocab, const Tokenizer& tok) {
+  if (tok.vocab_size() <= model_vocab) return;
+  throw UserError("tokenizer " + tok.model_path() + " has " + std::to_string(tok.vocab_size()) +
+                  " ids but model.flavor = \"" + cfg.model.flavor + "\" of " + cfg.model.name +
+                  " has vocab_size " + std::to_string(model_vocab) +
+                  ": use a tokenizer with at most that many ids or a flavor with a larger vocabulary");
+}
+
 ModelArgs build_model_args(const JobConfig& cfg, const Tokenizer& tok) {
   ModelArgs a;
   a.name = cfg.model.name;
   if (a.name == "mixtral") {
     a.mixtral = mixtral::mixtral_flavor(cfg.model.flavor);
-    a.mixtral.vocab_size = tok.vocab_size();
+    check_vocab_fits(cfg, a.mixtral.vocab_size, tok);
     a.mixtral.max_seq_len = cfg.training.seq_len;
     mixtral::validate(a.mixtral);
     return a;
@@ -161,7 +171,7 @@ ModelArgs build_model_args(const JobConfig& cfg, const Tokenizer& tok) {
   if (a.name != "llama3")
     throw UserError("not supported yet: model.name = \"" + a.name + "\" (ctitan supports: llama3, mixtral)");
   a.llama = llama3_flavor(cfg.model.flavor);
-  a.llama.vocab_size = tok.vocab_size();
+  check_vocab_fits(cfg, a.llama.vocab_size, tok);
   a.llama.max_seq_len = cfg.training.seq_len;
   llama::validate(a.llama);
   return a;
@@ -610,12 +620,14 @@ int validate_only(const JobConfig& cfg, std::ostream& out) {
   const ParallelDims dims = build_parallel_dims(cfg, env.world_size);
   const int64_t accum = gradient_accumulation_steps(cfg, dims.dp());
   const DataPipeline data = build_data(cfg, std::min(env.rank, dims.dp() - 1), dims.dp());
-  build_model_args(cfg, *data.tokenizer);
+  const ModelArgs margs = build_model_args(cfg, *data.tokenizer);
+  const int64_t model_vocab = margs.name == "mixtral" ? margs.mixtral.vocab_size : margs.llama.vocab_size;
   maybe_build_validator(cfg, *data.tokenizer, std::min(env.rank, dims.dp() - 1), dims.dp());
   out << "config ok: " << (cfg.job.config_file.empty() ? "defaults" : cfg.job.config_file) << "; " << cfg.model.name
       << " " << cfg.model.flavor << "; " << env.world_size << " rank(s), dp " << dims.dp() << " x " << accum
-      << " micro-batch(es); tokenizer " << data.tokenizer->model_path() << " (vocab "
-      << data.tokenizer->vocab_size() << "); dataset " << data.source << std::endl;
+      << " micro-batch(es); tokenizer " << data.tokenizer->model_path() << " (" << data.tokenizer->kind()
+      << ", " << data.tokenizer->vocab_size() << " ids; model vocab " << model_vocab << "); dataset "
+      << data.source << std::endl;
   return 0;
 }
 
@@ -657,8 +669,9 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   // ---- everything validated: from here on the run writes its outputs --------------------
   add_log_file(cfg.job.dump_folder, launch.rank);
   if (launch.rank == 0) write_effective_config(cfg);
-  spdlog::info("tokenizer: {} (vocab {}, bos {}, eos {})", data.tokenizer->model_path(),
-               data.tokenizer->vocab_size(), data.tokenizer->bos_id(), data.tokenizer->eos_id());
+  spdlog::info("tokenizer: {} ({}, {} ids, bos {}, eos {}; model vocab {})", data.tokenizer->model_path(),
+               data.tokenizer->kind(), data.tokenizer->vocab_size(), data.tokenizer->bos_id(),
+               data.tokenizer->eos_id(), margs.name == "mixtral" ? margs.mixtral.vocab_size : margs.llama.vocab_size);
   spdlog::info("dataset: {} (dp rank {} of {})", data.source, par.dp_rank, dp_world);
   check_blas_and_warn();
   const int threads = configure_threads(launch.local_world_size);
