@@ -13,6 +13,7 @@ which torch.distributed.checkpoint flattens to "optimizer.state.<fqn>.exp_avg", 
   continue   one process: dcp.load()s --ckpt into a fresh model / optimizer / scheduler and
              trains on the windows a ctitan run traced (CTITAN_TRACE_WINDOWS prefix, all of
              its ranks' files); prints one JSON line {"losses": [...], "lrs": [...]}.
+  evil       rewrites a folder's .metadata so that unpickling it would run a shell command.
   compare    dcp.load()s a folder ctitan wrote (checkpoint.format = "dcp") into a state dict
              of the keys its .metadata lists and compares with --ref (a torch.save dict);
              prints one JSON line, exit 1 on any difference.
@@ -176,19 +177,42 @@ def cmd_compare(a):
     ref = torch.load(a.ref)
     state = {}
     for k, m in md.state_dict_metadata.items():
-        if hasattr(m, "size"):
-            state[k] = torch.empty(m.size, dtype=m.properties.dtype)
+        # A tensor to load into; a bytes item (RNG, data-loader state) is replaced by what it holds.
+        state[k] = torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else b""
     dcp.load(state, checkpoint_id=a.ckpt)
-    diffs = [k for k in state if k not in ref or not torch.equal(state[k], ref[k])]
+    diffs = []
+    for k, v in state.items():
+        want = ref.get(k)
+        if isinstance(v, bytes):  # the reference holds byte strings as uint8 tensors
+            ok = want is not None and bytes(want.numpy().tobytes()) == v
+        else:
+            ok = want is not None and v.dtype == want.dtype and torch.equal(v, want)
+        if not ok:
+            diffs.append(k)
     missing = [k for k in ref if k not in state]
-    print(json.dumps({"keys": len(state), "tensors_equal": len(state) - len(diffs), "differ": diffs[:5],
+    print(json.dumps({"keys": len(state), "equal": len(state) - len(diffs), "differ": diffs[:5],
                       "missing": missing[:5]}))
     sys.exit(1 if diffs or missing else 0)
 
 
+def cmd_evil(a):
+    """Rewrites --ckpt/.metadata with storage_meta replaced by an object whose unpickling
+    would run os.system(--command): a reader that executes pickles creates --marker."""
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {a.marker}",))
+    path = os.path.join(a.ckpt, ".metadata")
+    with open(path, "rb") as f:
+        md = pickle.load(f)
+    md.storage_meta = Evil()
+    with open(path, "wb") as f:
+        pickle.dump(md, f)
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("cmd", choices=["save", "continue", "compare"])
+    p.add_argument("cmd", choices=["save", "continue", "compare", "evil"])
+    p.add_argument("--marker")
     p.add_argument("--out")
     p.add_argument("--ckpt")
     p.add_argument("--ref")
@@ -197,14 +221,14 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--total-steps", type=int, default=5, help="training.steps of the run the schedule is for")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--decay-ratio", type=float, default=0.5)
+    p.add_argument("--decay-ratio", type=float, default=0.6)
     p.add_argument("--min-lr", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=8e-4)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    {"save": cmd_save, "continue": cmd_continue, "compare": cmd_compare}[a.cmd](a)
+    {"save": cmd_save, "continue": cmd_continue, "compare": cmd_compare, "evil": cmd_evil}[a.cmd](a)
 
 
 if __name__ == "__main__":
