@@ -92,7 +92,8 @@ class DcpE2E : public ::testing::Test {
   static std::string resume_args() {
     return "--checkpoint.initial_load_path " + tt_ +
            " --checkpoint.initial_load_model_only false --training.steps 5 --lr_scheduler.warmup_steps 2"
-           " --lr_scheduler.decay_ratio 0.6 --lr_scheduler.min_lr_factor 0.1 --optimizer.lr 8e-4";
+           " --lr_scheduler.decay_ratio 0.6 --lr_scheduler.min_lr_factor 0.1 --optimizer.lr 8e-4"
+           " --training.mixed_precision_param float32";
   }
 
   static fs::path root_;
@@ -146,7 +147,8 @@ TEST_F(DcpE2E, TorchtitanCheckpointResumesOnOneTwoAndThreeRanks) {
     std::smatch m;
     std::vector<double> py_loss, py_lr;
     const std::string json = line_with(py.out, "\"losses\"");
-    for (auto it = std::sregex_iterator(json.begin(), json.end(), std::regex("\"loss\": ([-0-9.e]+)"));
+    const std::regex loss_re("\"loss\": ([-0-9.e]+)");
+    for (auto it = std::sregex_iterator(json.begin(), json.end(), loss_re);
          it != std::sregex_iterator(); ++it)
       py_loss.push_back(std::stod((*it)[1]));
     ASSERT_TRUE(std::regex_search(json, m, std::regex("\"lrs\": \\[([^\\]]*)\\]"))) << py.out;
