@@ -1,6 +1,11 @@
 #include "parallelisms/launch_env.h"
 
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <thread>
 
 #include "config/errors.h"
 
@@ -49,6 +54,13 @@ LaunchEnv detect_launch_env(const Env& env) {
     le.local_rank = find(env, "LOCAL_RANK") ? as_int(env, "LOCAL_RANK", 0) : le.rank;
     le.local_world_size =
         find(env, "LOCAL_WORLD_SIZE") ? as_int(env, "LOCAL_WORLD_SIZE", 1) : le.world_size;
+    // torchrun: the elastic agent's additions (absent under scripts/run_train.sh).
+    if (const std::string* id = find(env, "TORCHELASTIC_RUN_ID")) le.run_id = *id;
+    if (find(env, "TORCHELASTIC_RESTART_COUNT")) le.restart_count = as_int(env, "TORCHELASTIC_RESTART_COUNT", 0);
+    if (find(env, "TORCHELASTIC_MAX_RESTARTS")) le.max_restarts = as_int(env, "TORCHELASTIC_MAX_RESTARTS", 0);
+    if (const std::string* f = find(env, "TORCHELASTIC_ERROR_FILE")) le.error_file = *f;
+    // torchrun writes str(True) / str(False) (Python's spelling).
+    if (const std::string* a = find(env, "TORCHELASTIC_USE_AGENT_STORE")) le.agent_store = *a == "True";
   } else if (find(env, "OMPI_COMM_WORLD_RANK")) {
     le.launcher = "mpirun";
     le.rank = as_int(env, "OMPI_COMM_WORLD_RANK", 0);
@@ -94,6 +106,39 @@ LaunchEnv detect_launch_env(const Env& env) {
     throw UserError("launch: RANK is set but MASTER_PORT is not");
   }
   return le;
+}
+
+namespace {
+// A JSON string literal of s: quotes, backslashes and control characters escaped.
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (const unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
+}
+}  // namespace
+
+std::string torchelastic_error_json(const std::string& line, int64_t unix_seconds) {
+  return "{\"message\": {\"message\": " + json_string(line) + ", \"extraInfo\": {\"timestamp\": \"" +
+         std::to_string(unix_seconds) + "\"}}}";
+}
+
+void maybe_write_torchelastic_error(const std::string& line, bool consequence) {
+  const char* path = std::getenv("TORCHELASTIC_ERROR_FILE");
+  if (!path || !*path) return;
+  if (consequence) std::this_thread::sleep_for(std::chrono::seconds(1));
+  std::ofstream f(path, std::ios::trunc);
+  f << torchelastic_error_json(line, static_cast<int64_t>(std::time(nullptr))) << "\n";
 }
 
 }  // namespace ctitan
