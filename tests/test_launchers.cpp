@@ -230,7 +230,7 @@ TEST_F(Launchers, SlurmSbatchTrainsStopsOnTermAndResumes) {
     fs::create_directories(dump);
     std::string a = args(dump);
     a = a.substr(a.find(" --model"));  // the config file comes from CONFIG_FILE
-    return sh("cd " + dump + " && " + env + "sbatch " + sbatch_flags + " --ntasks 2 --ntasks-per-node 2 " + kSrc +
+    return sh("cd " + dump + " && " + env + "timeout 300 sbatch " + sbatch_flags + " --ntasks 2 --ntasks-per-node 2 " + kSrc +
               "/scripts/multinode_trainer.slurm" + a + extra);
   };
   const auto job_output = [](const std::string& dump) {
