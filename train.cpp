@@ -567,6 +567,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   // ---- distributed environment and process groups ----------------------------------------
   const LaunchEnv launch = detect_launch_env(environment_map());
   init_logging(!cfg.metrics.disable_color_printing && isatty(STDERR_FILENO), launch.rank);
+  exit_when_agent_dies(launch);
   Parallelism par = build_parallelism(cfg);
   const int64_t dp_world = par.dims.dp();
   const int64_t accum = gradient_accumulation_steps(cfg, dp_world);

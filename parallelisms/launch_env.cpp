@@ -1,5 +1,7 @@
 #include "parallelisms/launch_env.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -139,6 +141,20 @@ void maybe_write_torchelastic_error(const std::string& line, bool consequence) {
   if (consequence) std::this_thread::sleep_for(std::chrono::seconds(1));
   std::ofstream f(path, std::ios::trunc);
   f << torchelastic_error_json(line, static_cast<int64_t>(std::time(nullptr))) << "\n";
+}
+
+void exit_when_agent_dies(const LaunchEnv& env) {
+  if (!env.elastic()) return;
+  const pid_t agent = getppid();
+  std::thread([agent, rank = env.rank] {
+    while (getppid() == agent) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    const std::string line = "error: rank " + std::to_string(rank) + ": the torchrun agent that started it (pid " +
+                             std::to_string(agent) + ") is gone; stopping so that the job can restart without it";
+    std::fprintf(stderr, "%s\n", line.c_str());
+    std::fflush(stderr);
+    maybe_write_torchelastic_error(line);
+    std::_Exit(1);
+  }).detach();
 }
 
 }  // namespace ctitan

@@ -38,6 +38,14 @@ struct LaunchEnv {
 LaunchEnv detect_launch_env(const std::map<std::string, std::string>& env);
 std::map<std::string, std::string> environment_map();
 
+// torchrun starts each worker in a session of its own, so an agent killed with its process
+// group (a node's processes going down) leaves its workers training, out of reach of any
+// restart and holding the other nodes to a world that no longer exists. Under torchrun this
+// starts a thread that ends the process (exit 1, one line on stderr and in the error file)
+// within half a second of the agent's death, seen as a change of the parent pid. No-op
+// outside torchrun.
+void exit_when_agent_dies(const LaunchEnv& env);
+
 // The error file torchrun's ChildFailedError reads (the schema of PyTorch's
 // torch.distributed.elastic ErrorHandler): {"message": {"message": <line>, "extraInfo":
 // {"timestamp": "<unix seconds>"}}} — torchrun's summary then shows <line> as the failed rank's
