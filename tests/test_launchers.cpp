@@ -10,14 +10,17 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <regex>
 #include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 
+#include "checkpoint/checkpoint.h"
 #include "tests/e2e.h"
 #include "tests/multiprocess.h"
 
@@ -187,6 +190,156 @@ TEST_F(Launchers, TorchrunRestartResumesFromTheNewestCheckpointBitwise) {
   const std::string jsonl = read_file(dump + "/metrics.jsonl");
   EXPECT_EQ(std::count(jsonl.begin(), jsonl.end(), '\n'), 24) << jsonl;
   std::cout << "[ torchrun ] killed at step 15, restarted, finished in " << s << " s" << std::endl;
+}
+
+// Elastic world size: two torchrun agents (--nnodes 1:2, one worker each, --max-restarts 3)
+// train with checkpoint.dataloader_reshard = "redistribute"; once 14 steps are logged, agent B
+// is SIGKILLed with its process group. Its worker (in a session of its own) sees its agent
+// gone and exits; A's worker fails its next collective; A's rendezvous drops the dead node and
+// restarts its worker alone, which resumes from the checkpoint the 2 ranks wrote and finishes.
+// Every token trained on (both attempts' traced windows, attempt 0 only up to the checkpoint it
+// resumed from) plus what the loader still buffers at the end is, as a multiset, exactly the
+// documents the redistribute rule says were read (encoded independently by spm_encode).
+TEST_F(Launchers, TorchrunElasticShrinksToOneAgentAndReadsEveryDocumentOnce) {
+  require_torchrun();
+  const std::string dump = (root_ / "elastic").string();
+  const int steps = 60;
+  const std::string agent = torchrun() +
+                            " --nnodes 1:2 --nproc-per-node 1 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint "
+                            "127.0.0.1:" + std::to_string(free_port()) +
+                            " --rdzv-id elastic --rdzv-conf last_call_timeout=2,keep_alive_interval=1,"
+                            "keep_alive_max_attempt=2 --no-python " + kTrain + args(dump, steps) +
+                            " --checkpoint.dataloader_reshard redistribute --checkpoint.no_last_save_model_only";
+  const std::string trace_a = (root_ / "trace_a").string(), trace_b = (root_ / "trace_b").string();
+  const std::string log_a = (root_ / "elastic_a.log").string(), log_b = (root_ / "elastic_b.log").string();
+  // Each agent leads a process group of its own (setsid execs it: its pid is the group id).
+  auto start = [&](const std::string& trace, const std::string& log) {
+    auto r = sh("CTITAN_TRACE_WINDOWS=" + trace + " setsid " + agent + " > " + log + " 2>&1 < /dev/null & echo $!");
+    return static_cast<pid_t>(std::stol(r.out));
+  };
+  const pid_t a = start(trace_a, log_a);
+  std::this_thread::sleep_for(std::chrono::seconds(1));  // A hosts the rendezvous store
+  const pid_t b = start(trace_b, log_b);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (losses(dump + "/metrics.jsonl").size() < 14 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_GE(losses(dump + "/metrics.jsonl").size(), 14u) << read_file(log_a) << read_file(log_b);
+  const auto killed = std::chrono::steady_clock::now();
+  const auto killed_wall = std::chrono::system_clock::now();
+  kill(-b, SIGKILL);
+  // The agents are the shell's children, not ours: wait for A by polling its pid.
+  while (kill(a, 0) == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const double after_kill = seconds_since(killed);
+  const std::string out_a = read_file(log_a);
+  ASSERT_NE(kill(a, 0), 0) << "agent A still running after 120 s\n" << out_a;
+  // When A's worker failed: torchrun's log line "E<mmdd> <hh:mm:ss.us> … failed (exitcode: 3)",
+  // in local time, against the local time of the kill.
+  std::smatch f;
+  ASSERT_TRUE(std::regex_search(out_a, f, std::regex("E[0-9]{4} ([0-9]{2}):([0-9]{2}):([0-9.]+) .* failed \\(exitcode")))
+      << out_a;
+  const std::time_t kt = std::chrono::system_clock::to_time_t(killed_wall);
+  std::tm local{};
+  localtime_r(&kt, &local);
+  const double kill_s = local.tm_hour * 3600 + local.tm_min * 60 + local.tm_sec +
+                        std::chrono::duration<double>(killed_wall - std::chrono::system_clock::from_time_t(kt)).count();
+  const double worker_exit = std::stoi(f[1]) * 3600 + std::stoi(f[2]) * 60 + std::stod(f[3]) - kill_s;
+  EXPECT_LT(worker_exit, 30.0) << out_a;
+  EXPECT_LT(after_kill, 60.0) << out_a;
+  EXPECT_NE(out_a.find("training done: " + std::to_string(steps) + " steps"), std::string::npos) << out_a;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(out_a, m, std::regex("restart ([0-9]+) of run elastic: resumed from step ([0-9]+)")))
+      << out_a;
+  const int resumed = std::stoi(m[2]);
+  EXPECT_NE(out_a.find("launch: torchrun rank 0 of 1"), std::string::npos) << "restarted alone\n" << out_a;
+  EXPECT_NE(out_a.find("dataloader: redistributed from dp 2 to dp 1"), std::string::npos) << out_a;
+  ctitan::CheckpointReader saved(dump + "/checkpoint/step-" + std::to_string(resumed));
+  EXPECT_EQ(saved.meta().world_size, 2) << "the checkpoint resumed from was written by 2 ranks";
+  EXPECT_EQ(losses(dump + "/metrics.jsonl").rbegin()->first, steps);
+
+  // The documents (one per line of the corpus) as spm_encode tokenizes them.
+  std::vector<std::vector<int64_t>> docs;
+  {
+    const std::string lines = (root_ / "elastic_docs.txt").string();
+    std::ifstream in(corpus_);
+    std::ofstream o(lines);
+    for (std::string l; std::getline(in, l);)
+      if (!l.empty()) o << l << "\n";
+    o.close();
+    auto enc = sh("spm_encode --model=" + tokenizer_ + " --output_format=id < " + lines);
+    ASSERT_EQ(enc.code, 0) << enc.out;
+    std::istringstream is(enc.out);
+    for (std::string l; std::getline(is, l);) {
+      std::istringstream ls(l);
+      docs.emplace_back();
+      for (int64_t id; ls >> id;) docs.back().push_back(id);
+    }
+  }
+  const auto int_field = [](const std::string& json, const std::string& key) {
+    std::smatch f;
+    EXPECT_TRUE(std::regex_search(json, f, std::regex("\"" + key + "\":(-?[0-9]+)"))) << key << " in " << json;
+    return std::stoll(f[1]);
+  };
+  // want: every document below P* (the furthest position a saved rank had reached), then the
+  // one new rank's documents from P* to where it stopped; each with its BOS and EOS.
+  int64_t p_star = 0;
+  for (int r = 0; r < 2; ++r) {
+    const std::string st = saved.read_bytes("dataloader.dp_rank_" + std::to_string(r));
+    ASSERT_EQ(int_field(st, "epoch"), 0);
+    p_star = std::max<int64_t>(p_star, int_field(st, "next_document"));
+  }
+  ctitan::CheckpointReader fin(dump + "/checkpoint/step-" + std::to_string(steps));
+  const std::string final_state = fin.read_bytes("dataloader.dp_rank_0");
+  ASSERT_EQ(int_field(final_state, "epoch"), 0);
+  const int64_t end = int_field(final_state, "next_document");
+  std::map<int64_t, int64_t> want, have;
+  std::smatch bm;
+  ASSERT_TRUE(std::regex_search(out_a, bm, std::regex("bos ([0-9]+), eos ([0-9]+)"))) << out_a;
+  for (int64_t d = 0; d < end; ++d) {
+    for (int64_t v : docs.at(d)) ++want[v];
+    ++want[std::stoll(bm[1])];
+    ++want[std::stoll(bm[2])];
+  }
+  // have: the loader's buffer at the end, and every traced window that counted: attempt 0's up
+  // to step `resumed` (its later steps were rolled back), attempt 1's all. A file holds one
+  // rank number's windows; a restart shows as the step going back (attempt 1 starts at
+  // resumed + 1, attempt 0 at 1).
+  {
+    const auto b0 = final_state.find("\"buffer\":[");
+    ASSERT_NE(b0, std::string::npos) << final_state;
+    std::istringstream is(final_state.substr(b0 + 10));
+    for (int64_t v; is >> v;) {
+      ++have[v];
+      if (is.peek() == ',') is.get();
+    }
+  }
+  int64_t windows = 0;
+  for (const std::string& prefix : {trace_a, trace_b})
+    for (int r = 0; r < 2; ++r) {
+      std::ifstream f(prefix + ".rank" + std::to_string(r));
+      int64_t first = -1, last = -1;
+      for (std::string line; std::getline(f, line);) {
+        std::istringstream ls(line);
+        int64_t step = 0;
+        ls >> step;
+        if (first < 0 || step < last) first = step;  // a new attempt's first window
+        last = step;
+        if (first == 1 && step > resumed) continue;  // attempt 0, rolled back
+        ++windows;
+        for (int64_t v; ls >> v;) ++have[v];
+      }
+    }
+  // 2 windows (local_batch_size) per rank and step: 2 ranks up to `resumed`, then 1.
+  EXPECT_EQ(windows, 2 * 2 * resumed + 2 * (steps - resumed));
+  int64_t missing = 0, twice = 0;
+  for (const auto& [tok, n] : want) missing += std::max<int64_t>(0, n - (have.count(tok) ? have[tok] : 0));
+  for (const auto& [tok, n] : have) twice += std::max<int64_t>(0, n - (want.count(tok) ? want[tok] : 0));
+  EXPECT_EQ(missing, 0);
+  EXPECT_EQ(twice, 0);
+  std::cout << "[ elastic ] agent B killed after 14 steps; A's worker exited " << worker_exit << " s later, A ended "
+            << after_kill << " s after the kill, restarted alone from "
+            << "step-" << resumed << " (2 ranks), documents 0.." << end << ": " << missing << " tokens missing, "
+            << twice << " read twice" << std::endl;
 }
 
 // Open MPI's mpirun: ranks from OMPI_COMM_WORLD_*, rank 0 serves the store.
