@@ -400,6 +400,15 @@ TEST_F(Launchers, SlurmSbatchTrainsStopsOnTermAndResumes) {
   EXPECT_NE(job_output(plain).find("launch: srun rank 0 of 2"), std::string::npos) << job_output(plain);
   EXPECT_EQ(losses(plain + "/metrics.jsonl"), reference());
 
+  // (1b) LAUNCH=torchrun: one torchrun per node (here one, with 2 workers) under srun.
+  const std::string via_torchrun = (root_ / "slurm_torchrun").string();
+  r = submit(via_torchrun, "--wait --export=ALL,LAUNCH=torchrun,TORCHRUN=" + torchrun() +
+                               ",RDZV_PORT=" + std::to_string(free_port()), "");
+  ASSERT_EQ(r.code, 0) << r.out << job_output(via_torchrun);
+  EXPECT_NE(job_output(via_torchrun).find("ranks join the agent's store"), std::string::npos)
+      << job_output(via_torchrun);
+  EXPECT_EQ(losses(via_torchrun + "/metrics.jsonl"), reference());
+
   // (2) a long job, SIGTERM to its tasks after 12 logged steps: it saves and exits 0.
   const std::string pre = (root_ / "slurm_preempt").string();
   auto sub = submit(pre, "--parsable", " --training.steps 5000");
