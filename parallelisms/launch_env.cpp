@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "config/errors.h"
@@ -32,6 +33,24 @@ int64_t as_int(const Env& env, const std::string& key, int64_t min_value) {
     throw UserError("launch: " + key + "=" + *v + " is not an integer >= " +
                     std::to_string(min_value));
   return x;
+}
+
+// Slurm's compressed list of tasks per node ("3(x2),2": 3 on nodes 0 and 1, 2 on node 2):
+// the entry of `node`.
+int64_t slurm_tasks_on_node(const std::string& list, int64_t node) {
+  std::stringstream ss(list);
+  int64_t first = 0;
+  for (std::string item; std::getline(ss, item, ',');) {
+    char* end = nullptr;
+    const long long tasks = std::strtoll(item.c_str(), &end, 10);
+    long long repeat = 1;
+    if (end && *end == '(' && std::sscanf(end, "(x%lld)", &repeat) != 1) repeat = -1;
+    if (end == item.c_str() || tasks < 1 || repeat < 1)
+      throw UserError("launch: SLURM_STEP_TASKS_PER_NODE=" + list + " is not a Slurm task list");
+    if (node < first + repeat) return tasks;
+    first += repeat;
+  }
+  throw UserError("launch: SLURM_STEP_TASKS_PER_NODE=" + list + " has no entry for node " + std::to_string(node));
 }
 
 }  // namespace
@@ -76,9 +95,15 @@ LaunchEnv detect_launch_env(const Env& env) {
     le.rank = as_int(env, "SLURM_PROCID", 0);
     le.world_size = as_int(env, "SLURM_NTASKS", 1);
     le.local_rank = find(env, "SLURM_LOCALID") ? as_int(env, "SLURM_LOCALID", 0) : 0;
-    le.local_world_size = find(env, "SLURM_NTASKS_PER_NODE")
-                              ? as_int(env, "SLURM_NTASKS_PER_NODE", 1)
-                              : le.world_size;
+    if (find(env, "SLURM_NTASKS_PER_NODE")) {
+      le.local_world_size = as_int(env, "SLURM_NTASKS_PER_NODE", 1);
+    } else if (const std::string* per_node = find(env, "SLURM_STEP_TASKS_PER_NODE")) {
+      // srun -n N without --ntasks-per-node: this node's entry of e.g. "3(x2),2".
+      const int64_t node = find(env, "SLURM_NODEID") ? as_int(env, "SLURM_NODEID", 0) : 0;
+      le.local_world_size = slurm_tasks_on_node(*per_node, node);
+    } else {
+      le.local_world_size = le.world_size;
+    }
   } else {
     return le;  // no launcher: a single process
   }

@@ -220,6 +220,13 @@ TEST_F(Launchers, TorchrunElasticShrinksToOneAgentAndReadsEveryDocumentOnce) {
   const pid_t a = start(trace_a, log_a);
   std::this_thread::sleep_for(std::chrono::seconds(1));  // A hosts the rendezvous store
   const pid_t b = start(trace_b, log_b);
+  struct KillAgents {  // on every way out of the test (their workers follow within 0.5 s)
+    pid_t a, b;
+    ~KillAgents() {
+      kill(-a, SIGKILL);
+      kill(-b, SIGKILL);
+    }
+  } kill_agents{a, b};
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   while (losses(dump + "/metrics.jsonl").size() < 14 && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -392,6 +399,14 @@ TEST_F(Launchers, SlurmSbatchTrainsStopsOnTermAndResumes) {
       if (e.path().filename().string().rfind("slurm-", 0) == 0) all += read_file(e.path().string());
     return all;
   };
+
+  // (0) srun -n 2 from the command line: the binary per task, ranks from SLURM_*.
+  const std::string direct = (root_ / "slurm_srun").string();
+  auto d = sh(env + "timeout 300 srun -n 2 --export=ALL,MASTER_PORT=" + std::to_string(free_port()) + " " + kTrain +
+              args(direct));
+  ASSERT_EQ(d.code, 0) << d.out;
+  EXPECT_NE(d.out.find("launch: srun rank 0 of 2 (local 0 of 2)"), std::string::npos) << d.out;
+  EXPECT_EQ(losses(direct + "/metrics.jsonl"), reference());
 
   // (1) sbatch --wait: 20 steps, the losses of run_train.sh.
   const std::string plain = (root_ / "slurm_plain").string();

@@ -55,6 +55,30 @@ TEST(LaunchEnv, MpirunAndSrun) {
   EXPECT_EQ(s.master_port, 29500 + 234);
 }
 
+// srun -n N without --ntasks-per-node: the tasks on this node come from Slurm's compressed list.
+TEST(LaunchEnv, SrunTasksPerNodeList) {
+  std::map<std::string, std::string> e = {{"SLURM_PROCID", "7"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "0"},
+                                          {"SLURM_STEP_TASKS_PER_NODE", "3(x2),2"}, {"SLURM_NODEID", "2"},
+                                          {"MASTER_ADDR", "node01"}};
+  EXPECT_EQ(detect_launch_env(e).local_world_size, 2);
+  e["SLURM_NODEID"] = "1";
+  e["SLURM_LOCALID"] = "1";
+  EXPECT_EQ(detect_launch_env(e).local_world_size, 3);
+  e["SLURM_STEP_TASKS_PER_NODE"] = "2";
+  e["SLURM_NODEID"] = "0";
+  e["SLURM_PROCID"] = "1";
+  e["SLURM_NTASKS"] = "2";
+  e.erase("MASTER_ADDR");
+  EXPECT_EQ(detect_launch_env(e).local_world_size, 2);  // srun -n 2 on one node
+  e["SLURM_STEP_TASKS_PER_NODE"] = "2(x";
+  try {
+    detect_launch_env(e);
+    FAIL();
+  } catch (const UserError& err) {
+    EXPECT_STREQ(err.what(), "launch: SLURM_STEP_TASKS_PER_NODE=2(x is not a Slurm task list");
+  }
+}
+
 TEST(LaunchEnv, Errors) {
   try {
     detect_launch_env({{"RANK", "4"}, {"WORLD_SIZE", "4"}, {"MASTER_PORT", "1"}});
