@@ -19,6 +19,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -306,6 +307,32 @@ TEST(HfTokenizer, BosAndEosAsTorchtitanDerivesThem) {
   EXPECT_EQ(framed_nfc.back(), nfc->eos_id());
   // The normalized added token "café" is matched after NFC: the decomposed form is one id.
   EXPECT_EQ(nfc->encode_ids("cafe\xCC\x81", false), std::vector<int32_t>{nfc->token_to_id("café")});
+}
+
+// encode() is thread-safe: four threads sharing one tokenizer (and its pre-token cache, empty
+// at the start) give the ids one thread gives.
+TEST(HfTokenizer, ConcurrentEncodesGiveTheSameIds) {
+  REQUIRE_REFERENCE();
+  std::vector<std::string> texts;
+  std::ifstream docs(Reference::dir_ + "/docs.jsonl");
+  for (std::string line; std::getline(docs, line) && texts.size() < 400;) texts.push_back(parse_line(line).find("text")->text);
+  const auto reference = HfTokenizer::from_tokenizer_json(Reference::dir_ + "/llama3/tokenizer.json");
+  std::vector<std::vector<int32_t>> want;
+  for (const auto& t : texts) want.push_back(reference->encode(t, true, true));
+  const auto shared = HfTokenizer::from_tokenizer_json(Reference::dir_ + "/llama3/tokenizer.json");
+  std::vector<int> wrong(4, 0);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < 4; ++k) {
+    threads.emplace_back([&, k] {
+      for (size_t i = 0; i < texts.size(); ++i) {
+        const size_t j = (i * 7 + static_cast<size_t>(k) * 101) % texts.size();  // each thread its own order
+        if (shared->encode(texts[j], true, true) != want[j]) ++wrong[static_cast<size_t>(k)];
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int k = 0; k < 4; ++k) EXPECT_EQ(wrong[static_cast<size_t>(k)], 0) << "thread " << k;
+  EXPECT_EQ(shared->cache_size(), reference->cache_size());
 }
 
 TEST(HfTokenizer, EveryUnsupportedFeatureIsOneClearError) {
