@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <ctime>
 
 #include <chrono>
 #include <filesystem>
@@ -30,6 +31,8 @@
 #include "components/optimizer.h"
 #include "components/preemption.h"
 #include "components/system.h"
+#include "components/tensorboard.h"
+#include "components/validate.h"
 #include "config/errors.h"
 #include "config/job_config.h"
 #include "config/text.h"
@@ -137,20 +140,30 @@ DataPipeline build_data(const JobConfig& cfg, int64_t dp_rank, int64_t dp_world)
 }
 
 // The model args of the flavor (model.name picks llama3 or mixtral), completed from the
-// tokenizer and the training config (as torchtitan's update_from_config: vocab from the
-// tokenizer, max_seq_len = seq_len), and validated.
+// training config (as torchtitan v0.2.x's update_from_config: max_seq_len = seq_len) and
+// validated. The vocabulary is the flavor's, as in torchtitan v0.2.x (8B: 128256, debugmodel:
+// 2048), not the tokenizer's: a model's embedding may have more rows than its tokenizer has
+// ids (never fewer: that is an error here, before anything runs).
 struct ModelArgs {
   std::string name;
   TransformerModelArgs llama;
   mixtral::TransformerModelArgs mixtral;
 };
 
+void check_vocab_fits(const JobConfig& cfg, int64_t model_vocab, const Tokenizer& tok) {
+  if (tok.vocab_size() <= model_vocab) return;
+  throw UserError("tokenizer " + tok.model_path() + " has " + std::to_string(tok.vocab_size()) +
+                  " ids but model.flavor = \"" + cfg.model.flavor + "\" of " + cfg.model.name +
+                  " has vocab_size " + std::to_string(model_vocab) +
+                  ": use a tokenizer with at most that many ids or a flavor with a larger vocabulary");
+}
+
 ModelArgs build_model_args(const JobConfig& cfg, const Tokenizer& tok) {
   ModelArgs a;
   a.name = cfg.model.name;
   if (a.name == "mixtral") {
     a.mixtral = mixtral::mixtral_flavor(cfg.model.flavor);
-    a.mixtral.vocab_size = tok.vocab_size();
+    check_vocab_fits(cfg, a.mixtral.vocab_size, tok);
     a.mixtral.max_seq_len = cfg.training.seq_len;
     mixtral::validate(a.mixtral);
     return a;
@@ -158,7 +171,7 @@ ModelArgs build_model_args(const JobConfig& cfg, const Tokenizer& tok) {
   if (a.name != "llama3")
     throw UserError("not supported yet: model.name = \"" + a.name + "\" (ctitan supports: llama3, mixtral)");
   a.llama = llama3_flavor(cfg.model.flavor);
-  a.llama.vocab_size = tok.vocab_size();
+  check_vocab_fits(cfg, a.llama.vocab_size, tok);
   a.llama.max_seq_len = cfg.training.seq_len;
   llama::validate(a.llama);
   return a;
@@ -386,6 +399,80 @@ std::vector<double> world_max(const Parallelism& par, std::vector<double> v) {
   return v;
 }
 
+// In place: each value summed over every rank (identity on one process).
+void world_sum(const Parallelism& par, std::vector<double>& v, const char* tag) {
+  if (!par.dist) return;
+  auto t = torch::tensor(v, torch::kFloat64);
+  par.dist->world->all_reduce_sum(t, tag).wait();
+  for (size_t i = 0; i < v.size(); ++i) v[i] = t[static_cast<int64_t>(i)].item<double>();
+}
+
+// metrics.enable_tensorboard: an event file in <dump_folder>/<save_tb_folder>/<%Y%m%d-%H%M>/
+// (torchtitan's layout), written by rank 0, or by every rank into rank_<r>/ with
+// metrics.save_for_all_ranks. The minute is rank 0's, so all ranks of a job share the folder.
+void maybe_enable_tensorboard(MetricsLogger& metrics, const JobConfig& cfg, const Parallelism& par) {
+  if (!cfg.metrics.enable_tensorboard) return;
+  int64_t now = static_cast<int64_t>(std::time(nullptr));
+  if (par.dist) {
+    auto t = torch::tensor({now}, torch::kInt64);
+    par.dist->world->broadcast(t, 0, "tensorboard_folder");
+    now = t.item<int64_t>();
+  }
+  if (par.env.rank != 0 && !cfg.metrics.save_for_all_ranks) return;
+  const std::time_t tt = static_cast<std::time_t>(now);
+  std::tm local{};
+  localtime_r(&tt, &local);
+  char minute[32];
+  std::strftime(minute, sizeof minute, "%Y%m%d-%H%M", &local);
+  fs::path dir = fs::path(cfg.job.dump_folder) / cfg.metrics.save_tb_folder / minute;
+  if (cfg.metrics.save_for_all_ranks) dir /= "rank_" + std::to_string(par.env.rank);
+  metrics.enable_tensorboard(dir.string());
+}
+
+// [validation]: the held-out data, checked (found, one whole batch on this rank) with the rest
+// of the config, before the run writes anything.
+std::unique_ptr<Validator> maybe_build_validator(const JobConfig& cfg, const Tokenizer& tok, int64_t dp_rank,
+                                                 int64_t dp_world) {
+  const auto& v = cfg.validation;
+  if (!v.enable) return nullptr;
+  const char* env_root = std::getenv("CTITAN_DATA_DIR");
+  ValidationSpec spec;
+  spec.source = resolve_dataset_path(v.dataset, v.dataset_path, env_root && *env_root ? env_root : "./data",
+                                     "validation");
+  spec.local_batch_size = v.local_batch_size;
+  spec.seq_len = v.seq_len;
+  spec.freq = v.freq;
+  spec.steps = v.steps;
+  return std::make_unique<Validator>(tok, spec, dp_rank, dp_world);
+}
+
+// The model's RoPE table holds training.seq_len positions (max_seq_len, as torchtitan).
+void check_validation_config(const JobConfig& cfg) {
+  if (cfg.validation.enable && cfg.validation.seq_len > cfg.training.seq_len)
+    throw UserError("config error: validation.seq_len = " + std::to_string(cfg.validation.seq_len) +
+                    " exceeds training.seq_len = " + std::to_string(cfg.training.seq_len) +
+                    " (the model's max_seq_len: its RoPE table has that many positions)");
+}
+
+// One validation run in the training setup: evaluation mode (no router jitter), no-grad, FSDP
+// gathering units as in training. Afterwards the model is as the training step left it: every
+// unit resharded, the MoE routing counters (tokens_per_expert buffers, zeroed by the step's
+// load-balance update just before) zeroed again, so the next step is the same with or without
+// validation.
+ValidationMetrics run_validation(const Validator& validator, TrainModel& model, FSDP* fsdp, const Parallelism& par,
+                                 int64_t step) {
+  model.module->eval();
+  ValidationMetrics v = validator.validate(step, model.forward, [&par](std::vector<double>& x) {
+    world_sum(par, x, "validation");
+  });
+  model.module->train();
+  if (fsdp) fsdp->reshard_all();
+  torch::NoGradGuard no_grad;
+  for (auto& b : model.module->named_buffers())
+    if (b.key().size() >= 17 && b.key().compare(b.key().size() - 17, 17, "tokens_per_expert") == 0) b.value().zero_();
+  return v;
+}
+
 // A stop request (preemption signal) seen by any rank, agreed at a step boundary so that
 // every rank stops after the same step: one tiny all-gather of each rank's signal number.
 struct StopRequest {
@@ -536,11 +623,14 @@ int validate_only(const JobConfig& cfg, std::ostream& out) {
   const ParallelDims dims = build_parallel_dims(cfg, env.world_size);
   const int64_t accum = gradient_accumulation_steps(cfg, dims.dp());
   const DataPipeline data = build_data(cfg, std::min(env.rank, dims.dp() - 1), dims.dp());
-  build_model_args(cfg, *data.tokenizer);
+  const ModelArgs margs = build_model_args(cfg, *data.tokenizer);
+  const int64_t model_vocab = margs.name == "mixtral" ? margs.mixtral.vocab_size : margs.llama.vocab_size;
+  maybe_build_validator(cfg, *data.tokenizer, std::min(env.rank, dims.dp() - 1), dims.dp());
   out << "config ok: " << (cfg.job.config_file.empty() ? "defaults" : cfg.job.config_file) << "; " << cfg.model.name
       << " " << cfg.model.flavor << "; " << env.world_size << " rank(s), dp " << dims.dp() << " x " << accum
-      << " micro-batch(es); tokenizer " << data.tokenizer->model_path() << " (vocab "
-      << data.tokenizer->vocab_size() << "); dataset " << data.source << std::endl;
+      << " micro-batch(es); tokenizer " << data.tokenizer->model_path() << " (" << data.tokenizer->kind()
+      << ", " << data.tokenizer->vocab_size() << " ids; model vocab " << model_vocab << "); dataset "
+      << data.source << std::endl;
   return 0;
 }
 
@@ -558,6 +648,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   }
   check_supported(cfg);
   check_checkpoint_config(cfg);
+  check_validation_config(cfg);
   const gemm::Backend matmuls = gemm_backend_checked();
   build_model_args_check(cfg);
   if (cfg.job.validate_only) return validate_only(cfg, out);
@@ -577,12 +668,14 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   // ---- tokenizer and data (validated before anything is written) ----------------------
   DataPipeline data = build_data(cfg, par.dp_rank, dp_world);
   const ModelArgs margs = build_model_args(cfg, *data.tokenizer);
+  const std::unique_ptr<Validator> validator = maybe_build_validator(cfg, *data.tokenizer, par.dp_rank, dp_world);
 
   // ---- everything validated: from here on the run writes its outputs --------------------
   add_log_file(cfg.job.dump_folder, launch.rank);
   if (launch.rank == 0) write_effective_config(cfg);
-  spdlog::info("tokenizer: {} (vocab {}, bos {}, eos {})", data.tokenizer->model_path(),
-               data.tokenizer->vocab_size(), data.tokenizer->bos_id(), data.tokenizer->eos_id());
+  spdlog::info("tokenizer: {} ({}, {} ids, bos {}, eos {}; model vocab {})", data.tokenizer->model_path(),
+               data.tokenizer->kind(), data.tokenizer->vocab_size(), data.tokenizer->bos_id(),
+               data.tokenizer->eos_id(), margs.name == "mixtral" ? margs.mixtral.vocab_size : margs.llama.vocab_size);
   spdlog::info("dataset: {} (dp rank {} of {})", data.source, par.dp_rank, dp_world);
   check_blas_and_warn();
   const int threads = configure_threads(launch.local_world_size);
@@ -658,6 +751,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   spdlog::info("measured {} matmul peak: {:.1f} GFLOP/s per rank (MFU reference: the better of {} and ATen "
                "matmul)", peak_dtype, peak_flops / 1e9, gemm::backend_name(matmuls));
   MetricsLogger metrics(cfg.job.dump_folder, /*write=*/launch.rank == 0, cfg.training.steps);
+  maybe_enable_tensorboard(metrics, cfg, par);
   const int64_t B = cfg.training.local_batch_size, T = cfg.training.seq_len;
   // Each rank's loss is its token mean; FSDP averages gradients over the dp ranks, so the
   // step follows the mean over every token of the global batch.
@@ -750,10 +844,12 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
       const double dt = seconds_since(window_start);
       const double comm_s = fsdp ? fsdp->stats().comm_wait_s - comm_mark : 0.0;
       comm_mark = fsdp ? fsdp->stats().comm_wait_s : 0.0;
-      const auto maxes = world_max(par, {peak_rss_gib(), comm_s, data_s, activation_gib});
+      const auto maxes = world_max(par, {peak_rss_gib(), comm_s, data_s, activation_gib, loss_sum});
       StepMetrics m;
       m.step = step;
       m.loss = loss_mean;
+      m.max_loss = maxes[4];
+      m.n_tokens_seen = static_cast<double>(train_state.ntokens_seen + B * T * accum * dp_world);
       m.grad_norm = grad_norm;
       m.lr = lr;
       m.tps = window_tokens / dt;
@@ -794,6 +890,14 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
     train_state.step = step;
     train_state.ntokens_seen += B * T * accum * dp_world;
     maybe_save(*ckpt->manager, step, step == cfg.training.steps, cfg.checkpoint.on_save_failure);
+    if (validator && validator->should_validate(step)) {
+      // Validation time and communication are not the training window's.
+      const auto t_val = Clock::now();
+      const double comm_before = fsdp ? fsdp->stats().comm_wait_s : 0.0;
+      metrics.log_validation(run_validation(*validator, model, fsdp.get(), par, step));
+      window_start += Clock::now() - t_val;
+      if (fsdp) comm_mark += fsdp->stats().comm_wait_s - comm_before;
+    }
     last_step = step;
     if (step < cfg.training.steps && (stop = agree_on_stop(par)).signal) {
       spdlog::warn("stopping after step {} of {}: {} on rank {}", step, cfg.training.steps,

@@ -1,20 +1,27 @@
-// The metrics line (console) and <dump_folder>/metrics.jsonl, one JSON object per
-// logged step. Field names are a contract (ARCHITECTURE.md): step, loss, grad_norm, lr,
-// tps, tflops, mfu, memory_gib, data_loading_s, elapsed_s.
+// The metrics line (console), <dump_folder>/metrics.jsonl (one JSON object per logged step)
+// and, with metrics.enable_tensorboard, a TensorBoard event file. Field names are a contract
+// (ARCHITECTURE.md): step, loss, grad_norm, lr, tps, tflops, mfu, memory_gib, data_loading_s,
+// elapsed_s. Every field is also a TensorBoard scalar under torchtitan's tag for it
+// (tensorboard_tag()), so TensorBoard and metrics.jsonl hold the same numbers.
 #pragma once
 #include <cstdint>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "components/tensorboard.h"
 
 namespace ctitan {
 
 struct StepMetrics {
   int64_t step = 0;
   double loss = 0;            // mean token cross-entropy over the global batch (nats)
+  double max_loss = 0;        // the largest rank's own mean loss (torchtitan's global_max_loss)
   double grad_norm = 0;       // global L2 norm before clipping
   double lr = 0;
+  double n_tokens_seen = 0;   // tokens trained on so far, all ranks
   double tps = 0;             // tokens per second per rank since the last log
   double tflops = 0;          // achieved TFLOP/s per rank (model FLOPs, 6N + attention)
   double mfu = 0;             // percent of the peak FLOP/s the run measured or was given
@@ -25,15 +32,39 @@ struct StepMetrics {
   std::vector<std::pair<std::string, double>> extra;
 };
 
+// One validation run (validation.freq): its own line in metrics.jsonl with the step it
+// followed, {"step": N, "validation_loss": ..., ...}; torchtitan's validation_metrics/ tags.
+struct ValidationMetrics {
+  int64_t step = 0;
+  double loss = 0;      // mean token cross-entropy over every validation token of every rank
+  double tokens = 0;    // validation tokens, all ranks
+  double batches = 0;   // validation batches per rank
+  double tps = 0;       // validation tokens per second per rank
+  double seconds = 0;   // wall time of the validation run
+};
+
 class MetricsLogger {
  public:
   // Appends to <dump_folder>/metrics.jsonl when `write` (rank 0 only).
   MetricsLogger(const std::string& dump_folder, bool write, int64_t total_steps);
+  // Also writes every logged step to a TensorBoard event file in `folder`.
+  void enable_tensorboard(const std::string& folder);
   void log(const StepMetrics& m);
+  void log_validation(const ValidationMetrics& v);
   static std::string to_json(const StepMetrics& m);
+  static std::string to_json(const ValidationMetrics& v);
+  // (jsonl field, value) of every field, in the JSON object's order (step excluded).
+  static std::vector<std::pair<std::string, double>> fields(const StepMetrics& m);
+  static std::vector<std::pair<std::string, double>> fields(const ValidationMetrics& v);
+  // The TensorBoard tag of a metrics.jsonl field: torchtitan's name where torchtitan logs
+  // the same quantity ("loss" -> "loss_metrics/global_avg_loss"), else a tag of ctitan's.
+  static std::string tensorboard_tag(const std::string& field);
+  const TensorBoardWriter* tensorboard() const { return tb_.get(); }
 
  private:
+  void write_line(const std::string& json);
   std::ofstream out_;
+  std::unique_ptr<TensorBoardWriter> tb_;
   int64_t total_steps_;
 };
 

@@ -166,13 +166,15 @@ struct Metrics {
   template <class V>
   void visit_keys(V& v) {
     v(log_freq, "log_freq", 10, "Log metrics every this many steps", at_least(1));
-    v(enable_tensorboard, "enable_tensorboard", false, "Log metrics to TensorBoard",
-      supported_only({"false"}));
+    v(enable_tensorboard, "enable_tensorboard", false,
+      "Write every logged step (and validation) to a TensorBoard event file in "
+      "<dump_folder>/<save_tb_folder>/<%Y%m%d-%H%M>/");
     v(disable_color_printing, "disable_color_printing", false, "Plain (uncolored) console logs");
     v(save_tb_folder, "save_tb_folder", "tb", "Folder for TensorBoard event files");
     v(save_for_all_ranks, "save_for_all_ranks", false,
-      "Write metrics on every rank instead of rank 0 only");
-    v(enable_wandb, "enable_wandb", false, "Log metrics to Weights & Biases",
+      "TensorBoard files from every rank (in rank_<r>/) instead of rank 0 only");
+    v(enable_wandb, "enable_wandb", false,
+      "Log metrics to Weights & Biases (ctitan has no W&B client: use enable_tensorboard)",
       supported_only({"false"}));
   }
   CTITAN_CONFIG_DEFAULTS(Metrics)
@@ -191,9 +193,11 @@ struct Model {
     v(name, "name", "llama3", "Model family to train", one_of({"llama3", "mixtral"}));
     v(flavor, "flavor", "debugmodel", "Size preset of the model family (e.g. debugmodel, 8B)");
     v(hf_assets_path, "hf_assets_path", "./tests/assets/tokenizer",
-      "Folder of HF assets; ctitan reads <folder>/tokenizer.model when tokenizer_path is empty");
+      "Folder of HF assets; the tokenizer is its tokenizer.json, else vocab.json + merges.txt, else "
+      "tokenizer.model (sentencepiece), with tokenizer_config.json for BOS/EOS");
     v(tokenizer_path, "tokenizer_path", "",
-      "sentencepiece .model file; wins over hf_assets_path (torchtitan deprecated this key)");
+      "One tokenizer file (tokenizer.json, vocab.json or a sentencepiece .model); wins over "
+      "hf_assets_path (torchtitan deprecated this key)");
     v(converters, "converters", std::vector<std::string>{},
       "Model converters to apply, e.g. float8 (comma-separated on the command line)",
       supported_only({"[]"}));
@@ -730,14 +734,19 @@ struct Validation {
 
   template <class V>
   void visit_keys(V& v) {
-    v(enable, "enable", false, "Run validation during training",
-      supported_only({"false"}).alias("enabled"));
-    v(dataset, "dataset", "c4_validation", "Named validation corpus");
-    v(dataset_path, "dataset_path", "", "Validation data file or folder (\"\" = None)");
-    v(local_batch_size, "local_batch_size", 8, "Validation sequences per rank", at_least(1));
-    v(seq_len, "seq_len", 2048, "Validation sequence length", at_least(1));
-    v(freq, "freq", 10, "Validate every this many steps", at_least(1));
-    v(steps, "steps", -1, "Validation batches per run; -1 = the whole set",
+    v(enable, "enable", false,
+      "Forward-only validation loss on held-out data (after step 1 and every freq steps)",
+      alias("enabled"));
+    v(dataset, "dataset", "c4_validation",
+      "Named validation corpus (as training.dataset; torchtitan's default c4_validation is not one "
+      "of ctitan's)");
+    v(dataset_path, "dataset_path", "",
+      "Validation .txt/.jsonl file or folder; wins over dataset (\"\" = None)");
+    v(local_batch_size, "local_batch_size", 8, "Validation sequences per rank per batch", at_least(1));
+    v(seq_len, "seq_len", 2048, "Validation sequence length (at most training.seq_len)", at_least(1));
+    v(freq, "freq", 10, "Validate after step 1 and every this many steps", at_least(1));
+    v(steps, "steps", -1,
+      "Validation batches per rank per run; -1 = until the first rank has no whole batch left",
       at_least(1).or_value(-1));
     v.table(dataloader, "dataloader", "Validation data-loader settings");
   }

@@ -2,6 +2,7 @@
 #include "datasets/dataloader.h"
 
 #include <filesystem>
+#include <stdexcept>
 
 #include <spdlog/spdlog.h>
 
@@ -47,7 +48,7 @@ DataLoader::DataLoader(const Tokenizer& tokenizer, std::string source_path, int6
 
 void DataLoader::fill(size_t need) {
   Document doc;
-  while (buffer_.size() - head_ < need) {
+  while (buffer_.size() - head_ < need && !exhausted_) {
     if (!reader_.next(&doc)) {
       // End of data. The stream held next_document documents; rank r owns some iff r < N.
       const int64_t total = reader_.position().next_document;
@@ -57,6 +58,10 @@ void DataLoader::fill(size_t need) {
         throw UserError("dataset " + name_ + " has " + std::to_string(total) +
                         " documents, too few for dp degree " + std::to_string(dp_world_) +
                         ": dp rank " + std::to_string(dp_rank_) + " gets none");
+      }
+      if (!repeat_) {
+        exhausted_ = true;
+        return;
       }
       epoch_ += 1;
       spdlog::warn("dataset {} exhausted on dp rank {}, re-looping (epoch {})", name_, dp_rank_,
@@ -75,9 +80,17 @@ void DataLoader::fill(size_t need) {
   }
 }
 
+bool DataLoader::has_next_batch() {
+  const size_t need = static_cast<size_t>(batch_size_) * static_cast<size_t>(seq_len_ + 1);
+  fill(need);
+  return buffer_.size() - head_ >= need;
+}
+
 std::vector<int64_t> DataLoader::next_window() {
   const size_t len = static_cast<size_t>(seq_len_) + 1;
   fill(len);
+  if (buffer_.size() - head_ < len)
+    throw std::logic_error("[dataloader] " + name_ + ": next() past the end of the data (repeat is off)");
   const auto first = buffer_.begin() + static_cast<std::ptrdiff_t>(head_);
   std::vector<int64_t> window(first, first + static_cast<std::ptrdiff_t>(len));
   head_ += len;  // no overlap: the next window starts after these seq_len+1 tokens

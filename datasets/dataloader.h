@@ -6,7 +6,10 @@
 //   overlap (the next window starts after the seq_len+1 tokens just consumed), nothing is
 //   padded, and tokens left over carry into the next window, across documents and epochs.
 //   A window x gives inputs = x[0:T] and labels = x[1:T+1] (T = seq_len).
-//   At the end of the data the reader starts over (epoch += 1) and a line is logged.
+//   At the end of the data the reader starts over (epoch += 1) and a line is logged —
+//   unless repetition is turned off (set_repeat(false), validation's "until the set is
+//   exhausted"): then has_next_batch() turns false once fewer than a whole batch of windows
+//   remain, and the tokens left over are not used.
 // Per-rank split: rank r of W takes documents r, r+W, r+2W, ... of the global document
 // order (what datasets.split_dataset_by_node does for a stream whose shards don't divide
 // evenly): every rank reads the whole stream but tokenizes only its own documents, so the
@@ -51,6 +54,12 @@ class DataLoader {
   Batch next();                       // local_batch_size windows
   std::vector<int64_t> next_window();  // one window of seq_len+1 tokens
 
+  // repeat (the default): loop over the data forever. Off: one pass, then no more batches.
+  void set_repeat(bool repeat) { repeat_ = repeat; }
+  // Whether next() can give a whole batch (reads ahead; always true when repeating). Without
+  // repetition, next() past the end is a logic error (std::logic_error).
+  bool has_next_batch();
+
   int64_t seq_len() const { return seq_len_; }
   int64_t local_batch_size() const { return batch_size_; }
   int64_t dp_rank() const { return dp_rank_; }
@@ -78,6 +87,8 @@ class DataLoader {
   int64_t seq_len_, batch_size_, dp_rank_, dp_world_;
   int64_t epoch_ = 0;
   int64_t windows_ = 0;
+  bool repeat_ = true;
+  bool exhausted_ = false;  // repeat_ off and the data's end reached
   std::vector<int64_t> buffer_;  // tokens not yet emitted start at head_
   size_t head_ = 0;
 };

@@ -49,11 +49,11 @@ std::string default_data_root(const std::string& repo_root) {
 }
 
 std::string resolve_dataset_path(const std::string& dataset, const std::string& dataset_path,
-                                 const std::string& data_root) {
+                                 const std::string& data_root, const std::string& section) {
   std::error_code ec;
   if (!dataset_path.empty()) {
     if (!fs::exists(dataset_path, ec)) {
-      throw UserError("training.dataset_path=" + dataset_path +
+      throw UserError(section + ".dataset_path=" + dataset_path +
                       " does not exist (expected a .txt/.jsonl file or a folder of them)");
     }
     return dataset_path;
@@ -64,9 +64,9 @@ std::string resolve_dataset_path(const std::string& dataset, const std::string& 
   } else if (dataset == "sotu") {
     path = data_root + "/sotu";
   } else {
-    throw UserError("training.dataset=" + (dataset.empty() ? std::string("\"\"") : dataset) +
-                    " is not a known corpus (known: " + known_list() +
-                    "); or set training.dataset_path to a .txt/.jsonl file or folder");
+    throw UserError(section + ".dataset=" + (dataset.empty() ? std::string("\"\"") : dataset) +
+                    " is not a known corpus (known: " + known_list() + "); or set " + section +
+                    ".dataset_path to a .txt/.jsonl file or folder");
   }
   bool present = fs::exists(path, ec);
   if (present && fs::is_directory(path, ec)) {
@@ -79,9 +79,8 @@ std::string resolve_dataset_path(const std::string& dataset, const std::string& 
     }
   }
   if (!present) {
-    throw UserError("training.dataset=" + dataset + ": " + path +
-                    " not found; run scripts/fetch_data.sh " + fetch_arg +
-                    " (known corpora: " + known_list() + ") or set training.dataset_path");
+    throw UserError(section + ".dataset=" + dataset + ": " + path + " not found; run scripts/fetch_data.sh " +
+                    fetch_arg + " (known corpora: " + known_list() + ") or set " + section + ".dataset_path");
   }
   return path;
 }

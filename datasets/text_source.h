@@ -31,9 +31,10 @@ std::string default_data_root(const std::string& repo_root);
 
 // training.dataset_path when non-empty (must exist), else the named corpus under
 // data_root: moby_dick -> <data_root>/moby_dick/moby_dick.txt, sotu -> <data_root>/sotu/.
-// UserError for an unknown name or missing files, listing the known names and the fix.
+// UserError for an unknown name or missing files, listing the known names and the fix;
+// `section` is the config table the keys are named under ("training" or "validation").
 std::string resolve_dataset_path(const std::string& dataset, const std::string& dataset_path,
-                                 const std::string& data_root);
+                                 const std::string& data_root, const std::string& section = "training");
 
 // The .txt/.jsonl files of a source (a file or a folder), sorted. UserError when the path
 // does not exist, has another extension, or is a folder holding no such file.

@@ -1,4 +1,5 @@
-// Tokenizer over the sentencepiece shim; see tokenizer.h and spm_shim.h.
+// Tokenizer: the sentencepiece back-end over the shim (see spm_shim.h), the choice of
+// back-end by file, and the tokenizer file as torchtitan finds it; see tokenizer.h.
 #include "datasets/tokenizer.h"
 
 #include <dlfcn.h>
@@ -11,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include "config/errors.h"
+#include "datasets/hf_tokenizer.h"
 #include "datasets/spm_shim.h"
 
 namespace ctitan {
@@ -140,61 +142,90 @@ const ShimApi& shim() {
   return api;
 }
 
+// A sentencepiece model through the shim.
+class SentencePieceTokenizer final : public Tokenizer {
+ public:
+  static std::unique_ptr<Tokenizer> load(const std::string& model_path) {
+    const ShimApi& api = shim();
+    char err[1024] = {0};
+    ctitan_spm* handle = api.load(model_path.c_str(), err, sizeof(err));
+    if (handle == nullptr) {
+      throw UserError("tokenizer: cannot load " + model_path + ": " + err);
+    }
+    std::unique_ptr<SentencePieceTokenizer> tok(new SentencePieceTokenizer());
+    tok->handle_ = handle;
+    tok->model_path_ = model_path;
+    tok->vocab_size_ = api.vocab_size(handle);
+    tok->bos_id_ = api.bos_id(handle);
+    tok->eos_id_ = api.eos_id(handle);
+    tok->pad_id_ = api.pad_id(handle);
+    tok->unk_id_ = api.unk_id(handle);
+    return tok;
+  }
+
+  ~SentencePieceTokenizer() override {
+    if (handle_ != nullptr) shim().free_handle(static_cast<ctitan_spm*>(handle_));
+  }
+
+  std::string kind() const override { return "sentencepiece"; }
+
+  std::vector<int32_t> encode(const std::string& text, bool bos, bool eos) const override {
+    const ShimApi& api = shim();
+    char err[1024] = {0};
+    size_t count = 0;
+    int32_t* ids = api.encode(static_cast<const ctitan_spm*>(handle_), text.data(), text.size(),
+                              &count, err, sizeof(err));
+    if (ids == nullptr) {
+      throw RuntimeFailure("tokenizer: encoding " + std::to_string(text.size()) +
+                           " bytes failed: " + err);
+    }
+    std::vector<int32_t> out;
+    out.reserve(count + 2);
+    if (bos && bos_id_ >= 0) out.push_back(bos_id_);
+    out.insert(out.end(), ids, ids + count);
+    if (eos && eos_id_ >= 0) out.push_back(eos_id_);
+    api.free_buffer(ids);
+    return out;
+  }
+
+  std::string decode(const std::vector<int32_t>& ids) const override {
+    const ShimApi& api = shim();
+    char err[1024] = {0};
+    size_t len = 0;
+    char* text = api.decode(static_cast<const ctitan_spm*>(handle_), ids.data(), ids.size(), &len,
+                            err, sizeof(err));
+    if (text == nullptr) throw std::out_of_range(std::string("[tokenizer] decode: ") + err);
+    std::string out(text, len);
+    api.free_buffer(text);
+    return out;
+  }
+
+ private:
+  SentencePieceTokenizer() = default;
+  void* handle_ = nullptr;  // ctitan_spm*
+};
+
+std::string base_name(const std::string& path) {
+  const auto slash = path.rfind('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+std::string dir_name(const std::string& path) {
+  const auto slash = path.rfind('/');
+  return slash == std::string::npos ? std::string(".") : path.substr(0, slash);
+}
+
 }  // namespace
 
 std::string Tokenizer::shim_path() { return shim().path; }
 
-std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& model_path) {
-  const ShimApi& api = shim();
-  char err[1024] = {0};
-  ctitan_spm* handle = api.load(model_path.c_str(), err, sizeof(err));
-  if (handle == nullptr) {
-    throw UserError("tokenizer: cannot load " + model_path + ": " + err);
+std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path) {
+  const std::string name = base_name(path);
+  if (name.size() >= 5 && name.compare(name.size() - 5, 5, ".json") == 0) {
+    if (name == "vocab.json") return HfTokenizer::from_vocab_merges(path, dir_name(path) + "/merges.txt");
+    return HfTokenizer::from_tokenizer_json(path);
   }
-  std::unique_ptr<Tokenizer> tok(new Tokenizer());
-  tok->handle_ = handle;
-  tok->model_path_ = model_path;
-  tok->vocab_size_ = api.vocab_size(handle);
-  tok->bos_id_ = api.bos_id(handle);
-  tok->eos_id_ = api.eos_id(handle);
-  tok->pad_id_ = api.pad_id(handle);
-  tok->unk_id_ = api.unk_id(handle);
-  return tok;
-}
-
-Tokenizer::~Tokenizer() {
-  if (handle_ != nullptr) shim().free_handle(static_cast<ctitan_spm*>(handle_));
-}
-
-std::vector<int32_t> Tokenizer::encode(const std::string& text, bool bos, bool eos) const {
-  const ShimApi& api = shim();
-  char err[1024] = {0};
-  size_t count = 0;
-  int32_t* ids = api.encode(static_cast<const ctitan_spm*>(handle_), text.data(), text.size(),
-                            &count, err, sizeof(err));
-  if (ids == nullptr) {
-    throw RuntimeFailure("tokenizer: encoding " + std::to_string(text.size()) +
-                         " bytes failed: " + err);
-  }
-  std::vector<int32_t> out;
-  out.reserve(count + 2);
-  if (bos && bos_id_ >= 0) out.push_back(bos_id_);
-  out.insert(out.end(), ids, ids + count);
-  if (eos && eos_id_ >= 0) out.push_back(eos_id_);
-  api.free_buffer(ids);
-  return out;
-}
-
-std::string Tokenizer::decode(const std::vector<int32_t>& ids) const {
-  const ShimApi& api = shim();
-  char err[1024] = {0};
-  size_t len = 0;
-  char* text = api.decode(static_cast<const ctitan_spm*>(handle_), ids.data(), ids.size(), &len,
-                          err, sizeof(err));
-  if (text == nullptr) throw std::out_of_range(std::string("[tokenizer] decode: ") + err);
-  std::string out(text, len);
-  api.free_buffer(text);
-  return out;
+  return SentencePieceTokenizer::load(path);
 }
 
 std::string resolve_tokenizer_path(const std::string& tokenizer_path,
@@ -202,19 +233,30 @@ std::string resolve_tokenizer_path(const std::string& tokenizer_path,
   if (!tokenizer_path.empty()) {
     if (is_file(tokenizer_path)) return tokenizer_path;
     throw UserError("model.tokenizer_path=" + tokenizer_path +
-                    " is not a file (expected a sentencepiece .model; "
-                    "scripts/train_tokenizer.sh makes one)");
+                    " is not a file (expected tokenizer.json, vocab.json or a sentencepiece "
+                    ".model; scripts/train_tokenizer.sh makes a .model)");
   }
   if (!hf_assets_path.empty()) {
-    const std::string candidate = hf_assets_path + "/tokenizer.model";
-    if (is_file(candidate)) return candidate;
+    // torchtitan v0.2.2's order: tokenizer.json, then vocab.json + merges.txt; ctitan keeps
+    // sentencepiece's tokenizer.model as the last choice.
+    for (const char* file : {"tokenizer.json", "vocab.json", "tokenizer.model"}) {
+      const std::string candidate = hf_assets_path + "/" + file;
+      if (!is_file(candidate)) continue;
+      if (std::string(file) == "vocab.json" && !is_file(hf_assets_path + "/merges.txt")) {
+        throw UserError("model.hf_assets_path=" + hf_assets_path +
+                        " holds vocab.json but no merges.txt (ctitan reads byte-level BPE "
+                        "only; a WordLevel vocab.json alone is not supported)");
+      }
+      return candidate;
+    }
     throw UserError("model.hf_assets_path=" + hf_assets_path +
-                    " holds no tokenizer.model and model.tokenizer_path is not set");
+                    " holds none of tokenizer.json, vocab.json + merges.txt, tokenizer.model "
+                    "and model.tokenizer_path is not set");
   }
   throw UserError(
-      "no tokenizer: set model.tokenizer_path (a sentencepiece .model file) or "
-      "model.hf_assets_path (a folder holding tokenizer.model); "
-      "scripts/train_tokenizer.sh makes one");
+      "no tokenizer: set model.hf_assets_path (a folder holding tokenizer.json, vocab.json + "
+      "merges.txt or tokenizer.model) or model.tokenizer_path (one such file); "
+      "scripts/train_tokenizer.sh makes a sentencepiece one");
 }
 
 }  // namespace ctitan

@@ -219,6 +219,10 @@ at::Tensor FSDP::run(const std::string& unit, const UnitFn& fn, const at::Tensor
   return y;
 }
 
+void FSDP::reshard_all() {
+  for (auto& u : units_) reshard(*u);
+}
+
 void FSDP::pre_backward(size_t i) {
   in_backward_ = true;
   ensure_unsharded(*units_[i]);

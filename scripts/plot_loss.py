@@ -23,6 +23,7 @@ def main() -> int:
     ap.add_argument("--title", default="ctitan: Llama 3 debug model on Moby-Dick")
     a = ap.parse_args()
     steps, losses, lrs = [], [], []
+    val_steps, val_losses = [], []  # validation records: {"step", "validation_loss", ...}
     with open(a.metrics) as f:
         for n, line in enumerate(f, 1):
             line = line.strip()
@@ -33,6 +34,10 @@ def main() -> int:
             except json.JSONDecodeError as e:
                 print(f"plot_loss: {a.metrics}:{n}: not JSON: {e}", file=sys.stderr)
                 return 1
+            if "validation_loss" in rec:
+                val_steps.append(rec["step"])
+                val_losses.append(rec["validation_loss"])
+                continue
             steps.append(rec["step"])
             losses.append(rec["loss"])
             lrs.append(rec["lr"])
@@ -41,6 +46,8 @@ def main() -> int:
         return 1
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot(steps, losses, color="tab:blue", label="loss (nats/token)")
+    if val_steps:
+        ax.plot(val_steps, val_losses, "o-", color="tab:green", markersize=3, label="validation loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)

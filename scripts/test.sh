@@ -8,5 +8,8 @@ ctitan_ensure_deps
 start=$(date +%s)
 ctitan_build
 ctitan_log "build took $(( $(date +%s) - start )) s"
+# test_hf_tokenizer compares ctitan with Hugging Face tokenizers on both corpora (its
+# scripts/make_hf_tokenizers.py trains the tokenizers and writes the reference ids once).
+"$CTITAN_ROOT/scripts/fetch_data.sh" all
 cd "$CTITAN_BUILD_DIR"
 ctest --output-on-failure --timeout 900 "$@"

@@ -704,12 +704,19 @@ TEST(ConfigSupported, FeaturesNotBuiltYetAreRefusedWithTheSupportedValues) {
   EXPECT_EQ(refused([](JobConfig& c) { c.profiling.enable_profiling = true; }), "no error");
   EXPECT_EQ(refused([](JobConfig& c) { c.profiling.profiler_active = 2; }),
             "not supported yet: profiling.profiler_active = 2 (ctitan supports: 1)");
-  EXPECT_EQ(refused([](JobConfig& c) { c.metrics.enable_tensorboard = true; }),
-            "not supported yet: metrics.enable_tensorboard = true (ctitan supports: false)");
+  // TensorBoard and validation are built (components/tensorboard.h, components/validate.h);
+  // W&B has no C++ client.
+  EXPECT_EQ(refused([](JobConfig& c) { c.metrics.enable_tensorboard = true; }), "no error");
+  EXPECT_EQ(refused([](JobConfig& c) { c.metrics.save_for_all_ranks = true; }), "no error");
   EXPECT_EQ(refused([](JobConfig& c) { c.metrics.enable_wandb = true; }),
             "not supported yet: metrics.enable_wandb = true (ctitan supports: false)");
-  EXPECT_EQ(refused([](JobConfig& c) { c.validation.enable = true; }),
-            "not supported yet: validation.enable = true (ctitan supports: false)");
+  EXPECT_EQ(refused([](JobConfig& c) { c.validation.enable = true; }), "no error");
+  EXPECT_EQ(refused([](JobConfig& c) {
+              c.validation.enable = true;
+              c.validation.steps = -1;
+              c.validation.freq = 5;
+            }),
+            "no error");
   EXPECT_EQ(refused([](JobConfig& c) { c.training.enable_cpu_offload = true; }),
             "not supported yet: training.enable_cpu_offload = true (ctitan supports: false)");
   EXPECT_EQ(refused([](JobConfig& c) { c.optimizer.early_step_in_backward = true; }),

@@ -299,7 +299,7 @@ TEST_F(TrainE2E, LauncherPassesStopSignalsOn) {
 TEST_F(TrainE2E, SecondSignalExitsAtOnce) {
   const std::string dump = (root_ / "second_signal").string();
   auto r = sh("{ CTITAN_FAULT=hang:0:2 " + kTrain + args(dump, 5) + " --checkpoint.enable & p=$!; "
-              "for i in $(seq 600); do [ -f " + dump + "/metrics.jsonl ] && break; sleep 0.1; done; sleep 0.5; "
+              "for i in $(seq 600); do [ -s " + dump + "/metrics.jsonl ] && break; sleep 0.1; done; sleep 0.5; "
               "kill -TERM $p; sleep 1.5; t0=$(date +%s%N); kill -TERM $p; wait $p; code=$?; "
               "echo \"exit $code after $(( ($(date +%s%N) - t0) / 1000000 )) ms\"; }");
   std::smatch m;
