@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -19,6 +20,7 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include "checkpoint/dcp.h"
 #include "checkpoint/hf.h"
 #include "config/errors.h"
 #include "config/job_config.h"
@@ -212,6 +214,100 @@ AdamRefs adam_refs(torch::optim::Optimizer& opt, const at::Tensor& p) {
   TORCH_CHECK(false, "[checkpoint] only Adam and AdamW optimizer state can be checkpointed");
 }
 
+// checkpoint.format = "dcp": this rank's entries as items of __<rank>_0.distcp, each one a
+// torch.save archive (a tensor chunk of this rank's rows, or bytes), as PyTorch's
+// FileSystemWriter stores them. Returns one line per item for rank 0's .metadata:
+//   dcp tensor <key> <dtype> <global shape> <chunk sizes> <row_begin> <file> <offset> <length>
+//   dcp bytes <key> <file> <offset> <length>
+// (shapes comma-separated, "scalar" for none).
+std::string write_rank_dcp(const std::vector<StateEntry>& entries, const std::string& stage, int64_t rank,
+                           int64_t step) {
+  const std::string name = "__" + std::to_string(rank) + "_0.distcp";
+  const std::string path = (fs::path(stage) / name).string();
+  ckpt::DurableFileWriter w(path);
+  auto csv = [](const std::vector<int64_t>& v) {
+    std::string o;
+    for (size_t i = 0; i < v.size(); ++i) o += (i ? "," : "") + std::to_string(v[i]);
+    return o.empty() ? std::string("scalar") : o;
+  };
+  std::string frag;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const StateEntry& e = entries[i];
+    if (i == entries.size() / 2) maybe_fault_in_save(rank, step, path);
+    std::string item, line;
+    if (e.is_bytes) {
+      item = dcp::bytes_item(e.bytes);
+      line = "dcp bytes " + e.key;
+    } else {
+      at::Tensor t = e.tensor;
+      std::vector<int64_t> shape;
+      int64_t row_begin = 0;
+      if (e.rule == Rule::Sharded) {
+        t = t.narrow(0, 0, e.row_end - e.row_begin);
+        shape = e.global_shape;
+        row_begin = e.row_begin;
+      } else {
+        shape = t.sizes().vec();
+      }
+      t = t.detach().contiguous();
+      const std::string dt = dtype_name(t.scalar_type());
+      item = dcp::tensor_item(dt, t.sizes().vec(), t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
+      line = "dcp tensor " + e.key + " " + dt + " " + csv(shape) + " " + csv(t.sizes().vec()) + " " +
+             std::to_string(row_begin);
+    }
+    const uint64_t off = w.append(item.data(), item.size());
+    frag += line + " " + name + " " + std::to_string(off) + " " + std::to_string(item.size()) + "\n";
+  }
+  if (entries.size() < 2) maybe_fault_in_save(rank, step, path);
+  w.commit();
+  return frag;
+}
+
+// Rank 0: every rank's item lines ("ok\n" + write_rank_dcp's) → <stage>/.metadata, then the
+// COMPLETE marker over it (after the data files, which are durable already).
+void write_dcp_metadata(const std::vector<std::string>& statuses, const std::string& stage, int64_t step) {
+  dcp::Metadata m;
+  m.version = "1.0.0";
+  auto dims = [](const std::string& s) {
+    std::vector<int64_t> v;
+    if (s == "scalar") return v;
+    std::istringstream in(s);
+    for (std::string x; std::getline(in, x, ',');) v.push_back(std::stoll(x));
+    return v;
+  };
+  for (const auto& st : statuses) {
+    std::istringstream in(st.substr(3));
+    for (std::string line; std::getline(in, line);) {
+      std::istringstream f(line);
+      std::string tag, kind, key;
+      f >> tag >> kind >> key;
+      TORCH_CHECK(tag == "dcp", "[checkpoint] unexpected DCP item line: ", line);
+      dcp::Item& it = m.items[key];
+      it.key = key;
+      dcp::Chunk c;
+      if (kind == "bytes") {
+        TORCH_CHECK(it.chunks.empty(), "[checkpoint] two ranks saved ", key);
+        it.is_bytes = true;
+      } else {
+        std::string dt, shape, sizes;
+        int64_t row_begin = 0;
+        f >> dt >> shape >> sizes >> row_begin;
+        it.dtype = dt;
+        it.size = dims(shape);
+        c.sizes = dims(sizes);
+        c.offsets.assign(c.sizes.size(), 0);
+        if (!c.offsets.empty()) c.offsets[0] = row_begin;
+      }
+      f >> c.file >> c.offset >> c.length;
+      TORCH_CHECK(f, "[checkpoint] malformed DCP item line: ", line);
+      it.chunks.push_back(std::move(c));
+    }
+  }
+  const std::string md = dcp::metadata_pickle(m);
+  ckpt::write_file_durable((fs::path(stage) / dcp::kMetadataFile).string(), md);
+  ckpt::write_file_durable((fs::path(stage) / "COMPLETE").string(), ckpt::dcp_complete_marker_text(step, md));
+}
+
 }  // namespace
 
 bool is_model_key(const std::string& k) {
@@ -272,6 +368,10 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   const fs::path p(dir_);
   std::error_code ec;
   if (!fs::is_directory(p, ec)) throw RuntimeFailure("checkpoint " + dir_ + " does not exist");
+  if (!fs::exists(p / "metadata", ec) && dcp::is_dcp_folder(dir_)) {
+    open_dcp();
+    return;
+  }
   if (!fs::exists(p / "metadata", ec))
     throw RuntimeFailure("checkpoint " + dir_ + " is not usable: the metadata file is missing");
   const std::string text = ckpt::read_whole_file((p / "metadata").string());
@@ -290,6 +390,116 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   }
 }
 
+// A DCP folder as ctitan's metadata: one entry per key, its chunks pointing at the items'
+// torch.save archives (dim-0 slices: FSDP's sharding, the only one re-sliced here).
+void CheckpointReader::open_dcp() {
+  dcp_ = true;
+  const fs::path p(dir_);
+  std::error_code ec;
+  const std::string md_bytes = ckpt::read_whole_file((p / dcp::kMetadataFile).string());
+  if (fs::exists(p / "COMPLETE", ec)) {  // written by ctitan: the marker must match
+    const std::string marker = ckpt::read_whole_file((p / "COMPLETE").string());
+    const std::string head = "ctitan-dcp-complete step ";
+    if (marker.rfind(head, 0) != 0 ||
+        marker != ckpt::dcp_complete_marker_text(std::atoll(marker.c_str() + head.size()), md_bytes))
+      throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: .metadata does not match its COMPLETE marker");
+    dcp_by_ctitan_ = true;
+  }
+  const dcp::Metadata dm = dcp::read_metadata(dir_);
+  // torchtitan's Python ints (BytesStorageMetadata items), read as integer scalars.
+  static const std::set<std::string> ints = {"train_state.step", "train_state.ntokens_seen", "lr_scheduler.last_epoch",
+                                             "lr_scheduler.last_step", "dataloader.world_size"};
+  std::set<std::string> files;
+  for (const auto& [key, it] : dm.items) {
+    EntryMeta e;
+    e.key = key;
+    if (it.is_bytes) {
+      const dcp::Chunk& c = it.chunks.at(0);
+      ChunkMeta cm;
+      cm.file = c.file;
+      cm.offset = c.offset;
+      cm.nbytes = c.length;
+      cm.encoding = ints.count(key) ? ChunkMeta::Encoding::PickledInt : ChunkMeta::Encoding::TorchSave;
+      if (ints.count(key)) {
+        e.dtype = "int64";
+        cm.row_end = 1;
+      } else {
+        e.is_bytes = true;
+        e.rule = Rule::PerRank;
+      }
+      e.chunks.push_back(cm);
+      files.insert(c.file);
+    } else {
+      e.dtype = it.dtype;
+      e.shape = it.size;
+      for (const auto& c : it.chunks) {
+        for (size_t d = 1; d < it.size.size(); ++d)
+          if (c.offsets[d] != 0 || c.sizes[d] != it.size[d])
+            throw RuntimeFailure("checkpoint " + dir_ + ": " + key + " is split along dimension " + std::to_string(d) +
+                                 " (tensor parallel?); ctitan re-slices tensors sharded along dimension 0 (FSDP) only");
+        ChunkMeta cm;
+        cm.file = c.file;
+        cm.offset = c.offset;
+        cm.nbytes = c.length;
+        cm.encoding = ChunkMeta::Encoding::TorchSave;
+        cm.row_begin = it.size.empty() ? 0 : c.offsets[0];
+        cm.row_end = it.size.empty() ? 1 : c.offsets[0] + c.sizes[0];
+        if (cm.row_end > cm.row_begin) e.chunks.push_back(cm);
+        files.insert(c.file);
+      }
+      std::sort(e.chunks.begin(), e.chunks.end(),
+                [](const ChunkMeta& a, const ChunkMeta& b) { return a.row_begin < b.row_begin; });
+      int64_t next = 0;
+      for (const auto& c : e.chunks) {
+        if (c.row_begin != next) break;
+        next = c.row_end;
+      }
+      if (next != e.rows())
+        throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: the chunks of " + key + " do not cover its " +
+                             std::to_string(e.rows()) + " rows exactly once");
+      e.rule = e.chunks.size() > 1 ? Rule::Sharded : Rule::Replicated;
+    }
+    meta_.entries.emplace(key, std::move(e));
+  }
+  if (!meta_.entries.count("lr_scheduler.last_step") && meta_.entries.count("lr_scheduler.last_epoch")) {
+    EntryMeta e = meta_.entries.at("lr_scheduler.last_epoch");  // LambdaLR's count of steps taken
+    e.key = "lr_scheduler.last_step";
+    meta_.entries.emplace(e.key, std::move(e));
+  }
+  meta_.world_size = std::max<int64_t>(1, static_cast<int64_t>(files.size()));
+  meta_.dp_shard = meta_.world_size;
+  meta_.model_only = true;
+  for (const auto& kv : meta_.entries)
+    if (kv.first.rfind("optimizer.", 0) == 0) meta_.model_only = false;
+  meta_.step = has("train_state.step") ? read_int("train_state.step") : 0;
+}
+
+std::string CheckpointReader::read_item(const ChunkMeta& c) const {
+  const std::string path = (fs::path(dir_) / c.file).string();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw RuntimeFailure("checkpoint: cannot open " + path + ": " + std::strerror(errno));
+  std::string buf(c.nbytes, '\0');
+  size_t done = 0;
+  while (done < c.nbytes) {
+    const ssize_t r = ::pread(fd, &buf[done], c.nbytes - done, static_cast<off_t>(c.offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;
+    done += static_cast<size_t>(r);
+  }
+  ::close(fd);
+  if (done < c.nbytes)
+    throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: " + c.file + " ends at byte " +
+                         std::to_string(c.offset + done) + ", inside an item that .metadata places at [" +
+                         std::to_string(c.offset) + ", " + std::to_string(c.offset + c.nbytes) + ") (truncated?)");
+  bytes_read_ += c.nbytes;
+  return buf;
+}
+
+std::string CheckpointReader::item_where(const EntryMeta& e, const ChunkMeta& c) const {
+  return "checkpoint " + dir_ + ": " + c.file + " bytes [" + std::to_string(c.offset) + ", " +
+         std::to_string(c.offset + c.nbytes) + ") holding " + e.key;
+}
+
 const EntryMeta& CheckpointReader::entry(const std::string& key) const {
   auto it = meta_.entries.find(key);
   if (it == meta_.entries.end())
@@ -306,12 +516,34 @@ void CheckpointReader::require_tensor(const std::string& key, const std::vector<
 }
 
 std::string CheckpointReader::read_chunk(const EntryMeta& e, const ChunkMeta& c) const {
-  std::string buf(c.nbytes, '\0');
+  if (c.encoding != ChunkMeta::Encoding::Raw && e.is_bytes) {
+    const pickle::Ptr v = dcp::read_object_item(read_item(c), item_where(e, c));
+    if (!v->is(pickle::Value::Kind::Bytes))
+      throw RuntimeFailure(item_where(e, c) + ": holds " + pickle::describe(*v) + ", not a byte string");
+    return v->s;
+  }
+  const size_t n = c.encoding == ChunkMeta::Encoding::Raw
+                       ? c.nbytes
+                       : static_cast<size_t>((c.row_end - c.row_begin) * e.row_numel()) * ckpt::dtype_size(e.dtype);
+  std::string buf(n, '\0');
   read_chunk_into(e, c, buf.data());
   return buf;
 }
 
 void CheckpointReader::read_chunk_into(const EntryMeta& e, const ChunkMeta& c, void* dst) const {
+  if (c.encoding == ChunkMeta::Encoding::PickledInt) {
+    const pickle::Ptr v = dcp::read_object_item(read_item(c), item_where(e, c));
+    if (!v->is(pickle::Value::Kind::Int))
+      throw RuntimeFailure(item_where(e, c) + ": holds " + pickle::describe(*v) + ", not an integer");
+    std::memcpy(dst, &v->i, sizeof v->i);
+    return;
+  }
+  if (c.encoding == ChunkMeta::Encoding::TorchSave) {
+    std::vector<int64_t> sizes = e.shape;
+    if (!sizes.empty()) sizes[0] = c.row_end - c.row_begin;
+    dcp::read_tensor_item(read_item(c), item_where(e, c), e.dtype, sizes, dst);
+    return;
+  }
   const std::string path = (fs::path(dir_) / c.file).string();
   char* buf = static_cast<char*>(dst);
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -382,9 +614,10 @@ at::Tensor CheckpointReader::read_tensor(const std::string& key) const {
 
 int64_t CheckpointReader::read_int(const std::string& key) const {
   auto t = read_tensor(key);
-  if (t.numel() != 1 || t.is_floating_point())
+  // PyTorch's Adam keeps its step as a float32 scalar (DCP checkpoints): an integral value is fine.
+  if (t.numel() != 1 || (t.is_floating_point() && t.item<double>() != std::floor(t.item<double>())))
     throw RuntimeFailure("checkpoint " + dir_ + ": " + key + " is not an integer scalar");
-  return t.item<int64_t>();
+  return t.is_floating_point() ? static_cast<int64_t>(t.item<double>()) : t.item<int64_t>();
 }
 
 std::string CheckpointReader::read_bytes(const std::string& key) const {
@@ -599,6 +832,7 @@ CheckpointOptions checkpoint_options(const JobConfig& cfg) {
   o.async = c.async_mode != "disabled";
   o.load_only = c.load_only;
   o.enable_first_step_checkpoint = c.enable_first_step_checkpoint;
+  o.dcp = c.format == "dcp";
   o.model_name = cfg.model.name;
   o.model_flavor = cfg.model.flavor;
   return o;
@@ -611,6 +845,7 @@ struct CheckpointManager::Pending {
   int64_t step = 0;
   bool model_only = false;
   bool hf = false;  // converted to an HF folder when committed (checkpoint.last_save_in_hf)
+  bool dcp = false;  // a torch.distributed.checkpoint folder (checkpoint.format = "dcp")
   std::vector<StateEntry> entries;
   std::thread thread;
   std::string status;  // "ok\n<fragment>" or "error <message>"
@@ -780,6 +1015,7 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
   p.step = step;
   p.model_only = model_only;
   p.hf = hf;
+  p.dcp = opt_.dcp && !hf;  // an HF final save is assembled from ctitan's own shard files
   p.t0 = t0;
   p.bytes = bytes;
   // A copy when the write runs in the background (training goes on modifying the tensors),
@@ -806,7 +1042,8 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
   auto work = [this, &p] {
     const auto tw = std::chrono::steady_clock::now();
     try {
-      p.status = "ok\n" + write_rank_file(p.entries, p.stage, comm_.rank, p.step);
+      p.status = "ok\n" + (p.dcp ? write_rank_dcp(p.entries, p.stage, comm_.rank, p.step)
+                                  : write_rank_file(p.entries, p.stage, comm_.rank, p.step));
     } catch (const std::exception& e) {
       p.status = "error " + one_line(e.what());
     }
@@ -867,7 +1104,19 @@ void CheckpointManager::complete_save() {
 
   // Round 3: rank 0 writes metadata and the marker, then moves the folder into place.
   std::string commit = "ok";
-  if (comm_.rank == 0) {
+  if (comm_.rank == 0 && p.dcp) {
+    try {
+      write_dcp_metadata(all, p.stage, p.step);
+      const std::string old = p.final_dir + ".replaced";
+      fs::remove_all(old);
+      if (fs::exists(p.final_dir)) fs::rename(p.final_dir, old);
+      fs::rename(p.stage, p.final_dir);
+      ckpt::fsync_dir(p.folder);
+      fs::remove_all(old);
+    } catch (const std::exception& e) {
+      commit = "error " + one_line(e.what());
+    }
+  } else if (comm_.rank == 0) {
     try {
       Metadata m;
       m.step = p.step;
@@ -1074,7 +1323,7 @@ LoadResult CheckpointManager::load() {
       }
       reader = std::make_unique<CheckpointReader>(path);
       const Metadata& m = reader->meta();
-      if (m.model_name != opt_.model_name || m.model_flavor != opt_.model_flavor)
+      if (!reader->is_dcp() && (m.model_name != opt_.model_name || m.model_flavor != opt_.model_flavor))
         throw UserError("checkpoint " + path + " holds a " + m.model_name + " \"" + m.model_flavor +
                         "\" model; this run builds " + opt_.model_name + " \"" + opt_.model_flavor +
                         "\" (model.name / model.flavor must match)");
@@ -1098,6 +1347,13 @@ LoadResult CheckpointManager::load() {
         }
         todo.emplace_back(name, s);
       }
+      if (reader->is_foreign_dcp())
+        for (const auto& t : todo)
+          if (t.first == "dataloader")
+            throw UserError("checkpoint " + path + " is a torch.distributed.checkpoint folder ctitan did not write "
+                            "(torchtitan's?): its dataloader state (a pickled Python data-loader state) is not "
+                            "transferable to ctitan; set checkpoint.exclude_from_loading = [\"dataloader\"] to load "
+                            "the rest and start a fresh data order");
       for (const auto& [name, s] : todo) s->check_load(*reader);
     });
     t0 = std::chrono::steady_clock::now();

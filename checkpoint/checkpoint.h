@@ -90,6 +90,16 @@ class StateDict {
 // A complete checkpoint opened for reading. Opening checks the structure (metadata parses,
 // matches the COMPLETE marker, every data file exists with its recorded size); every chunk
 // read is checked against its CRC-32.
+//
+// A folder with a .metadata file is read as a torch.distributed.checkpoint (DCP) folder
+// (checkpoint/dcp.h): written by ctitan (checkpoint.format = "dcp", its COMPLETE marker
+// checked) or by PyTorch / torchtitan (no marker: DCP writes .metadata last). Its keys are
+// ctitan's (torchtitan flattens the same way); tensors must be sharded along dim 0 (FSDP),
+// and are re-sliced like ctitan's own. torchtitan's Python ints (train_state.step,
+// train_state.ntokens_seen, lr_scheduler.last_epoch = ctitan's lr_scheduler.last_step,
+// dataloader.world_size) read as integer scalars; every item's archive is checked (zip
+// structure, CRC-32 of its records) and unpickled with exactly the classes torch.save
+// writes for it.
 class CheckpointReader {
  public:
   // RuntimeFailure naming the folder and the problem.
@@ -108,13 +118,20 @@ class CheckpointReader {
   int64_t read_int(const std::string& key) const;        // a scalar integer entry
   std::string read_bytes(const std::string& key) const;
   uint64_t bytes_read() const { return bytes_read_; }  // chunk bytes read so far
+  bool is_dcp() const { return dcp_; }
+  // A DCP folder ctitan did not write (torchtitan's): its dataloader state is not ctitan's.
+  bool is_foreign_dcp() const { return dcp_ && !dcp_by_ctitan_; }
 
  private:
+  void open_dcp();
+  std::string read_item(const ckpt::ChunkMeta& c) const;  // a DCP item's archive
+  std::string item_where(const ckpt::EntryMeta& e, const ckpt::ChunkMeta& c) const;
   std::string read_chunk(const ckpt::EntryMeta& e, const ckpt::ChunkMeta& c) const;
   void read_chunk_into(const ckpt::EntryMeta& e, const ckpt::ChunkMeta& c, void* dst) const;  // CRC-checked
   std::string dir_;
   ckpt::Metadata meta_;
   mutable std::atomic<uint64_t> bytes_read_{0};
+  bool dcp_ = false, dcp_by_ctitan_ = false;
 };
 
 // A component with state: torchtitan's Stateful, plus the check that runs on every rank
@@ -254,6 +271,7 @@ struct CheckpointOptions {
   bool async = false;
   bool load_only = false;
   bool enable_first_step_checkpoint = false;
+  bool dcp = false;  // checkpoint.format = "dcp": saves are torch.distributed.checkpoint folders
   // Written into the metadata; loading checks name and flavor.
   std::string model_name, model_flavor;
   int64_t dp_replicate = 1, dp_shard = 1;

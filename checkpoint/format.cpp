@@ -434,6 +434,11 @@ std::string hf_complete_marker_text(int64_t step, const std::string& index_text)
          hex32(crc32(index_text.data(), index_text.size())) + "\n";
 }
 
+std::string dcp_complete_marker_text(int64_t step, const std::string& metadata_bytes) {
+  return "ctitan-dcp-complete step " + std::to_string(step) + " metadata " + std::to_string(metadata_bytes.size()) +
+         " " + hex32(crc32(metadata_bytes.data(), metadata_bytes.size())) + "\n";
+}
+
 bool is_hf_step(const std::string& step_path) {
   std::error_code ec;
   const fs::path marker = fs::path(step_path) / "COMPLETE";
@@ -454,6 +459,15 @@ std::string incomplete_reason(const std::string& step_path, int64_t step) {
     try {
       if (read_whole_file((p / "COMPLETE").string()) != hf_complete_marker_text(step, read_whole_file(index.string())))
         return "model.safetensors.index.json does not match the COMPLETE marker (modified or truncated)";
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "";
+  }
+  if (!fs::exists(p / "metadata", ec) && fs::exists(p / ".metadata", ec)) {  // checkpoint.format = "dcp"
+    try {
+      if (read_whole_file((p / "COMPLETE").string()) != dcp_complete_marker_text(step, read_whole_file((p / ".metadata").string())))
+        return "the .metadata file does not match the COMPLETE marker (modified or truncated)";
     } catch (const std::exception& e) {
       return e.what();
     }

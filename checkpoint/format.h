@@ -105,6 +105,10 @@ struct ChunkMeta {
   uint64_t offset = 0, nbytes = 0;
   int64_t row_begin = 0, row_end = 0;
   uint32_t crc = 0;
+  // DCP folders (dcp.h): [offset, offset + nbytes) is a torch.save archive of the chunk
+  // (TorchSave) or of a Python int read as an int64 scalar (PickledInt); crc is unused (the
+  // archive records carry their own).
+  enum class Encoding { Raw, TorchSave, PickledInt } encoding = Encoding::Raw;
 };
 
 struct EntryMeta {
@@ -151,6 +155,8 @@ std::string step_dir(const std::string& folder, int64_t step);       // <folder>
 std::string staging_dir(const std::string& folder, int64_t step);    // <folder>/step-<N>.partial
 std::string complete_marker_text(int64_t step, const std::string& metadata_text);
 std::string hf_complete_marker_text(int64_t step, const std::string& index_text);
+// A DCP step folder (checkpoint.format = "dcp"): the marker covers its .metadata file.
+std::string dcp_complete_marker_text(int64_t step, const std::string& metadata_bytes);
 // True when the step folder's COMPLETE marker is an HF one (whether or not it is valid).
 bool is_hf_step(const std::string& step_path);
 

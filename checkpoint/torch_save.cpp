@@ -140,7 +140,81 @@ class Pickler {
   std::map<std::string, uint32_t> shared_;
 };
 
+// _rebuild_tensor_v2(persistent id, 0, size, stride, False, OrderedDict()) of storage key `key`.
+void rebuild_tensor(Pickler& p, const TensorSpec& t, size_t key) {
+  p.global("torch._utils", "_rebuild_tensor_v2");
+  p.out += "((";  // MARK (args), MARK (persistent id)
+  p.shared_str("storage");
+  p.global("torch", storage_class(t.dtype));
+  p.str(std::to_string(key));
+  p.shared_str("cpu");
+  p.integer(t.numel());
+  p.out += 't';
+  p.put();
+  p.out += 'Q';    // BINPERSID
+  p.integer(0);    // storage offset
+  p.int_tuple(t.shape);
+  std::vector<int64_t> stride(t.shape.size());
+  int64_t s = 1;
+  for (size_t d = t.shape.size(); d-- > 0;) {
+    stride[d] = s;
+    s *= std::max<int64_t>(t.shape[d], 1);
+  }
+  p.int_tuple(stride);
+  p.out += '\x89';  // requires_grad False
+  p.global("collections", "OrderedDict");
+  p.out += ")R";    // backward hooks: OrderedDict()
+  p.put();
+  p.out += 't';
+  p.put();
+  p.out += 'R';
+  p.put();
+}
+
 }  // namespace
+
+std::string pickle_tensor(const TensorSpec& t) {
+  Pickler p;
+  rebuild_tensor(p, t, 0);
+  p.out += '.';
+  return p.out;
+}
+
+std::string pickle_int(int64_t v) {
+  Pickler p;
+  if (v < 0) {
+    if (v < INT32_MIN) throw std::logic_error("[torch_save] integer below int32 not pickled here");
+    p.out += 'J';
+    le32(p.out, static_cast<uint64_t>(static_cast<uint32_t>(static_cast<int32_t>(v))));
+  } else {
+    p.integer(v);
+  }
+  p.out += '.';
+  return p.out;
+}
+
+std::string pickle_bytes(const std::string& b) {
+  // Protocol 2 has no bytes opcode: Python pickles bytes as _codecs.encode(<latin-1 text>, 'latin1').
+  std::string utf8;
+  for (unsigned char c : b) {
+    if (c < 0x80) {
+      utf8.push_back(static_cast<char>(c));
+    } else {
+      utf8.push_back(static_cast<char>(0xC0 | (c >> 6)));
+      utf8.push_back(static_cast<char>(0x80 | (c & 0x3F)));
+    }
+  }
+  Pickler p;
+  p.global("_codecs", "encode");
+  p.str(utf8);
+  p.str("latin1");
+  p.out += '\x86';  // TUPLE2
+  p.put();
+  p.out += 'R';
+  p.put();
+  p.out += '.';
+  return p.out;
+}
 
 int64_t TensorSpec::numel() const {
   int64_t n = 1;
@@ -168,35 +242,8 @@ std::string pickle_state_dict(const std::vector<TensorSpec>& tensors) {
     const size_t e = std::min(tensors.size(), b + kBatch);
     if (e - b > 1) p.out += '(';
     for (size_t i = b; i < e; ++i) {
-      const TensorSpec& t = tensors[i];
-      p.str(t.name);
-      p.global("torch._utils", "_rebuild_tensor_v2");
-      p.out += "((";  // MARK (args), MARK (persistent id)
-      p.shared_str("storage");
-      p.global("torch", storage_class(t.dtype));
-      p.str(std::to_string(i));
-      p.shared_str("cpu");
-      p.integer(t.numel());
-      p.out += 't';
-      p.put();
-      p.out += 'Q';    // BINPERSID
-      p.integer(0);    // storage offset
-      p.int_tuple(t.shape);
-      std::vector<int64_t> stride(t.shape.size());
-      int64_t s = 1;
-      for (size_t d = t.shape.size(); d-- > 0;) {
-        stride[d] = s;
-        s *= std::max<int64_t>(t.shape[d], 1);
-      }
-      p.int_tuple(stride);
-      p.out += '\x89';  // requires_grad False
-      p.global("collections", "OrderedDict");
-      p.out += ")R";    // backward hooks: OrderedDict()
-      p.put();
-      p.out += 't';
-      p.put();
-      p.out += 'R';
-      p.put();
+      p.str(tensors[i].name);
+      rebuild_tensor(p, tensors[i], i);
     }
     p.out += e - b > 1 ? 'u' : 's';
   }
@@ -238,7 +285,24 @@ Writer::Writer(const std::string& path, std::vector<TensorSpec> tensors)
 
 Writer::~Writer() = default;
 
-uint64_t Writer::size() const { return out_->size(); }
+uint64_t Writer::size() const { return mem_ ? mem_->size() - base_ : out_->size(); }
+
+void Writer::emit(const void* data, size_t n) {
+  if (mem_)
+    mem_->append(static_cast<const char*>(data), n);
+  else
+    out_->append(data, n);
+}
+
+Writer::Writer(std::string* out, const std::string& archive, const std::string& data_pkl,
+               std::vector<TensorSpec> tensors)
+    : prefix_(archive + "/"), tensors_(std::move(tensors)), mem_(out), base_(out->size()) {
+  for (const auto& t : tensors_) storage_class(t.dtype);  // validates
+  add_record("data.pkl", data_pkl.data(), data_pkl.size());
+  add_record(".format_version", "1", 1);
+  add_record(".storage_alignment", "64", 2);
+  add_record("byteorder", "little", 6);
+}
 
 void Writer::write(const std::string& name, const void* data, size_t nbytes) {
   if (next_ >= tensors_.size() || tensors_[next_].name != name)
@@ -256,7 +320,7 @@ void Writer::write(const std::string& name, const void* data, size_t nbytes) {
 void Writer::add_record(const std::string& record, const void* data, size_t n) {
   const std::string name = prefix_ + record;
   if (name.size() > 0xffff) throw UserError("torch_save: record name longer than a zip allows: " + name);
-  const uint64_t ofs = out_->size();
+  const uint64_t ofs = size();
   const bool zip64 = n >= kU32Max || ofs >= kU32Max;
   std::string zip64_extra;
   auto make_zip64_extra = [&](uint64_t comp) {  // header id 1: sizes when large, then offset when far
@@ -289,10 +353,10 @@ void Writer::add_record(const std::string& record, const void* data, size_t n) {
   le32(h, 0);
   le16(h, name.size());
   le16(h, zip64_extra.size() + fb.size());
-  out_->append(h.data(), h.size());
-  out_->append(name.data(), name.size());
-  out_->append(zip64_extra.data(), zip64_extra.size());
-  out_->append(fb.data(), fb.size());
+  emit(h.data(), h.size());
+  emit(name.data(), name.size());
+  emit(zip64_extra.data(), zip64_extra.size());
+  emit(fb.data(), fb.size());
   // PyTorch combines the CRC of every write that starts with a data descriptor's signature
   // into the serialization id; a name or data that happens to start so counts too.
   auto seen = [&](const char* p, size_t len) {
@@ -302,7 +366,10 @@ void Writer::add_record(const std::string& record, const void* data, size_t n) {
   const uint32_t crc = ckpt::crc32(data, n);
   if (n) {
     seen(static_cast<const char*>(data), n);
-    out_->append(data, n, crc);
+    if (mem_)
+      mem_->append(static_cast<const char*>(data), n);
+    else
+      out_->append(data, n, crc);
     std::string d;
     le32(d, kDescriptorSig);
     le32(d, crc);
@@ -313,7 +380,7 @@ void Writer::add_record(const std::string& record, const void* data, size_t n) {
       le32(d, n);
       le32(d, n);
     }
-    out_->append(d.data(), d.size());
+    emit(d.data(), d.size());
     seen(d.data(), d.size());
   }
   entries_.push_back({name, ofs, n, crc});
@@ -336,7 +403,7 @@ void Writer::commit() {
   add_record(".data/serialization_id", id, 40);
 
   // Central directory, then zip64 end record and locator, then the end record.
-  const uint64_t cd_ofs = out_->size();
+  const uint64_t cd_ofs = size();
   std::string cd;
   for (const auto& e : entries_) {
     const bool zip64 = e.size >= kU32Max || e.header_offset >= kU32Max;
@@ -369,8 +436,8 @@ void Writer::commit() {
     cd += e.name;
     cd += x;
   }
-  out_->append(cd.data(), cd.size());
-  const uint64_t end64 = out_->size();
+  emit(cd.data(), cd.size());
+  const uint64_t end64 = size();
   std::string t;
   le32(t, kZip64EndSig);
   le64(t, kZip64EndSize - 12);
@@ -394,8 +461,8 @@ void Writer::commit() {
   le32(t, std::min<uint64_t>(cd.size(), kU32Max));
   le32(t, std::min<uint64_t>(cd_ofs, kU32Max));
   le16(t, 0);
-  out_->append(t.data(), t.size());
-  out_->commit();
+  emit(t.data(), t.size());
+  if (!mem_) out_->commit();
 }
 
 // ---- the check -----------------------------------------------------------------------------

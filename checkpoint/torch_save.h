@@ -53,6 +53,13 @@ size_t dtype_size(const std::string& dtype);
 // The data.pkl record for a dict of these tensors, storage keys "0", "1", ... in order.
 std::string pickle_state_dict(const std::vector<TensorSpec>& tensors);
 
+// data.pkl of torch.save(tensor) (storage key "0"), of torch.save(int) and of
+// torch.save(bytes) (protocol 2: _codecs.encode(<latin-1 text>, 'latin1')), as
+// torch.distributed.checkpoint's FileSystemWriter stores a tensor chunk or a bytes item.
+std::string pickle_tensor(const TensorSpec& t);
+std::string pickle_int(int64_t v);
+std::string pickle_bytes(const std::string& b);
+
 // The archive name torch.save uses for `path`: its file name without extension.
 std::string archive_name(const std::string& path);
 
@@ -63,6 +70,10 @@ std::string archive_name(const std::string& path);
 class Writer {
  public:
   Writer(const std::string& path, std::vector<TensorSpec> tensors);
+  // In memory: the archive is appended to *out (offsets inside it count from where it
+  // starts, as torch.save into a stream positioned there), under "<archive>/", with the
+  // given data.pkl; tensors' bytes follow as above. commit() finishes it (nothing to rename).
+  Writer(std::string* out, const std::string& archive, const std::string& data_pkl, std::vector<TensorSpec> tensors);
   ~Writer();
   Writer(const Writer&) = delete;
   Writer& operator=(const Writer&) = delete;
@@ -77,6 +88,7 @@ class Writer {
     uint32_t crc = 0;
   };
   void add_record(const std::string& record, const void* data, size_t n);
+  void emit(const void* data, size_t n);
 
   std::string prefix_;
   std::vector<TensorSpec> tensors_;
@@ -85,6 +97,8 @@ class Writer {
   std::vector<std::string> records_;   // record names in write order (serialization id)
   uint64_t combined_crc_ = 0;           // PyTorch's combined_uncomp_crc32_
   std::unique_ptr<ckpt::DurableFileWriter> out_;
+  std::string* mem_ = nullptr;  // in-memory mode
+  uint64_t base_ = 0;           // mem_->size() when the archive started
 };
 
 // One record of a zip archive, checked.

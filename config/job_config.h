@@ -435,6 +435,7 @@ struct Checkpoint {
   bool load_only;
   std::string dataloader_reshard;  // ctitan only
   std::string on_save_failure;     // ctitan only
+  std::string format;              // ctitan only
 
   template <class V>
   void visit_keys(V& v) {
@@ -465,6 +466,10 @@ struct Checkpoint {
       at_least(0).except(1, "the newest checkpoint may still be being written when older ones "
                             "are purged, so keep at least 2"));
     v(load_step, "load_step", -1, "Step to resume from; -1 = the latest", at_least(0).or_value(-1));
+    v(format, "format", "ctitan",
+      "On-disk form of saves: ctitan's own, or a torch.distributed.checkpoint (DCP) folder that "
+      "PyTorch and torchtitan load",
+      one_of({"ctitan", "dcp"}));
     v(exclude_from_loading, "exclude_from_loading", std::vector<std::string>{},
       "State entries not to load, e.g. optimizer,lr_scheduler,dataloader");
     v(enable_first_step_checkpoint, "enable_first_step_checkpoint", false,

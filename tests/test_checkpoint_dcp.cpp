@@ -1,0 +1,299 @@
+// torch.distributed.checkpoint (DCP) folders against the venv's real PyTorch (2.13.0):
+// torchtitan-format checkpoints written by PyTorch resume in ctitan on 1, 2 and 3 ranks,
+// ctitan's checkpoint.format = "dcp" saves load with torch.distributed.checkpoint.load, and
+// hostile or damaged folders are one-line errors with nothing executed. The PyTorch side is
+// scripts/dcp_torchtitan.py; these tests fail (not skip) without the venv.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <sstream>
+
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/dcp.h"
+#include "checkpoint/format.h"
+#include "checkpoint/torch_save.h"
+#include "e2e.h"
+#include "multiprocess.h"
+
+namespace fs = std::filesystem;
+using namespace ctitan;
+using ctitan::testing::kSrc;
+using ctitan::testing::sh;
+
+namespace {
+
+std::string venv_python() {
+  if (const char* p = std::getenv("CTITAN_PYTHON"); p && *p) return p;
+  if (const char* v = std::getenv("CTITAN_VENV"); v && *v) return std::string(v) + "/bin/python";
+  return kSrc + "/.venv/bin/python";
+}
+std::string script() { return venv_python() + " " + kSrc + "/scripts/dcp_torchtitan.py "; }
+
+// A torch.save'd dict of tensors (Python's), by name.
+std::map<std::string, torch::Tensor> load_pt(const std::string& path) {
+  const std::string bytes = ckpt::read_whole_file(path);
+  const c10::IValue v = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& kv : v.toGenericDict()) out[kv.key().toStringRef()] = kv.value().toTensor();
+  return out;
+}
+
+// The last line of `out` that contains `needle` ("" when none).
+std::string line_with(const std::string& out, const std::string& needle) {
+  std::istringstream in(out);
+  std::string found;
+  for (std::string l; std::getline(in, l);)
+    if (l.find(needle) != std::string::npos) found = l;
+  return found;
+}
+
+}  // namespace
+
+class DcpE2E : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    root_ = fs::temp_directory_path() / ("ctitan_dcp_e2e_" + std::to_string(getpid()));
+    fs::create_directories(root_);
+    corpus_ = ctitan::testing::make_corpus(root_ / "data");
+    tokenizer_ = (root_ / "tok.model").string();
+    auto r = sh(kSrc + "/scripts/train_tokenizer.sh " + corpus_ + " " + tokenizer_ + " 300");
+    ASSERT_EQ(r.code, 0) << r.out;
+    ASSERT_TRUE(fs::exists(venv_python())) << venv_python() << " is missing: scripts/install_deps.sh makes the venv";
+    // torchtitan's layout, written by PyTorch's own DCP on 2 Gloo ranks after 3 AdamW steps.
+    tt_ = (root_ / "torchtitan" / "step-3").string();
+    fs::create_directories(root_ / "torchtitan");
+    auto s = sh(script() + "save --out " + tt_ + " --ranks 2 --steps 3 --total-steps 5 --seq 32 --batch 2");
+    ASSERT_EQ(s.code, 0) << s.out;
+    ref_ = (root_ / "torchtitan" / "reference.pt").string();
+  }
+  static void TearDownTestSuite() {
+    if (!std::getenv("CTITAN_KEEP_TEST_OUTPUT")) fs::remove_all(root_);
+  }
+  static std::vector<ctitan::testing::RankResult> train(int n, const std::string& dump, const std::string& extra,
+                                                         std::map<std::string, std::string> env = {}) {
+    const std::string a = "--job.config_file " + kSrc + "/train_configs/debug_model.toml" +
+                          " --model.tokenizer_path " + tokenizer_ + " --training.dataset_path " + corpus_ +
+                          " --job.dump_folder " + dump +
+                          " --training.seq_len 32 --training.local_batch_size 2 --metrics.log_freq 1"
+                          " --debug.seed 7 --checkpoint.enable --comm.train_timeout_seconds 60 " +
+                          extra;
+    std::vector<std::string> argv = {ctitan::testing::kTrain};
+    std::istringstream is(a);
+    for (std::string w; is >> w;) argv.push_back(w);
+    return ctitan::testing::spawn_processes(argv, n, env, 300);
+  }
+  // The torchtitan checkpoint resumed: the schedule of the PyTorch run (5 steps, warmup 2,
+  // linear decay over 3 steps, min 0.1), full training state, torchtitan's data state left out.
+  static std::string resume_args() {
+    return "--checkpoint.initial_load_path " + tt_ +
+           " --checkpoint.initial_load_model_only false --training.steps 5 --lr_scheduler.warmup_steps 2"
+           " --lr_scheduler.decay_ratio 0.6 --lr_scheduler.min_lr_factor 0.1 --optimizer.lr 8e-4";
+  }
+
+  static fs::path root_;
+  static std::string corpus_, tokenizer_, tt_, ref_;
+};
+fs::path DcpE2E::root_;
+std::string DcpE2E::corpus_, DcpE2E::tokenizer_, DcpE2E::tt_, DcpE2E::ref_;
+
+// Criterion 1: on 1, 2 and 3 ranks, every model and optimizer tensor ctitan holds after the
+// load equals PyTorch's (the job's state written back out by the CTITAN_CHECKPOINT_DUMP_LOADED
+// hook, compared with the full tensors PyTorch saved beside the checkpoint); step and LR
+// continue; the losses of steps 4 and 5 equal PyTorch's own steps 4 and 5 (the checkpoint
+// loaded by dcp.load into one process) on the batches ctitan traced, within 1e-5 relative.
+TEST_F(DcpE2E, TorchtitanCheckpointResumesOnOneTwoAndThreeRanks) {
+  const auto ref = load_pt(ref_);
+  ASSERT_GT(ref.size(), 100u);
+  for (int n : {1, 2, 3}) {
+    SCOPED_TRACE("ranks " + std::to_string(n));
+    const fs::path dir = root_ / ("resume" + std::to_string(n));
+    const std::string dump = (dir / "loaded").string(), win = (dir / "windows").string();
+    auto rs = train(n, dir.string(), resume_args() + " --checkpoint.exclude_from_loading dataloader",
+                    {{"CTITAN_CHECKPOINT_DUMP_LOADED", dump}, {"CTITAN_TRACE_WINDOWS", win}});
+    ASSERT_TRUE(ctitan::testing::all_ok(rs));
+    EXPECT_NE(rs[0].output.find("loaded step 3 from " + tt_), std::string::npos) << rs[0].output;
+
+    // Every tensor as PyTorch saved it.
+    CheckpointReader loaded(ckpt::step_dir(dump, 3));
+    size_t model = 0, moments = 0, steps = 0;
+    for (const auto& [key, want] : ref) {
+      if (key == "lr" || key == "lr_scheduler.last_epoch") continue;
+      ASSERT_TRUE(loaded.has(key)) << key;
+      const torch::Tensor got = loaded.read_tensor(key);
+      if (key.size() > 5 && key.compare(key.size() - 5, 5, ".step") == 0) {
+        EXPECT_EQ(got.item<int64_t>(), static_cast<int64_t>(want.item<float>())) << key;
+        ++steps;
+        continue;
+      }
+      EXPECT_TRUE(torch::equal(got, want)) << key;
+      (key.rfind("optimizer.", 0) == 0 ? moments : model) += 1;
+    }
+    EXPECT_EQ(model, 57u);
+    EXPECT_EQ(moments, 2 * 57u);
+    EXPECT_EQ(steps, 57u);
+    EXPECT_EQ(loaded.read_int("lr_scheduler.last_step"), ref.at("lr_scheduler.last_epoch").item<int64_t>());
+    EXPECT_EQ(loaded.read_int("train_state.step"), 3);
+
+    // PyTorch's own steps 4 and 5 on ctitan's batches.
+    auto py = sh(script() + "continue --ckpt " + tt_ + " --windows " + win +
+                 " --total-steps 5 --warmup 2 --decay-ratio 0.6 --min-lr 0.1 --seq 32");
+    ASSERT_EQ(py.code, 0) << py.out;
+    std::smatch m;
+    std::vector<double> py_loss, py_lr;
+    const std::string json = line_with(py.out, "\"losses\"");
+    for (auto it = std::sregex_iterator(json.begin(), json.end(), std::regex("\"loss\": ([-0-9.e]+)"));
+         it != std::sregex_iterator(); ++it)
+      py_loss.push_back(std::stod((*it)[1]));
+    ASSERT_TRUE(std::regex_search(json, m, std::regex("\"lrs\": \\[([^\\]]*)\\]"))) << py.out;
+    std::istringstream lrs(m[1].str());
+    for (std::string x; std::getline(lrs, x, ',');) py_lr.push_back(std::stod(x));
+    const auto steps_logged = ctitan::testing::jsonl_field((dir / "metrics.jsonl").string(), "step");
+    const auto loss = ctitan::testing::jsonl_field((dir / "metrics.jsonl").string(), "loss");
+    const auto lr = ctitan::testing::jsonl_field((dir / "metrics.jsonl").string(), "lr");
+    ASSERT_EQ(steps_logged, (std::vector<std::string>{"4", "5"}));
+    ASSERT_EQ(py_loss.size(), 2u) << py.out;
+    ASSERT_EQ(py_lr.size(), 2u) << py.out;
+    for (size_t i = 0; i < 2; ++i) {
+      const double rel = std::abs(std::stod(loss[i]) - py_loss[i]) / std::abs(py_loss[i]);
+      EXPECT_LT(rel, 1e-5) << "step " << 4 + i << ": ctitan " << loss[i] << ", PyTorch " << py_loss[i];
+      EXPECT_NEAR(std::stod(lr[i]), py_lr[i], 1e-12 + 1e-9 * py_lr[i]) << "step " << 4 + i;
+      std::printf("[ranks %d] step %zu: loss ctitan %s PyTorch %.9g (rel %.2e); lr ctitan %s PyTorch %.9g\n", n,
+                  4 + i, loss[i].c_str(), py_loss[i], rel, lr[i].c_str(), py_lr[i]);
+    }
+  }
+}
+
+// torchtitan's dataloader state is a pickled Python object: loading it is refused before
+// anything is loaded, with the setting that makes the load go ahead.
+TEST_F(DcpE2E, TorchtitanDataloaderStateNeedsToBeExcluded) {
+  auto rs = train(1, (root_ / "no_exclude").string(), resume_args());
+  ASSERT_EQ(rs.size(), 1u);
+  EXPECT_EQ(rs[0].exit_code, 2) << rs[0].output;
+  const std::string l = line_with(rs[0].output, "not transferable");
+  EXPECT_NE(l.find("checkpoint.exclude_from_loading = [\"dataloader\"]"), std::string::npos) << rs[0].output;
+}
+
+// Criterion 2: a 2-rank run saved with checkpoint.format = "dcp" loads with PyTorch's
+// torch.distributed.checkpoint.load into a state dict of the same keys, every tensor (and
+// byte string) equal to the same run saved in ctitan's own format; ctitan resumes from it.
+TEST_F(DcpE2E, DcpSaveLoadsInPyTorchWithEqualTensors) {
+  const std::string common = "--training.steps 2 --checkpoint.interval 2 --checkpoint.last_save_model_only false";
+  const std::string a = (root_ / "own").string(), b = (root_ / "dcp").string();
+  ASSERT_TRUE(ctitan::testing::all_ok(train(2, a, common)));
+  auto rb = train(2, b, common + " --checkpoint.format dcp");
+  ASSERT_TRUE(ctitan::testing::all_ok(rb));
+  const std::string step_b = ckpt::step_dir(b + "/checkpoint", 2);
+  ASSERT_TRUE(fs::exists(step_b + "/.metadata"));
+  ASSERT_TRUE(fs::exists(step_b + "/__0_0.distcp") && fs::exists(step_b + "/__1_0.distcp"));
+  EXPECT_FALSE(fs::exists(step_b + "/metadata"));
+  EXPECT_EQ(ckpt::incomplete_reason(step_b, 2), "");
+
+  // The reference: the ctitan-format save, every entry as a tensor (bytes as uint8).
+  CheckpointReader own(ckpt::step_dir(a + "/checkpoint", 2));
+  std::vector<torch_save::TensorSpec> specs;
+  std::vector<torch::Tensor> values;
+  for (const auto& [key, e] : own.meta().entries) {
+    torch::Tensor t;
+    if (e.is_bytes) {
+      const std::string bytes = own.read_bytes(key);
+      t = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kUInt8);
+      std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+    } else {
+      t = own.read_tensor(key).contiguous();
+    }
+    const char* dt = t.scalar_type() == torch::kFloat ? "float32" : t.scalar_type() == torch::kLong ? "int64" : "uint8";
+    specs.push_back({key, dt, t.sizes().vec()});
+    values.push_back(t);
+  }
+  const std::string ref = (root_ / "own_reference.pt").string();
+  {
+    torch_save::Writer w(ref, specs);
+    for (size_t i = 0; i < specs.size(); ++i)
+      w.write(specs[i].name, values[i].data_ptr(), values[i].numel() * values[i].element_size());
+    w.commit();
+  }
+  auto py = sh(script() + "compare --ckpt " + step_b + " --ref " + ref);
+  EXPECT_EQ(py.code, 0) << py.out;
+  const std::string json = line_with(py.out, "\"keys\"");
+  EXPECT_NE(json.find("\"keys\": " + std::to_string(specs.size()) + ", \"equal\": " + std::to_string(specs.size())),
+            std::string::npos)
+      << py.out;
+  std::printf("%s\n", json.c_str());
+
+  // ctitan reads its own DCP save back: both runs continue to step 3 with the same loss.
+  auto ca = train(2, a, "--training.steps 3 --checkpoint.interval 2 --checkpoint.last_save_model_only false");
+  auto cb = train(2, b, "--training.steps 3 --checkpoint.interval 2 --checkpoint.last_save_model_only false "
+                        "--checkpoint.format dcp");
+  ASSERT_TRUE(ctitan::testing::all_ok(ca));
+  ASSERT_TRUE(ctitan::testing::all_ok(cb));
+  EXPECT_NE(cb[0].output.find("loaded step 2 from " + step_b), std::string::npos) << cb[0].output;
+  const auto la = ctitan::testing::jsonl_field(a + "/metrics.jsonl", "loss");
+  const auto lb = ctitan::testing::jsonl_field(b + "/metrics.jsonl", "loss");
+  ASSERT_EQ(la.size(), 3u);
+  ASSERT_EQ(lb.size(), 3u);
+  EXPECT_EQ(la, lb);
+}
+
+// Criterion 3: a .metadata whose unpickling would run os.system, a truncated and a damaged
+// .distcp: each is one line naming the file and the problem, a non-zero exit, and the
+// command in the pickle never ran.
+TEST_F(DcpE2E, HostileAndDamagedFoldersAreOneLineErrors) {
+  auto copy = [&](const std::string& name) {
+    const fs::path d = root_ / "bad" / name / "step-3";
+    fs::create_directories(d.parent_path());
+    fs::copy(tt_, d, fs::copy_options::recursive);
+    return d.string();
+  };
+  auto run = [&](const std::string& path) {
+    return train(1, (fs::path(path).parent_path() / "run").string(),
+                 "--checkpoint.initial_load_path " + path +
+                     " --checkpoint.initial_load_model_only false --training.steps 5"
+                     " --checkpoint.exclude_from_loading dataloader");
+  };
+
+  const std::string evil = copy("evil"), marker = (root_ / "bad" / "PWNED").string();
+  auto e = sh(script() + "evil --ckpt " + evil + " --marker " + marker);
+  ASSERT_EQ(e.code, 0) << e.out;
+  auto re = run(evil);
+  EXPECT_NE(re[0].exit_code, 0);
+  const std::string le = line_with(re[0].output, "refuses the pickled global");
+  EXPECT_NE(le.find(evil + "/.metadata: refuses the pickled global posix.system"), std::string::npos) << re[0].output;
+  EXPECT_FALSE(fs::exists(marker)) << "the pickled command ran";
+  // The same file through the library: the same refusal, nothing else read.
+  try {
+    dcp::read_metadata(evil);
+    ADD_FAILURE() << "read_metadata accepted os.system";
+  } catch (const std::exception& x) {
+    EXPECT_NE(std::string(x.what()).find("posix.system"), std::string::npos) << x.what();
+  }
+
+  const std::string trunc = copy("truncated");
+  const auto f1 = fs::path(trunc) / "__1_0.distcp";
+  fs::resize_file(f1, fs::file_size(f1) - 1000);
+  auto rt = run(trunc);
+  EXPECT_NE(rt[0].exit_code, 0);
+  const std::string lt = line_with(rt[0].output, "(truncated?)");
+  EXPECT_NE(lt.find("__1_0.distcp has "), std::string::npos) << rt[0].output;
+
+  const std::string dmg = copy("damaged");
+  const auto f0 = fs::path(dmg) / "__0_0.distcp";
+  {
+    std::fstream f(f0, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(f0) / 2));
+    char c = 0;
+    f.read(&c, 1);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(f0) / 2));
+    c = static_cast<char>(c ^ 0x5a);
+    f.write(&c, 1);
+  }
+  auto rd = run(dmg);
+  EXPECT_NE(rd[0].exit_code, 0);
+  const std::string ld = line_with(rd[0].output, "__0_0.distcp bytes [");
+  EXPECT_NE(ld.find("CRC-32"), std::string::npos) << rd[0].output;
+  for (const auto* r : {&re, &rt, &rd}) std::printf("%s\n", line_with((*r)[0].output, "error").c_str());
+}
