@@ -146,7 +146,8 @@ TEST_F(DcpE2E, TorchtitanCheckpointResumesOnOneTwoAndThreeRanks) {
     std::smatch m;
     std::vector<double> py_loss, py_lr;
     const std::string json = line_with(py.out, "\"losses\"");
-    for (auto it = std::sregex_iterator(json.begin(), json.end(), std::regex("\"loss\": ([-0-9.e]+)"));
+    const std::regex loss_re("\"loss\": ([-0-9.e]+)");
+    for (auto it = std::sregex_iterator(json.begin(), json.end(), loss_re);
          it != std::sregex_iterator(); ++it)
       py_loss.push_back(std::stod((*it)[1]));
     ASSERT_TRUE(std::regex_search(json, m, std::regex("\"lrs\": \\[([^\\]]*)\\]"))) << py.out;
