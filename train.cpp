@@ -275,10 +275,13 @@ void write_effective_config(const JobConfig& cfg) {
 // backward, so tests can check what the job does. kind: raise (an exception), kill (SIGKILL),
 // hang (sleeps for an hour), term | int | usr1 (the process sends itself that stop signal),
 // nan | inf (its loss becomes NaN / inf), nangrad (a gradient element becomes NaN), spike
-// (its reported loss is multiplied by 10).
+// (its reported loss is multiplied by 10). Under torchrun only the first attempt meets it: the
+// workers it restarts (TORCHELASTIC_RESTART_COUNT > 0) inherit the variable but run clean.
 void maybe_inject_fault(int64_t rank, int64_t step, double& loss, const std::vector<torch::Tensor>& params) {
   const char* f = std::getenv("CTITAN_FAULT");
   if (!f || !*f) return;
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  if (attempt && std::atoi(attempt) > 0) return;
   char kind[16] = {0};
   long r = -1, s = -1;
   if (std::sscanf(f, "%15[^:]:%ld:%ld", kind, &r, &s) != 3 || r != rank || s != step) return;
@@ -655,6 +658,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   // ---- distributed environment and process groups ----------------------------------------
   const LaunchEnv launch = detect_launch_env(environment_map());
   init_logging(!cfg.metrics.disable_color_printing && isatty(STDERR_FILENO), launch.rank);
+  exit_when_agent_dies(launch);
   Parallelism par = build_parallelism(cfg);
   const int64_t dp_world = par.dims.dp();
   const int64_t accum = gradient_accumulation_steps(cfg, dp_world);
@@ -681,6 +685,9 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
                launch.launcher, launch.rank, launch.world_size, launch.local_rank, launch.local_world_size, threads,
                wait_policy ? wait_policy : "libgomp default", gemm::backend_name(matmuls), seed,
                cfg.debug.seed ? "" : " (random: set debug.seed to repeat this run)", TORCH_VERSION);
+  if (launch.elastic())
+    spdlog::info("torchrun: run {}, restart count {} (at most {}){}", launch.run_id, launch.restart_count,
+                 launch.max_restarts, launch.agent_store ? ", ranks join the agent's store" : "");
 
   // ---- model: build, initialise, then shard. Construction and init are separate so a
   // sharded build could initialise only what it holds; here every rank initialises the
@@ -726,6 +733,10 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   }
   ckpt->manager->load();
   const int64_t first_step = train_state.step + 1;
+  if (launch.restart_count > 0)  // torchrun restarted the workers: say where this attempt starts
+    spdlog::info("restart {} of run {}: {}", launch.restart_count, launch.run_id,
+                 train_state.step > 0 ? "resumed from step " + std::to_string(train_state.step)
+                                      : std::string("no complete checkpoint, starting from step 1"));
 
   // ---- training loop --------------------------------------------------------------------
   const std::string peak_dtype = fsdp && cfg.training.mixed_precision_param == "bfloat16" ? "bfloat16" : "float32";
@@ -914,24 +925,25 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
 }  // namespace
 
 int train_main(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
-  // Failures are one line of text, whatever user input they quote (control bytes escaped).
+  // Failures are one line of text, whatever user input they quote (control bytes escaped),
+  // on stderr and, under torchrun, in the error file its failure summary shows.
+  const auto fail = [&err](int code, const std::string& line) {
+    err << line << std::endl;
+    maybe_write_torchelastic_error(line, /*consequence=*/code == 3);
+    return code;
+  };
   try {
     return run(args, out);
   } catch (const UserError& e) {
-    err << printable_line(e.what()) << std::endl;
-    return 2;
+    return fail(2, printable_line(e.what()));
   } catch (const CollectiveFailure& e) {
-    err << "error: " << printable_line(e.what()) << std::endl;
-    return 3;
+    return fail(3, "error: " + printable_line(e.what()));
   } catch (const RuntimeFailure& e) {
-    err << "error: " << printable_line(e.what()) << std::endl;
-    return 1;
+    return fail(1, "error: " + printable_line(e.what()));
   } catch (const c10::Error& e) {
-    err << "error: " << printable_line(e.what_without_backtrace()) << std::endl;
-    return 1;
+    return fail(1, "error: " + printable_line(e.what_without_backtrace()));
   } catch (const std::exception& e) {
-    err << "error: " << printable_line(e.what()) << std::endl;
-    return 1;
+    return fail(1, "error: " + printable_line(e.what()));
   }
 }
 

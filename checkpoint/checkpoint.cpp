@@ -772,7 +772,8 @@ void DataLoaderState::check_load(const CheckpointReader& ckpt) const {
                     ": the data loader position cannot be restored as saved; choose "
                     "checkpoint.exclude_from_loading = [\"dataloader\"] (start a fresh data order) or "
                     "checkpoint.dataloader_reshard = \"redistribute\" (continue the document stream where the "
-                    "saved ranks had reached)");
+                    "saved ranks had reached; the setting for elastic runs, torchrun --nnodes MIN:MAX, whose "
+                    "restarts may change the world size)");
   for (int64_t r = 0; r < saved; ++r) ckpt.entry("dataloader.dp_rank_" + std::to_string(r));
 }
 

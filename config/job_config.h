@@ -193,9 +193,11 @@ struct Model {
     v(name, "name", "llama3", "Model family to train", one_of({"llama3", "mixtral"}));
     v(flavor, "flavor", "debugmodel", "Size preset of the model family (e.g. debugmodel, 8B)");
     v(hf_assets_path, "hf_assets_path", "./tests/assets/tokenizer",
-      "Folder of HF assets; ctitan reads <folder>/tokenizer.model when tokenizer_path is empty");
+      "Folder of HF assets; the tokenizer is its tokenizer.json, else vocab.json + merges.txt, else "
+      "tokenizer.model (sentencepiece), with tokenizer_config.json for BOS/EOS");
     v(tokenizer_path, "tokenizer_path", "",
-      "sentencepiece .model file; wins over hf_assets_path (torchtitan deprecated this key)");
+      "One tokenizer file (tokenizer.json, vocab.json or a sentencepiece .model); wins over "
+      "hf_assets_path (torchtitan deprecated this key)");
     v(converters, "converters", std::vector<std::string>{},
       "Model converters to apply, e.g. float8 (comma-separated on the command line)",
       supported_only({"[]"}));

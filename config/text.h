@@ -2,6 +2,7 @@
 // config/ and datasets/ are separate libraries that do not link each other).
 #pragma once
 #include <cstdio>
+#include <cstdint>
 #include <string>
 
 namespace ctitan {
@@ -39,6 +40,25 @@ inline size_t invalid_utf8_at(const std::string& s) {
     i += len;
   }
   return std::string::npos;
+}
+
+// Appends code point `cp` (at most U+10FFFF, not a surrogate: the callers check) as UTF-8.
+inline void append_utf8(std::string* out, uint32_t cp) {
+  if (cp < 0x80) {
+    out->push_back(static_cast<char>(cp));
+  } else if (cp < 0x800) {
+    out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else if (cp < 0x10000) {
+    out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else {
+    out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  }
 }
 
 // `s` as one printable line: \n, \r, \t and other control characters, and bytes that are not

@@ -24,6 +24,7 @@
 #include <spdlog/spdlog.h>
 
 #include "config/errors.h"
+#include "config/text.h"
 #include "datasets/json_lite.h"
 
 namespace ctitan {
@@ -107,24 +108,6 @@ uint32_t prev_code_point(std::string_view s, size_t end, size_t* start) {
   *start = i;
   size_t j = i;
   return next_code_point(s, &j);
-}
-
-void append_utf8(std::string* out, uint32_t cp) {
-  if (cp < 0x80) {
-    out->push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else if (cp < 0x10000) {
-    out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else {
-    out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  }
 }
 
 // Bytes -> text as Rust's String::from_utf8_lossy (what tokenizers' ByteLevel decoder ends

@@ -1,6 +1,8 @@
 // Strict recursive-descent JSON parser; see json_lite.h for what it accepts.
 #include "datasets/json_lite.h"
 
+#include "config/text.h"
+
 #include <cerrno>
 #include <cstdlib>
 
@@ -116,24 +118,6 @@ class Parser {
     return true;
   }
 
-  static void append_utf8(uint32_t cp, std::string* out) {
-    if (cp < 0x80) {
-      out->push_back(static_cast<char>(cp));
-    } else if (cp < 0x800) {
-      out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
-      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    } else if (cp < 0x10000) {
-      out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
-      out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    } else {
-      out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
-      out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-      out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    }
-  }
-
   bool string(std::string* out) {
     ++pos_;  // opening quote
     while (true) {
@@ -172,7 +156,7 @@ class Parser {
             if (lo < 0xDC00 || lo > 0xDFFF) return fail("high surrogate not followed by a low one");
             cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
           }
-          append_utf8(cp, out);
+          append_utf8(out, cp);
           break;
         }
         default: --pos_; return fail("invalid escape");

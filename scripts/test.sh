@@ -8,5 +8,10 @@ ctitan_ensure_deps
 start=$(date +%s)
 ctitan_build
 ctitan_log "build took $(( $(date +%s) - start )) s"
+# test_hf_tokenizer compares ctitan with Hugging Face tokenizers on both corpora (its
+# scripts/make_hf_tokenizers.py trains the tokenizers and writes the reference ids once).
+"$CTITAN_ROOT/scripts/fetch_data.sh" all
 cd "$CTITAN_BUILD_DIR"
-ctest --output-on-failure --timeout 900 "$@"
+# Tests run nproc at a time, at least two: many of them wait on
+# process start-up, sockets and sleeps, and the whole suite must fit CI's 30 minutes.
+ctest --output-on-failure --timeout 900 --parallel "$(( $(nproc) < 2 ? 2 : $(nproc) ))" "$@"

@@ -509,7 +509,8 @@ TEST_F(HFE2E, ExportImportRoundTripOnOneAndTwoRanks) {
         << "the permutation changed something";
     const std::string cfg = ckpt::read_whole_file(hf[n] + "/config.json");
     for (const char* field : {"\"hidden_size\": 256", "\"intermediate_size\": 768", "\"num_attention_heads\": 16",
-                              "\"num_key_value_heads\": 16", "\"num_hidden_layers\": 6", "\"vocab_size\": 300",
+                              "\"num_key_value_heads\": 16", "\"num_hidden_layers\": 6",
+                              "\"vocab_size\": 2048",  // the flavor's, not the tokenizer's 300
                               "\"rms_norm_eps\": 1e-05", "\"rope_theta\": 500000.0", "\"tie_word_embeddings\": false",
                               "\"torch_dtype\": \"float32\"", "\"architectures\": [\"LlamaForCausalLM\"]"})
       EXPECT_NE(cfg.find(field), std::string::npos) << field << "\n" << cfg;
@@ -542,7 +543,7 @@ TEST_F(HFE2E, ExportImportRoundTripOnOneAndTwoRanks) {
   ASSERT_EQ(ctitan::testing::sh(tool() + " logits " + sharded[2] + " 1,5,9,200,3 " + la).code, 0);
   ASSERT_EQ(ctitan::testing::sh(tool() + " logits " + hf[2] + " 1,5,9,200,3 " + lb).code, 0);
   EXPECT_TRUE(torch::equal(parse_safetensors_file(la).tensor("logits"), parse_safetensors_file(lb).tensor("logits")));
-  EXPECT_EQ(parse_safetensors_file(la).tensors.at("logits").shape, (std::vector<int64_t>{5, 300}));
+  EXPECT_EQ(parse_safetensors_file(la).tensors.at("logits").shape, (std::vector<int64_t>{5, 2048}));  // debugmodel's vocabulary
 
   // The HF step folder is model-only: resuming training from it is a clear error.
   auto again = train(1, (root_ / "hf1").string(), "--training.steps 4");

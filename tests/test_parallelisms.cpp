@@ -6,6 +6,8 @@
 #include <thread>
 
 #include "config/errors.h"
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
 #include "parallelisms/comm.h"
 #include "parallelisms/launch_env.h"
 #include "parallelisms/parallel_dims.h"
@@ -53,6 +55,30 @@ TEST(LaunchEnv, MpirunAndSrun) {
   EXPECT_EQ(s.master_port, 29500 + 234);
 }
 
+// srun -n N without --ntasks-per-node: the tasks on this node come from Slurm's compressed list.
+TEST(LaunchEnv, SrunTasksPerNodeList) {
+  std::map<std::string, std::string> e = {{"SLURM_PROCID", "7"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "0"},
+                                          {"SLURM_STEP_TASKS_PER_NODE", "3(x2),2"}, {"SLURM_NODEID", "2"},
+                                          {"MASTER_ADDR", "node01"}};
+  EXPECT_EQ(detect_launch_env(e).local_world_size, 2);
+  e["SLURM_NODEID"] = "1";
+  e["SLURM_LOCALID"] = "1";
+  EXPECT_EQ(detect_launch_env(e).local_world_size, 3);
+  e["SLURM_STEP_TASKS_PER_NODE"] = "2";
+  e["SLURM_NODEID"] = "0";
+  e["SLURM_PROCID"] = "1";
+  e["SLURM_NTASKS"] = "2";
+  e.erase("MASTER_ADDR");
+  EXPECT_EQ(detect_launch_env(e).local_world_size, 2);  // srun -n 2 on one node
+  e["SLURM_STEP_TASKS_PER_NODE"] = "2(x";
+  try {
+    detect_launch_env(e);
+    FAIL();
+  } catch (const UserError& err) {
+    EXPECT_STREQ(err.what(), "launch: SLURM_STEP_TASKS_PER_NODE=2(x is not a Slurm task list");
+  }
+}
+
 TEST(LaunchEnv, Errors) {
   try {
     detect_launch_env({{"RANK", "4"}, {"WORLD_SIZE", "4"}, {"MASTER_PORT", "1"}});
@@ -73,6 +99,36 @@ TEST(LaunchEnv, Errors) {
   } catch (const UserError& e) {
     EXPECT_STREQ(e.what(), "launch: RANK=x is not an integer >= 0");
   }
+}
+
+// torchrun's elastic agent adds its own variables; scripts/run_train.sh sets none of them.
+TEST(LaunchEnv, TorchrunElasticAgent) {
+  auto e = detect_launch_env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                              {"MASTER_PORT", "40000"}, {"TORCHELASTIC_RUN_ID", "job7"},
+                              {"TORCHELASTIC_RESTART_COUNT", "2"}, {"TORCHELASTIC_MAX_RESTARTS", "3"},
+                              {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                              {"TORCHELASTIC_ERROR_FILE", "/tmp/x/error.json"}});
+  EXPECT_TRUE(e.elastic());
+  EXPECT_TRUE(e.agent_store);
+  EXPECT_EQ(e.run_id, "job7");
+  EXPECT_EQ(e.restart_count, 2);
+  EXPECT_EQ(e.max_restarts, 3);
+  EXPECT_EQ(e.error_file, "/tmp/x/error.json");
+  auto f = detect_launch_env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "40000"},
+                              {"TORCHELASTIC_RUN_ID", "job7"}, {"TORCHELASTIC_USE_AGENT_STORE", "False"}});
+  EXPECT_FALSE(f.agent_store);  // TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 serves, as without torchrun
+  auto g = detect_launch_env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "40000"}});
+  EXPECT_FALSE(g.elastic());
+  EXPECT_FALSE(g.agent_store);
+  EXPECT_EQ(g.restart_count, 0);
+}
+
+// The schema torchrun's ProcessFailure reads: message.message shown, message.extraInfo.timestamp
+// parsed as an integer; the line is a JSON string whatever it holds.
+TEST(LaunchEnv, TorchelasticErrorFile) {
+  EXPECT_EQ(torchelastic_error_json("error: rank 1: no \"data\" at C:\\x\t", 1700000000),
+            "{\"message\": {\"message\": \"error: rank 1: no \\\"data\\\" at C:\\\\x\\u0009\", "
+            "\"extraInfo\": {\"timestamp\": \"1700000000\"}}}");
 }
 
 // ---------------------------------------------------------------- ParallelDims
@@ -226,6 +282,38 @@ TEST(Collectives, StuckRankTimesOutWithAnError) {
               std::string::npos)
         << rs[r].output;
   }
+}
+
+// torchrun's agent store outlives an attempt of the workers, keys and all. Two attempts of
+// 2 ranks join one store served by this process (as the agent would); in the second, rank 0
+// comes late, so rank 1 first finds the first attempt's leader token and must not follow it.
+CTITAN_CHILD(agent_store) {
+  if (std::getenv("CTITAN_TEST_RANK0_LATE") && ctitan::testing::env_int("RANK") == 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  auto d = init_from_env(20);
+  auto t = torch::full({1}, static_cast<float>(d->world->rank() + 1));
+  d->world->all_reduce_sum(t, "sum").wait();
+  if (t.item<float>() != 3.0f) return 1;
+  d->world->barrier("end");
+  return 0;
+}
+
+TEST(Collectives, AgentStoreNamespacePerAttempt) {
+  c10d::TCPStoreOptions so;
+  so.port = 0;
+  so.isServer = true;
+  so.waitWorkers = false;
+  auto agent = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  const std::map<std::string, std::string> env = {{"MASTER_PORT", std::to_string(agent->getPort())},
+                                                  {"TORCHELASTIC_RUN_ID", "t"},
+                                                  {"TORCHELASTIC_USE_AGENT_STORE", "True"}};
+  EXPECT_TRUE(all_ok(spawn_ranks("agent_store", 2, env, 60)));
+  const auto first = agent->get("ctitan/leader");
+  auto late = env;
+  late["CTITAN_TEST_RANK0_LATE"] = "1";
+  late["TORCHELASTIC_RESTART_COUNT"] = "1";
+  EXPECT_TRUE(all_ok(spawn_ranks("agent_store", 2, late, 60)));
+  EXPECT_NE(agent->get("ctitan/leader"), first) << "the second attempt has a namespace of its own";
 }
 
 CTITAN_MULTIPROCESS_MAIN()
