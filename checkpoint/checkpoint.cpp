@@ -415,6 +415,9 @@ void CheckpointReader::open_dcp() {
     EntryMeta e;
     e.key = key;
     if (it.is_bytes) {
+      // Other Python objects of a foreign folder (optimizer.param_groups.*, LambdaLR's
+      // base_lrs, ...) are hyper-parameters ctitan takes from its config: not entries.
+      if (!dcp_by_ctitan_ && !ints.count(key) && key.rfind("dataloader.", 0) != 0) continue;
       const dcp::Chunk& c = it.chunks.at(0);
       ChunkMeta cm;
       cm.file = c.file;
@@ -467,6 +470,7 @@ void CheckpointReader::open_dcp() {
     e.key = "lr_scheduler.last_step";
     meta_.entries.emplace(e.key, std::move(e));
   }
+  for (const auto& f : files) meta_.files.push_back({f, static_cast<uint64_t>(fs::file_size(p / f, ec)), 0});
   meta_.world_size = std::max<int64_t>(1, static_cast<int64_t>(files.size()));
   meta_.dp_shard = meta_.world_size;
   meta_.model_only = true;

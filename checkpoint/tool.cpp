@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/dcp.h"
 #include "checkpoint/hf.h"
 #include "checkpoint/torch_save.h"
 #include "config/errors.h"
@@ -43,7 +44,8 @@ const char* const kPtLoadNote =
 std::string inspect_checkpoint(const std::string& path, bool verify) {
   std::ostringstream out;
   std::error_code ec;
-  if (!fs::exists(fs::path(path) / "metadata", ec) && !fs::exists(fs::path(path) / "COMPLETE", ec)) {
+  if (!fs::exists(fs::path(path) / "metadata", ec) && !fs::exists(fs::path(path) / "COMPLETE", ec) &&
+      !dcp::is_dcp_folder(path)) {
     const auto scan = ckpt::scan_folder(path);
     if (scan.complete.empty() && scan.incomplete.empty() && scan.staging.empty())
       throw UserError("checkpoint tool: " + path + " is neither a checkpoint nor a folder of step-<N> checkpoints");
@@ -58,13 +60,17 @@ std::string inspect_checkpoint(const std::string& path, bool verify) {
   CheckpointReader r(path);  // throws when incomplete or structurally damaged
   const auto& m = r.meta();
   out << "checkpoint " << path << "\n"
-      << "  format version " << m.version << ", complete\n"
+      << (r.is_dcp() ? std::string("  torch.distributed.checkpoint folder written by ") +
+                           (r.is_foreign_dcp() ? "PyTorch (torchtitan?)" : "ctitan") + ", complete\n"
+                     : "  format version " + std::to_string(m.version) + ", complete\n")
       << "  step " << m.step << (m.model_only ? " (model weights only)" : "") << "\n"
       << "  saved by " << m.world_size << " ranks, dp " << m.dp_replicate << " x " << m.dp_shard << "\n"
-      << "  model " << m.model_name << " " << m.model_flavor << "\n";
+      << "  model " << (m.model_name.empty() ? std::string("(not recorded)") : m.model_name + " " + m.model_flavor)
+      << "\n";
   uint64_t total = 0;
   for (const auto& f : m.files) {
-    out << "  file " << f.name << "  " << f.size << " bytes  crc32 " << ckpt::hex32(f.crc) << "\n";
+    out << "  file " << f.name << "  " << f.size << " bytes";
+    out << (r.is_dcp() ? std::string("\n") : "  crc32 " + ckpt::hex32(f.crc) + "\n");  // DCP: CRCs per item record
     total += f.size;
   }
   out << "  " << m.entries.size() << " entries, " << total << " bytes\n";
@@ -181,7 +187,7 @@ std::string flavor_from_shapes(const std::string& name, const std::map<std::stri
 ModelTensors open_model(const std::string& path, const std::string& name_arg, const std::string& flavor_arg) {
   ModelTensors m;
   std::error_code ec;
-  if (fs::is_directory(path, ec) && fs::exists(fs::path(path) / "metadata", ec)) {
+  if (fs::is_directory(path, ec) && (fs::exists(fs::path(path) / "metadata", ec) || dcp::is_dcp_folder(path))) {
     auto r = std::make_shared<CheckpointReader>(path);
     m.form = "sharded";
     m.model_name = r->meta().model_name;

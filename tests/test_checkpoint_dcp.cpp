@@ -182,6 +182,18 @@ TEST_F(DcpE2E, TorchtitanDataloaderStateNeedsToBeExcluded) {
   EXPECT_NE(l.find("checkpoint.exclude_from_loading = [\"dataloader\"]"), std::string::npos) << rs[0].output;
 }
 
+// checkpoint_tool lists a torchtitan DCP folder and --verify reads every item through its
+// archive's CRC-32s.
+TEST_F(DcpE2E, ToolInspectsAndVerifiesATorchtitanFolder) {
+  const std::string tool = (fs::path(ctitan::testing::kTrain).parent_path() / "checkpoint_tool").string();
+  auto r = sh(tool + " inspect " + tt_ + " --verify");
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* s : {"torch.distributed.checkpoint folder written by PyTorch (torchtitan?), complete", "step 3\n",
+                        "saved by 2 ranks", "file __0_0.distcp", "tok_embeddings.weight  sharded  float32 [2048, 256]  2 chunks",
+                        "lr_scheduler.last_step  replicated  int64 []", "verified: every chunk of "})
+    EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
+}
+
 // Criterion 2: a 2-rank run saved with checkpoint.format = "dcp" loads with PyTorch's
 // torch.distributed.checkpoint.load into a state dict of the same keys, every tensor (and
 // byte string) equal to the same run saved in ctitan's own format; ctitan resumes from it.
