@@ -196,6 +196,16 @@ ModelTensors open_model(const std::string& path, const std::string& name_arg, co
     for (const auto& [key, e] : r->meta().entries)
       if (!e.is_bytes && is_model_key(key)) m.params.push_back({key, e.shape});
     if (!r->has("tok_embeddings.weight")) throw UserError("checkpoint tool: " + path + " holds no model tensors");
+    if (m.model_name.empty()) {  // a DCP folder records no model: --model / --flavor, else the shapes
+      bool moe = false;
+      std::map<std::string, std::vector<int64_t>> shapes;
+      for (const auto& p : m.params) {
+        shapes[p.first] = p.second;
+        moe = moe || p.first.find(".moe.") != std::string::npos;
+      }
+      m.model_name = name_arg.empty() ? (moe ? "mixtral" : "llama3") : name_arg;
+      m.flavor = flavor_arg.empty() ? flavor_from_shapes(m.model_name, shapes, path) : flavor_arg;
+    }
     // The metadata lists entries by name; a known model's own parameter order (its
     // state_dict's, as the HF and .pt forms give it) when it holds exactly those tensors.
     try {

@@ -192,6 +192,14 @@ TEST_F(DcpE2E, ToolInspectsAndVerifiesATorchtitanFolder) {
                         "saved by 2 ranks", "file __0_0.distcp", "tok_embeddings.weight  sharded  float32 [2048, 256]  2 chunks",
                         "lr_scheduler.last_step  replicated  int64 []", "verified: every chunk of "})
     EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
+  // convert: the model, matched from its shapes, as a .pt whose tensors are PyTorch's.
+  const std::string pt = (root_ / "tool_tt.pt").string();
+  auto c = sh(tool + " convert " + tt_ + " " + pt);
+  ASSERT_EQ(c.code, 0) << c.out;
+  EXPECT_NE(c.out.find("llama3 \"debugmodel\" (57 tensors, float32)"), std::string::npos) << c.out;
+  const auto ref = load_pt(ref_), got = load_pt(pt);
+  EXPECT_EQ(got.size(), 57u);
+  for (const auto& [k, t] : got) EXPECT_TRUE(ref.count(k) && torch::equal(t, ref.at(k))) << k;
 }
 
 // Criterion 2: a 2-rank run saved with checkpoint.format = "dcp" loads with PyTorch's
