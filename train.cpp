@@ -536,6 +536,9 @@ std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const P
         return redistribute_loader_states(saved, r, w, *tok, source);
       });
   c->rng = std::make_unique<RngState>(par.env.rank, seed);
+  std::vector<std::string> fqns;
+  for (const auto& p : sp) fqns.push_back(p.fqn);
+  c->manager->set_dcp_extras(torchtitan_dcp_extras(opt, fqns, lr));
   c->manager->add("model", c->model.get());
   c->manager->add("optimizer", c->optimizer.get());
   c->manager->add("lr_scheduler", c->lr_scheduler.get());

@@ -214,6 +214,10 @@ AdamRefs adam_refs(torch::optim::Optimizer& opt, const at::Tensor& p) {
   TORCH_CHECK(false, "[checkpoint] only Adam and AdamW optimizer state can be checkpointed");
 }
 
+// Integers torchtitan keeps as Python ints (BytesStorageMetadata items): written and read so.
+const std::set<std::string> kPythonInts = {"train_state.step", "train_state.ntokens_seen", "lr_scheduler.last_epoch",
+                                           "dataloader.world_size"};
+
 // checkpoint.format = "dcp": this rank's entries as items of __<rank>_0.distcp, each one a
 // torch.save archive (a tensor chunk of this rank's rows, or bytes), as PyTorch's
 // FileSystemWriter stores them. Returns one line per item for rank 0's .metadata:
@@ -235,8 +239,14 @@ std::string write_rank_dcp(const std::vector<StateEntry>& entries, const std::st
     const StateEntry& e = entries[i];
     if (i == entries.size() / 2) maybe_fault_in_save(rank, step, path);
     std::string item, line;
-    if (e.is_bytes) {
+    if (e.object) {
+      item = dcp::object_item(*e.object);
+      line = "dcp bytes " + e.key;
+    } else if (e.is_bytes) {
       item = dcp::bytes_item(e.bytes);
+      line = "dcp bytes " + e.key;
+    } else if (kPythonInts.count(e.key) && e.tensor.dim() == 0) {
+      item = dcp::int_item(e.tensor.item<int64_t>());  // a Python int, as torchtitan stores it
       line = "dcp bytes " + e.key;
     } else {
       at::Tensor t = e.tensor;
@@ -353,6 +363,15 @@ void StateDict::replicated_int(const std::string& key, int64_t value) {
   replicated(key, torch::tensor(value, torch::kInt64));
 }
 
+void StateDict::python_object(const std::string& key, pickle::Ptr value) {
+  StateEntry e;
+  e.key = key;
+  e.rule = Rule::Replicated;
+  e.is_bytes = true;
+  e.object = std::move(value);
+  entries_.push_back(std::move(e));
+}
+
 void StateDict::per_rank_bytes(const std::string& key, std::string bytes) {
   StateEntry e;
   e.key = key;
@@ -415,9 +434,9 @@ void CheckpointReader::open_dcp() {
     EntryMeta e;
     e.key = key;
     if (it.is_bytes) {
-      // Other Python objects of a foreign folder (optimizer.param_groups.*, LambdaLR's
-      // base_lrs, ...) are hyper-parameters ctitan takes from its config: not entries.
-      if (!dcp_by_ctitan_ && !ints.count(key) && key.rfind("dataloader.", 0) != 0) continue;
+      // Other Python objects (optimizer.param_groups.*, LambdaLR's base_lrs, ...) are
+      // hyper-parameters ctitan takes from its config: not entries.
+      if (!ints.count(key) && key.rfind("dataloader.", 0) != 0 && key.rfind("rng.", 0) != 0) continue;
       const dcp::Chunk& c = it.chunks.at(0);
       ChunkMeta cm;
       cm.file = c.file;
@@ -938,6 +957,7 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
   StateDict sd;
   for (const auto& [name, s] : components_)
     if (!model_only || name == "model") s->state_dict(sd);
+  if (opt_.dcp && !hf && !model_only && dcp_extras_) dcp_extras_(sd);
   std::vector<StateEntry> entries;
   uint64_t bytes = 0;
   for (auto& e : sd.entries()) {

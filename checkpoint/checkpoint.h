@@ -33,6 +33,7 @@
 #include <ATen/Tensor.h>
 
 #include "checkpoint/format.h"
+#include "checkpoint/pickle.h"
 
 namespace torch::optim {
 class Optimizer;
@@ -70,6 +71,8 @@ struct StateEntry {
   std::vector<int64_t> global_shape;
   int64_t row_begin = 0, row_end = 0;
   std::string bytes;      // is_bytes
+  pickle::Ptr object;     // is_bytes: a plain Python value instead (DCP saves only; see
+                          // CheckpointManager::set_dcp_extras)
   bool save_here = true;  // false: another rank stores it (HSDP replicas; replicated: rank 0)
 };
 
@@ -80,6 +83,9 @@ class StateDict {
   void replicated(const std::string& key, const at::Tensor& value);
   void replicated_int(const std::string& key, int64_t value);
   void per_rank_bytes(const std::string& key, std::string bytes);
+  // A plain Python value (None, bool, int, float, str, tuple, list) rank 0 stores: written only
+  // into DCP folders, for PyTorch's and torchtitan's readers.
+  void python_object(const std::string& key, pickle::Ptr value);
   std::vector<StateEntry>& entries() { return entries_; }
   const std::vector<StateEntry>& entries() const { return entries_; }
 
@@ -319,6 +325,10 @@ class CheckpointManager {
   void save_to(const std::string& folder, int64_t step, bool model_only);
   // Waits for a background save and commits it (collective). Call before exiting.
   void finalize();
+  // checkpoint.format = "dcp": adds, to every full (not model-only) save, the entries
+  // PyTorch's state-dict APIs and torchtitan expect beside ctitan's (optimizer.param_groups.*,
+  // LambdaLR's lr_scheduler.*), so torchtitan's flattened load finds every key it asks for.
+  void set_dcp_extras(std::function<void(StateDict&)> f) { dcp_extras_ = std::move(f); }
 
   const CheckpointOptions& options() const { return opt_; }
 
@@ -336,6 +346,7 @@ class CheckpointManager {
   std::vector<std::pair<std::string, Stateful*>> components_;
   std::unique_ptr<Pending> pending_;
   std::vector<at::Tensor> staging_;  // async: this rank's copy of the state, reused save to save
+  std::function<void(StateDict&)> dcp_extras_;
   int64_t last_saved_step_ = -1;
 };
 

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <set>
+#include <stdexcept>
 
 #include "checkpoint/format.h"
 #include "checkpoint/torch_save.h"
@@ -500,6 +501,71 @@ std::string tensor_item(const std::string& dtype, const std::vector<int64_t>& si
 std::string int_item(int64_t v) {
   std::string out;
   torch_save::Writer w(&out, "archive", torch_save::pickle_int(v), {});
+  w.commit();
+  return out;
+}
+
+namespace {
+// Protocol 2, no memo (a valid pickle: the memo only saves repeats).
+void dump_value(const Value& v, std::string& o) {
+  auto le = [&](uint64_t x, int n) {
+    for (int i = 0; i < n; ++i) o.push_back(static_cast<char>((x >> (8 * i)) & 0xff));
+  };
+  switch (v.kind) {
+    case K::None: o += 'N'; return;
+    case K::Bool: o += v.b ? '\x88' : '\x89'; return;
+    case K::Int:
+      if (v.i >= 0 && v.i < 256) {
+        o += 'K';
+        le(static_cast<uint64_t>(v.i), 1);
+      } else if (v.i >= INT32_MIN && v.i <= INT32_MAX) {
+        o += 'J';
+        le(static_cast<uint32_t>(static_cast<int32_t>(v.i)), 4);
+      } else {
+        o += "\x8a\x08";
+        le(static_cast<uint64_t>(v.i), 8);
+      }
+      return;
+    case K::Float: {
+      uint64_t x;
+      std::memcpy(&x, &v.f, 8);
+      o += 'G';
+      for (int i = 7; i >= 0; --i) o.push_back(static_cast<char>((x >> (8 * i)) & 0xff));  // big endian
+      return;
+    }
+    case K::Str:
+      o += 'X';
+      le(v.s.size(), 4);
+      o += v.s;
+      return;
+    case K::Tuple:
+      if (v.items.empty()) {
+        o += ')';
+        return;
+      }
+      if (v.items.size() > 3) o += '(';
+      for (const auto& x : v.items) dump_value(*x, o);
+      o += v.items.size() == 1 ? '\x85' : v.items.size() == 2 ? '\x86' : v.items.size() == 3 ? '\x87' : 't';
+      return;
+    case K::List:
+      o += ']';
+      if (v.items.empty()) return;
+      o += '(';
+      for (const auto& x : v.items) dump_value(*x, o);
+      o += 'e';
+      return;
+    default:
+      throw std::logic_error("[dcp] object_item: cannot pickle " + pickle::describe(v));
+  }
+}
+}  // namespace
+
+std::string object_item(const pickle::Value& v) {
+  std::string pkl("\x80\x02", 2);
+  dump_value(v, pkl);
+  pkl += '.';
+  std::string out;
+  torch_save::Writer w(&out, "archive", pkl, {});
   w.commit();
   return out;
 }

@@ -79,5 +79,8 @@ std::string tensor_item(const std::string& dtype, const std::vector<int64_t>& si
                         size_t nbytes);
 std::string int_item(int64_t v);
 std::string bytes_item(const std::string& b);
+// torch.save of a plain Python value: None, bool, int, float, str, tuple or list of them
+// (what torchtitan's optimizer param_groups and LambdaLR state hold).
+std::string object_item(const pickle::Value& v);
 
 }  // namespace ctitan::dcp

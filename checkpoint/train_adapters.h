@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "checkpoint/checkpoint.h"
+#include "components/lr_scheduler.h"
 #include "config/errors.h"
 #include "datasets/json_lite.h"
 #include "datasets/text_source.h"
@@ -86,6 +87,81 @@ inline CheckpointComm checkpoint_comm(const std::shared_ptr<Comm>& world, c10::i
     return out;
   };
   return c;
+}
+
+// ---- torchtitan's extra DCP keys -----------------------------------------------------------
+//
+// checkpoint.format = "dcp": beside ctitan's entries, what torchtitan's flattened state dict
+// holds and its dcp.load asks for: the optimizer's param group per parameter
+// (get_optimizer_state_dict(..., flatten_optimizer_state_dict=True): lr, betas, eps,
+// weight_decay, amsgrad, maximize, foreach, capturable, differentiable, fused,
+// decoupled_weight_decay, initial_lr, as PyTorch 2.13's AdamW has them) and LambdaLR's state
+// (base_lrs, last_epoch, _step_count, _is_initial, _get_lr_called_within_step, _last_lr).
+// The LR is the one the next step uses, as PyTorch's group holds it after scheduler.step().
+inline std::function<void(StateDict&)> torchtitan_dcp_extras(torch::optim::Optimizer& opt,
+                                                             std::vector<std::string> fqns,
+                                                             const LRScheduler& lr) {
+  return [&opt, fqns, &lr](StateDict& sd) {
+    using K = pickle::Value::Kind;
+    auto val = [](K k) {
+      auto v = std::make_shared<pickle::Value>();
+      v->kind = k;
+      return v;
+    };
+    auto num = [&](double x) {
+      auto v = val(K::Float);
+      v->f = x;
+      return v;
+    };
+    auto flag = [&](bool b) {
+      auto v = val(K::Bool);
+      v->b = b;
+      return v;
+    };
+    auto integer = [&](int64_t i) {
+      auto v = val(K::Int);
+      v->i = i;
+      return v;
+    };
+    auto seq = [&](K k, std::vector<pickle::Ptr> xs) {
+      auto v = val(k);
+      v->items = std::move(xs);
+      return v;
+    };
+    const auto& o = opt.param_groups().at(0).options();
+    double eps = 0, wd = 0;
+    std::tuple<double, double> betas;
+    bool amsgrad = false, decoupled = false;
+    if (const auto* w = dynamic_cast<const torch::optim::AdamWOptions*>(&o)) {
+      eps = w->eps(), wd = w->weight_decay(), betas = w->betas(), amsgrad = w->amsgrad(), decoupled = true;
+    } else if (const auto* a = dynamic_cast<const torch::optim::AdamOptions*>(&o)) {
+      eps = a->eps(), wd = a->weight_decay(), betas = a->betas(), amsgrad = a->amsgrad();
+    } else {
+      return;  // OptimizerState accepts Adam and AdamW only
+    }
+    const double now = lr.current_lr();
+    for (const auto& fqn : fqns) {
+      const std::string k = "optimizer.param_groups." + fqn + ".";
+      sd.python_object(k + "lr", num(now));
+      sd.python_object(k + "betas", seq(K::Tuple, {num(std::get<0>(betas)), num(std::get<1>(betas))}));
+      sd.python_object(k + "eps", num(eps));
+      sd.python_object(k + "weight_decay", num(wd));
+      sd.python_object(k + "amsgrad", flag(amsgrad));
+      sd.python_object(k + "maximize", flag(false));
+      sd.python_object(k + "foreach", val(K::None));
+      sd.python_object(k + "capturable", flag(false));
+      sd.python_object(k + "differentiable", flag(false));
+      sd.python_object(k + "fused", val(K::None));
+      sd.python_object(k + "decoupled_weight_decay", flag(decoupled));
+      sd.python_object(k + "initial_lr", num(lr.base_lr()));
+    }
+    sd.python_object("lr_scheduler.base_lrs", seq(K::List, {num(lr.base_lr())}));
+    sd.python_object("lr_scheduler.last_epoch", integer(lr.last_step));
+    sd.python_object("lr_scheduler._step_count", integer(lr.last_step + 1));
+    sd.python_object("lr_scheduler._is_initial", flag(false));
+    sd.python_object("lr_scheduler._get_lr_called_within_step", flag(false));
+    sd.python_object("lr_scheduler._last_lr", seq(K::List, {num(now)}));
+  };
 }
 
 // ---- dataloader redistribution ----------------------------------------------------------

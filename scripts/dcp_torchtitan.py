@@ -159,17 +159,22 @@ def cmd_continue(a):
     state = dict(get_model_state_dict(model))
     state["optimizer"] = get_optimizer_state_dict(model, opt, options=FLAT)
     state["lr_scheduler"] = sched.state_dict()
+    state["train_state"] = {"step": -1, "ntokens_seen": -1}  # torchtitan's trainer: Python ints
     dcp.load(state, checkpoint_id=a.ckpt)
-    set_model_state_dict(model, {k: v for k, v in state.items() if k not in ("optimizer", "lr_scheduler")})
+    set_model_state_dict(model, {k: v for k, v in state.items()
+                                 if k not in ("optimizer", "lr_scheduler", "train_state")})
     set_optimizer_state_dict(model, opt, state["optimizer"], options=FLAT)
     sched.load_state_dict(state["lr_scheduler"])
     windows = read_traced(a.windows, a.seq)
     losses, lrs = [], []
     for s in sorted(windows):
+        if s <= state["train_state"]["step"]:
+            continue  # steps the checkpoint already holds
         loss, lr = step(model, opt, sched, *windows[s])
         losses.append({"step": s, "loss": loss})
         lrs.append(lr)
-    print(json.dumps({"losses": losses, "lrs": lrs}))
+    print(json.dumps({"train_state": state["train_state"], "last_epoch": state["lr_scheduler"]["last_epoch"],
+                      "losses": losses, "lrs": lrs}))
 
 
 def cmd_compare(a):
@@ -180,18 +185,23 @@ def cmd_compare(a):
         # A tensor to load into; a bytes item (RNG, data-loader state) is replaced by what it holds.
         state[k] = torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else b""
     dcp.load(state, checkpoint_id=a.ckpt)
-    diffs = []
+    diffs, extra = [], []
     for k, v in state.items():
         want = ref.get(k)
+        if want is None:  # torchtitan's keys ctitan adds (param_groups, LambdaLR state)
+            extra.append(k)
+            continue
         if isinstance(v, bytes):  # the reference holds byte strings as uint8 tensors
-            ok = want is not None and bytes(want.numpy().tobytes()) == v
+            ok = bytes(want.numpy().tobytes()) == v
+        elif isinstance(v, int):  # torchtitan's Python ints (train_state.*, dataloader.world_size)
+            ok = want.dim() == 0 and want.item() == v
         else:
-            ok = want is not None and v.dtype == want.dtype and torch.equal(v, want)
+            ok = v.dtype == want.dtype and torch.equal(v, want)
         if not ok:
             diffs.append(k)
     missing = [k for k in ref if k not in state]
-    print(json.dumps({"keys": len(state), "equal": len(state) - len(diffs), "differ": diffs[:5],
-                      "missing": missing[:5]}))
+    print(json.dumps({"keys": len(ref), "equal": len(ref) - len(diffs) - len(missing), "differ": diffs[:5],
+                      "missing": missing[:5], "extra": len(extra)}))
     sys.exit(1 if diffs or missing else 0)
 
 

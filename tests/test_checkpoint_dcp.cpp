@@ -247,6 +247,7 @@ TEST_F(DcpE2E, DcpSaveLoadsInPyTorchWithEqualTensors) {
   EXPECT_NE(json.find("\"keys\": " + std::to_string(specs.size()) + ", \"equal\": " + std::to_string(specs.size())),
             std::string::npos)
       << py.out;
+  EXPECT_EQ(json.find("\"extra\": 0}"), std::string::npos) << "torchtitan's param_groups / LambdaLR keys";
   std::printf("%s\n", json.c_str());
 
   // ctitan reads its own DCP save back: both runs continue to step 3 with the same loss.
@@ -261,6 +262,47 @@ TEST_F(DcpE2E, DcpSaveLoadsInPyTorchWithEqualTensors) {
   ASSERT_EQ(la.size(), 3u);
   ASSERT_EQ(lb.size(), 3u);
   EXPECT_EQ(la, lb);
+}
+
+// The other direction of a torchtitan job: PyTorch resumes a ctitan DCP save the way
+// torchtitan loads (model keys, get_optimizer_state_dict flattened with its param groups,
+// LambdaLR state, train_state ints) and its steps 4 and 5 on ctitan's batches give ctitan's
+// losses and learning rates (fp32, 2 ranks).
+TEST_F(DcpE2E, DcpSaveResumesInPyTorchWithTorchtitansLayout) {
+  const fs::path dir = root_ / "to_pytorch";
+  const std::string win = (dir / "windows").string();
+  auto rs = train(2, dir.string(),
+                  "--checkpoint.format dcp --checkpoint.interval 3 --training.steps 5 --lr_scheduler.warmup_steps 2"
+                  " --lr_scheduler.decay_ratio 0.6 --lr_scheduler.min_lr_factor 0.1 --optimizer.lr 8e-4"
+                  " --training.mixed_precision_param float32",
+                  {{"CTITAN_TRACE_WINDOWS", win}});
+  ASSERT_TRUE(ctitan::testing::all_ok(rs));
+  auto py = sh(script() + "continue --ckpt " + ckpt::step_dir((dir / "checkpoint").string(), 3) + " --windows " + win +
+               " --total-steps 5 --warmup 2 --decay-ratio 0.6 --min-lr 0.1 --seq 32");
+  ASSERT_EQ(py.code, 0) << py.out;
+  const std::string json = line_with(py.out, "\"losses\"");
+  EXPECT_NE(json.find("\"train_state\": {\"step\": 3, \"ntokens_seen\": 384}, \"last_epoch\": 3"), std::string::npos)
+      << json;
+  std::vector<double> py_loss, py_lr;
+  const std::regex loss_re("\"loss\": ([-0-9.e]+)");
+  for (auto it = std::sregex_iterator(json.begin(), json.end(), loss_re); it != std::sregex_iterator(); ++it)
+    py_loss.push_back(std::stod((*it)[1]));
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(json, m, std::regex("\"lrs\": \\[([^\\]]*)\\]"))) << py.out;
+  std::istringstream lrs(m[1].str());
+  for (std::string x; std::getline(lrs, x, ',');) py_lr.push_back(std::stod(x));
+  const auto loss = ctitan::testing::jsonl_field((dir / "metrics.jsonl").string(), "loss");
+  const auto lr = ctitan::testing::jsonl_field((dir / "metrics.jsonl").string(), "lr");
+  ASSERT_EQ(loss.size(), 5u);
+  ASSERT_EQ(py_loss.size(), 2u) << py.out;
+  ASSERT_EQ(py_lr.size(), 2u) << py.out;
+  for (size_t i = 0; i < 2; ++i) {
+    const double rel = std::abs(std::stod(loss[3 + i]) - py_loss[i]) / std::abs(py_loss[i]);
+    EXPECT_LT(rel, 1e-5) << "step " << 4 + i << ": ctitan " << loss[3 + i] << ", PyTorch " << py_loss[i];
+    EXPECT_NEAR(std::stod(lr[3 + i]), py_lr[i], 1e-12 + 1e-9 * py_lr[i]);
+    std::printf("[ctitan DCP -> PyTorch] step %zu: loss ctitan %s PyTorch %.9g (rel %.2e)\n", 4 + i,
+                loss[3 + i].c_str(), py_loss[i], rel);
+  }
 }
 
 // Criterion 3: a .metadata whose unpickling would run os.system, a truncated and a damaged
