@@ -400,10 +400,11 @@ void CheckpointReader::open_dcp() {
   if (fs::exists(p / "COMPLETE", ec)) {  // written by ctitan: the marker must match
     const std::string marker = ckpt::read_whole_file((p / "COMPLETE").string());
     const std::string head = "ctitan-dcp-complete step ";
-    if (marker.rfind(head, 0) != 0 ||
-        marker != ckpt::dcp_complete_marker_text(std::atoll(marker.c_str() + head.size()), md_bytes))
+    const int64_t step = marker.rfind(head, 0) == 0 ? std::atoll(marker.c_str() + head.size()) : -1;
+    if (step < 0 || marker != ckpt::dcp_complete_marker_text(step, md_bytes))
       throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: .metadata does not match its COMPLETE marker");
     dcp_by_ctitan_ = true;
+    meta_.step = step;
   }
   const dcp::Metadata dm = dcp::read_metadata(dir_);
   // torchtitan's Python ints (BytesStorageMetadata items), read as integer scalars.
@@ -471,7 +472,7 @@ void CheckpointReader::open_dcp() {
   meta_.model_only = true;
   for (const auto& kv : meta_.entries)
     if (kv.first.rfind("optimizer.", 0) == 0) meta_.model_only = false;
-  meta_.step = has("train_state.step") ? read_int("train_state.step") : 0;
+  if (!dcp_by_ctitan_) meta_.step = has("train_state.step") ? read_int("train_state.step") : 0;
 }
 
 std::string CheckpointReader::read_item(const ChunkMeta& c) const {

@@ -159,7 +159,9 @@ std::string utf8_to_latin1(const std::string& s, const std::string& where) {
 }
 
 // _codecs.encode(text, 'latin1') → Bytes, everywhere in the tree (how protocol 2 pickles bytes).
-Ptr resolve_bytes(const Ptr& v, const std::string& where) {
+Ptr resolve_bytes(const Ptr& v, const std::string& where, int depth = 0) {
+  // A pickle can nest (or, through its memo, loop) without bound: plain objects here are shallow.
+  if (depth > 32) bad(where, "the stored object nests deeper than 32 levels");
   if (v->is(K::Object) && v->s == "_codecs.encode") {
     if (v->items.size() != 2 || !v->items[0]->is(K::Str) || !v->items[1]->is(K::Str) || v->items[1]->s != "latin1")
       bad(where, "_codecs.encode with arguments other than (text, 'latin1')");
@@ -168,8 +170,8 @@ Ptr resolve_bytes(const Ptr& v, const std::string& where) {
     b->s = utf8_to_latin1(v->items[0]->s, where);
     return b;
   }
-  for (auto& x : v->items) x = resolve_bytes(x, where);
-  for (auto& kv : v->dict) kv.second = resolve_bytes(kv.second, where);
+  for (auto& x : v->items) x = resolve_bytes(x, where, depth + 1);
+  for (auto& kv : v->dict) kv.second = resolve_bytes(kv.second, where, depth + 1);
   return v;
 }
 
@@ -305,11 +307,11 @@ Metadata read_metadata(const std::string& dir) {
     if (fsz == file_sizes.end()) {
       std::error_code ec;
       const fs::path fp = fs::path(dir) / rel.s;
-      if (!fs::exists(fp, ec)) bad(dir, rel.s + " is missing (named by .metadata for " + fqn.s + ")");
+      if (!fs::exists(fp, ec)) bad("checkpoint " + dir + " is corrupt", rel.s + " is missing (named by .metadata for " + fqn.s + ")");
       fsz = file_sizes.emplace(rel.s, fs::file_size(fp, ec)).first;
     }
     if (target->offset + target->length > fsz->second)
-      bad(dir, rel.s + " has " + std::to_string(fsz->second) + " bytes, but " + fqn.s + " is stored at bytes [" +
+      bad("checkpoint " + dir + " is corrupt", rel.s + " has " + std::to_string(fsz->second) + " bytes, but " + fqn.s + " is stored at bytes [" +
                    std::to_string(target->offset) + ", " + std::to_string(target->offset + target->length) +
                    ") (truncated?)");
   }
@@ -434,7 +436,9 @@ void read_tensor_item(const std::string& archive, const std::string& where, cons
   const auto& p = pid.items[0]->items;
   if (!p[0]->is(K::Str) || p[0]->s != "storage" || !p[1]->is(K::Global) || !p[2]->is(K::Str) || !p[4]->is(K::Int))
     bad(where, "the tensor's storage id is " + pickle::describe(*pid.items[0]));
-  const std::string sdtype = storage_dtypes().at(p[1]->s);
+  const auto st = storage_dtypes().find(p[1]->s);
+  if (st == storage_dtypes().end()) bad(where, "the tensor's storage class is " + p[1]->s);
+  const std::string sdtype = st->second;
   if (sdtype != dtype) bad(where, "the tensor is " + sdtype + ", .metadata says " + dtype);
   auto ints = [&](const Value& t, const char* what) {
     if (!t.is(K::Tuple)) bad(where, std::string("the tensor's ") + what + " is " + pickle::describe(t));

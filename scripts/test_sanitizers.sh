@@ -19,7 +19,7 @@ source "$(dirname "$0")/common.sh"
 cd "$CTITAN_ROOT"
 ctitan_ensure_deps
 BUILD="${CTITAN_ASAN_BUILD_DIR:-$CTITAN_ROOT/build-asan}"
-HEAVY='TrainE2E|MetricsE2E|CheckpointE2E|HFE2E|FSDPParity|FSDP\.Bf16|ACParity\.TwoRanks|MixtralACParity\.TwoRanks|TrainBinary'
+HEAVY='TrainE2E|MetricsE2E|CheckpointE2E|HFE2E|DcpE2E|FSDPParity|FSDP\.Bf16|ACParity\.TwoRanks|MixtralACParity\.TwoRanks|TrainBinary'
 
 if [[ ! -f "$BUILD/CMakeCache.txt" ]]; then
   cmake -S "$CTITAN_ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCTITAN_SANITIZE=ON >/dev/null

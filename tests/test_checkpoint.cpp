@@ -239,10 +239,12 @@ TEST(CheckpointFormat, MetadataRoundTripsAndRejectsDamage) {
 // Save on `from` ranks after two AdamW steps, load on `to` ranks: every rank's parameters and
 // moments equal the rows of the global tensors the saving ranks held (assembled here), padding
 // rows are zero, step counts and the scheduler position are restored.
-void reshard_roundtrip(int from, int to) {
-  const auto dir = temp_dir("reshard_" + std::to_string(from) + "_" + std::to_string(to));
+// dcp: saved as a torch.distributed.checkpoint folder (checkpoint.format = "dcp").
+void reshard_roundtrip(int from, int to, bool dcp = false) {
+  const auto dir = temp_dir("reshard_" + std::to_string(from) + "_" + std::to_string(to) + (dcp ? "_dcp" : ""));
   const auto globals = global_params();
-  const auto o = options_for(dir);
+  auto o = options_for(dir);
+  o.dcp = dcp;
   std::vector<std::map<std::string, torch::Tensor>> saved_param(from), saved_avg(from);
   std::vector<std::vector<std::pair<int64_t, int64_t>>> rows(from);
   auto errs = run_ranks(from, [&](int r, CheckpointComm c) {
@@ -257,6 +259,7 @@ void reshard_roundtrip(int from, int to) {
     }
   });
   ASSERT_TRUE(all_empty(errs)) << errs[0];
+  ASSERT_EQ(fs::exists(ckpt::step_dir(o.folder, 2) + "/.metadata"), dcp);
   // The global tensors the saving job held, assembled from its shards' real rows.
   std::map<std::string, torch::Tensor> want_param, want_avg;
   size_t i = 0;
@@ -306,6 +309,8 @@ TEST(CheckpointReshard, FourToTwo) { reshard_roundtrip(4, 2); }
 TEST(CheckpointReshard, FourToThree) { reshard_roundtrip(4, 3); }
 TEST(CheckpointReshard, TwoToFour) { reshard_roundtrip(2, 4); }
 TEST(CheckpointReshard, ThreeToOne) { reshard_roundtrip(3, 1); }
+TEST(CheckpointReshard, DcpFourToThree) { reshard_roundtrip(4, 3, true); }
+TEST(CheckpointReshard, DcpTwoToFour) { reshard_roundtrip(2, 4, true); }
 
 // Continuing after a save + load is bitwise the same as not stopping (one process).
 TEST(CheckpointReshard, ResumeIsBitwiseIdentical) {
@@ -538,6 +543,39 @@ TEST(CheckpointFaults, ARankRaisingDuringSaveFailsEveryRankAndKeepsThePrevious) 
   const auto scan = ckpt::scan_folder(o.folder);
   EXPECT_EQ(scan.complete, (std::vector<int64_t>{1}));
   EXPECT_TRUE(scan.staging.empty()) << "the failed save's files were removed";
+  fs::remove_all(dir);
+}
+
+// checkpoint.format = "dcp" keeps the save's atomicity: a rank failing mid-write leaves the
+// previous checkpoint the newest complete one, and a DCP step folder counts as complete only
+// with its COMPLETE marker matching .metadata.
+TEST(CheckpointFaults, DcpSavesAreCompleteOnlyWithTheirMarker) {
+  const auto dir = temp_dir("dcp_atomic");
+  auto o = options_for(dir);
+  o.dcp = true;
+  const auto globals = global_params();
+  setenv("CTITAN_CHECKPOINT_FAULT", "raise:1:2", 1);
+  auto errs = run_ranks(2, [&](int r, CheckpointComm c) {
+    RankState s(r, 2, o, c, globals);
+    s.step(1);
+    s.mgr->save(1, false);
+    s.step(2);
+    s.mgr->save(2, false);
+  });
+  unsetenv("CTITAN_CHECKPOINT_FAULT");
+  EXPECT_NE(errs[0].find("checkpoint save of step 2 failed on rank 1: injected fault"), std::string::npos) << errs[0];
+  auto scan = ckpt::scan_folder(o.folder);
+  EXPECT_EQ(scan.complete, (std::vector<int64_t>{1}));
+  const std::string step1 = ckpt::step_dir(o.folder, 1);
+  ASSERT_TRUE(fs::exists(step1 + "/.metadata"));
+  EXPECT_EQ(ckpt::incomplete_reason(step1, 1), "");
+  const std::string md = ckpt::read_whole_file(step1 + "/.metadata");
+  ckpt::write_file_durable(step1 + "/.metadata", md + "x");
+  EXPECT_NE(ckpt::incomplete_reason(step1, 1).find("does not match the COMPLETE marker"), std::string::npos);
+  ckpt::write_file_durable(step1 + "/.metadata", md);
+  fs::remove(step1 + "/COMPLETE");
+  EXPECT_NE(ckpt::incomplete_reason(step1, 1).find("no COMPLETE marker"), std::string::npos);
+  EXPECT_TRUE(ckpt::scan_folder(o.folder).complete.empty());
   fs::remove_all(dir);
 }
 

@@ -11,11 +11,13 @@
 #include <fstream>
 #include <map>
 #include <regex>
+#include <set>
 #include <sstream>
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/dcp.h"
 #include "checkpoint/format.h"
+#include "checkpoint/pickle.h"
 #include "checkpoint/torch_save.h"
 #include "e2e.h"
 #include "multiprocess.h"
@@ -92,7 +94,8 @@ class DcpE2E : public ::testing::Test {
   static std::string resume_args() {
     return "--checkpoint.initial_load_path " + tt_ +
            " --checkpoint.initial_load_model_only false --training.steps 5 --lr_scheduler.warmup_steps 2"
-           " --lr_scheduler.decay_ratio 0.6 --lr_scheduler.min_lr_factor 0.1 --optimizer.lr 8e-4";
+           " --lr_scheduler.decay_ratio 0.6 --lr_scheduler.min_lr_factor 0.1 --optimizer.lr 8e-4"
+           " --training.mixed_precision_param float32";
   }
 
   static fs::path root_;
@@ -297,4 +300,69 @@ TEST_F(DcpE2E, HostileAndDamagedFoldersAreOneLineErrors) {
   const std::string ld = line_with(rd[0].output, "__0_0.distcp bytes [");
   EXPECT_NE(ld.find("CRC-32"), std::string::npos) << rd[0].output;
   for (const auto* r : {&re, &rt, &rd}) std::printf("%s\n", line_with((*r)[0].output, "error").c_str());
+}
+
+// ---- the pieces, without PyTorch ------------------------------------------------------------
+
+namespace {
+std::string refusal(const std::string& pkl, const std::set<std::string>& allowed = {}) {
+  try {
+    pickle::load(pkl.data(), pkl.size(), allowed, "t.pkl");
+  } catch (const pickle::PickleError& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+// Globals outside the allowed set are refused by name whether written as GLOBAL (protocol 2)
+// or STACK_GLOBAL (4); opcodes no checkpoint pickle uses (INST, OBJ), truncation and memo
+// misuse are errors; nothing is called.
+TEST(DcpPickle, RefusesUnknownGlobalsOpcodesAndTruncation) {
+  EXPECT_EQ(refusal(std::string("\x80\x02" "cos\nsystem\nX\x02\x00\x00\x00idq\x00\x85R.", 25)),
+            "t.pkl: refuses the pickled global os.system (not a class this checkpoint format uses; nothing in the "
+            "file was run)");
+  EXPECT_NE(refusal(std::string("\x80\x04\x8c\x08" "builtins\x8c\x04" "eval\x93.", 20)).find("builtins.eval"),
+            std::string::npos);
+  EXPECT_NE(refusal(std::string("\x80\x02(i__main__\nX\n.", 16)).find("unsupported pickle opcode 0x69"),
+            std::string::npos);
+  EXPECT_NE(refusal(std::string("\x80\x02X\x10\x00\x00\x00" "abc", 10)).find("truncated?"), std::string::npos);
+  EXPECT_NE(refusal(std::string("\x80\x02h\x07.", 5)).find("memo index 7 was never stored"), std::string::npos);
+  // An allowed class is recorded, not called: REDUCE gives an Object with its arguments.
+  const std::string ok("\x80\x02" "ctorch\nSize\n(K\x02M\x00\x01t\x85R.", 24);
+  auto v = pickle::load(ok.data(), ok.size(), {"torch.Size"}, "t.pkl");
+  ASSERT_TRUE(v->is(pickle::Value::Kind::Object));
+  EXPECT_EQ(v->s, "torch.Size");
+  EXPECT_EQ(pickle::describe(*v), "torch.Size((2, 256))");
+}
+
+// A tensor item (torch.save(tensor) archive) reads back bit for bit; the wrong shape or dtype
+// and a flipped byte are errors naming the problem.
+TEST(DcpItems, TensorArchivesRoundTripAndDamageIsCaught) {
+  auto t = torch::randn({5, 3});
+  const std::string item = dcp::tensor_item("float32", {5, 3}, t.data_ptr(), 60);
+  auto back = torch::empty({5, 3});
+  dcp::read_tensor_item(item, "item", "float32", {5, 3}, back.data_ptr());
+  EXPECT_TRUE(torch::equal(back, t));
+  auto err = [&](const std::string& it, const std::string& dt, std::vector<int64_t> s) -> std::string {
+    try {
+      dcp::read_tensor_item(it, "item", dt, s, back.data_ptr());
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_EQ(err(item, "float32", {3, 5}), "item: the stored tensor has shape [5,3], .metadata says [3,5]");
+  EXPECT_EQ(err(item, "bfloat16", {5, 3}), "item: the tensor is float32, .metadata says bfloat16");
+  std::string bad = item;
+  const size_t at = bad.find(std::string(static_cast<const char*>(t.data_ptr()), 60));
+  ASSERT_NE(at, std::string::npos);
+  bad[at + 7] ^= 0x10;
+  EXPECT_NE(err(bad, "float32", {5, 3}).find("do not match their CRC-32"), std::string::npos) << err(bad, "float32", {5, 3});
+  EXPECT_NE(err(item.substr(0, item.size() - 30), "float32", {5, 3}).find("item: "), std::string::npos);
+  // Python objects: an int, and bytes as protocol 2 writes them (_codecs.encode), all 256 values.
+  EXPECT_EQ(dcp::read_object_item(dcp::int_item(123456789), "i")->i, 123456789);
+  std::string all;
+  for (int c = 0; c < 256; ++c) all.push_back(static_cast<char>(c));
+  EXPECT_EQ(dcp::read_object_item(dcp::bytes_item(all), "b")->s, all);
 }
