@@ -292,6 +292,7 @@ struct Training {
   bool gc_debug;
   std::string on_nonfinite;    // ctitan only
   double loss_spike_factor;    // ctitan only
+  std::string on_bad_document;  // ctitan only
   DataLoader dataloader;
 
   template <class V>
@@ -327,6 +328,10 @@ struct Training {
     v(loss_spike_factor, "loss_spike_factor", 3.0,
       "ctitan: warn when a step's loss exceeds this times the mean of the previous 20 steps; 0 = never",
       greater_than(1).or_value(0));
+    v(on_bad_document, "on_bad_document", "stop",
+      "ctitan: a malformed document (bad JSON, no string \"text\", NUL byte, invalid UTF-8) stops the "
+      "run naming file, line and reason (exit 2), or is skipped and counted (bad_documents_skipped)",
+      one_of({"stop", "skip"}));
     v.table(dataloader, "dataloader", "Data-loader settings");
   }
   CTITAN_CONFIG_DEFAULTS(Training)

@@ -171,14 +171,22 @@ bool DocumentReader::read_line(std::string* line) {
   if (!line->empty() && line->back() == '\r') line->pop_back();
   // Text only: a binary or wrongly encoded file is named, not tokenized into noise.
   if (const size_t nul = line->find('\0'); nul != std::string::npos)
-    fail_line("a NUL byte at column " + std::to_string(nul + 1) + ": binary data, not text");
+    bad_line("a NUL byte at column " + std::to_string(nul + 1) + ": binary data, not text");
   if (const size_t bad = invalid_utf8_at(*line); bad != std::string::npos) {
     char hex[8];
     std::snprintf(hex, sizeof hex, "0x%02x", static_cast<unsigned char>((*line)[bad]));
-    fail_line(std::string("not valid UTF-8 (byte ") + hex + " at column " + std::to_string(bad + 1) +
+    bad_line(std::string("not valid UTF-8 (byte ") + hex + " at column " + std::to_string(bad + 1) +
               "); convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8");
   }
   return true;
+}
+
+void DocumentReader::bad_line(const std::string& what) {
+  if (!report_bad_) fail_line(what);
+  if (pending_error_.empty()) {
+    pending_error_ = what;
+    pending_line_ = pos_.line;
+  }
 }
 
 void DocumentReader::fail_line(const std::string& what) const {
@@ -192,20 +200,23 @@ bool DocumentReader::next_in_file(Document* doc) {
   if (jsonl) {
     while (read_line(&line)) {
       if (blank(line)) continue;
+      doc->line = pos_.line;
+      if (!pending_error_.empty()) return true;  // bad bytes: not worth parsing
       json::Value v;
       std::string err;
-      if (!json::parse(line, &v, &err)) fail_line("invalid JSON (" + err + ")");
-      if (v.type != json::Value::Type::Object) {
-        fail_line(std::string("expected a JSON object with a \"text\" field, not ") +
-                  json::type_name(v.type));
+      const json::Value* text = nullptr;
+      if (!json::parse(line, &v, &err)) {
+        bad_line("invalid JSON (" + err + ")");
+      } else if (v.type != json::Value::Type::Object) {
+        bad_line(std::string("expected a JSON object with a \"text\" field, not ") + json::type_name(v.type));
+      } else if ((text = v.find("text")) == nullptr) {
+        bad_line("record has no \"text\" field");
+      } else if (text->type != json::Value::Type::String) {
+        bad_line(std::string("\"text\" must be a string, not ") + json::type_name(text->type));
+        text = nullptr;
       }
-      const json::Value* text = v.find("text");
-      if (text == nullptr) fail_line("record has no \"text\" field");
-      if (text->type != json::Value::Type::String) {
-        fail_line(std::string("\"text\" must be a string, not ") + json::type_name(text->type));
-      }
+      if (text == nullptr) return true;
       doc->text = text->text;
-      doc->line = pos_.line;
       return true;
     }
     return false;
@@ -233,7 +244,11 @@ bool DocumentReader::next(Document* doc) {
   while (open_current()) {
     const int64_t index = pos_.next_document;
     const size_t file = pos_.file;
+    pending_error_.clear();
     if (next_in_file(doc)) {
+      if (!pending_error_.empty()) doc->line = pending_line_;
+      doc->error = std::move(pending_error_);
+      pending_error_.clear();
       doc->index = index;
       doc->file = file;
       pos_.next_document += 1;

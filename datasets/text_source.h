@@ -45,6 +45,11 @@ struct Document {
   int64_t index = 0;  // global position in the corpus order (0-based)
   size_t file = 0;    // index into DocumentReader::files()
   int64_t line = 0;   // 1-based line of the file where the document starts
+  // Why the document is malformed ("" when it is fine): bad JSON, not a JSON object, no
+  // string "text", a NUL byte, invalid UTF-8. Set only with report_bad_documents(true);
+  // otherwise a malformed document is a UserError naming file:line. For a malformed
+  // document, `line` is the line of its (first) problem.
+  std::string error;
 };
 
 // Where the next document starts.
@@ -71,18 +76,25 @@ class DocumentReader {
   // line start).
   void seek(const SourcePosition& pos);
   void rewind() { seek(SourcePosition{}); }
+  // true: malformed documents are returned with Document::error set (text undefined) and
+  // reading goes on after them; false (the default): they are a UserError.
+  void report_bad_documents(bool on) { report_bad_ = on; }
 
  private:
   bool open_current();  // opens files_[pos_.file] at pos_.offset; false past the last file
   bool read_line(std::string* line);  // one line of the current file, '\n'/'\r' stripped
   bool next_in_file(Document* doc);   // false when the current file has no more documents
   [[noreturn]] void fail_line(const std::string& what) const;
+  void bad_line(const std::string& what);  // fail_line, or remembered when reporting
 
   std::string source_path_;
   std::vector<std::string> files_;
   SourcePosition pos_;
   std::ifstream in_;
   bool open_ = false;
+  bool report_bad_ = false;
+  std::string pending_error_;  // first problem of the document being read
+  int64_t pending_line_ = 0;   // and its line
 };
 
 }  // namespace ctitan
