@@ -300,7 +300,8 @@ struct Training {
     v(dataset, "dataset", "moby_dick",
       "Named corpus (ctitan's default is moby_dick; torchtitan's is c4_test)");
     v(dataset_path, "dataset_path", "",
-      "A .txt/.jsonl file or a folder of them to read instead of the named corpus (\"\" = None)");
+      "A .txt/.jsonl/.json/.jsonl.gz/.json.gz file or a folder of them to read instead of the named corpus "
+      "(\"\" = None)");
     v(local_batch_size, "local_batch_size", 8, "Sequences per rank per micro-batch",
       at_least(1).alias("batch_size"));
     v(global_batch_size, "global_batch_size", -1,
@@ -743,10 +744,10 @@ struct Validation {
       "Forward-only validation loss on held-out data (after step 1 and every freq steps)",
       alias("enabled"));
     v(dataset, "dataset", "c4_validation",
-      "Named validation corpus (as training.dataset; torchtitan's default c4_validation is not one "
-      "of ctitan's)");
+      "Named validation corpus (as training.dataset; torchtitan's default c4_validation is read from "
+      "<data root>/c4/en/c4-validation.*)");
     v(dataset_path, "dataset_path", "",
-      "Validation .txt/.jsonl file or folder; wins over dataset (\"\" = None)");
+      "Validation .txt/.jsonl/.json/.jsonl.gz/.json.gz file or folder; wins over dataset (\"\" = None)");
     v(local_batch_size, "local_batch_size", 8, "Validation sequences per rank per batch", at_least(1));
     v(seq_len, "seq_len", 2048, "Validation sequence length (at most training.seq_len)", at_least(1));
     v(freq, "freq", 10, "Validate after step 1 and every this many steps", at_least(1));
