@@ -136,6 +136,7 @@ DataPipeline build_data(const JobConfig& cfg, int64_t dp_rank, int64_t dp_world)
   d.source = resolve_dataset_path(cfg.training.dataset, cfg.training.dataset_path, data_root);
   d.loader = std::make_unique<DataLoader>(*d.tokenizer, d.source, cfg.training.seq_len,
                                           cfg.training.local_batch_size, dp_rank, dp_world);
+  if (cfg.training.on_bad_document == "skip") d.loader->set_bad_documents(DataLoader::BadDocuments::kSkip);
   return d;
 }
 
@@ -873,6 +874,13 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
       m.extra.emplace_back("state_gib", state_gib);
       m.extra.emplace_back("activation_gib", maxes[3]);
       if (skipped_steps) m.extra.emplace_back("skipped_steps", static_cast<double>(skipped_steps));
+      if (cfg.training.on_bad_document == "skip") {
+        // Over the dp ranks and the whole run (the count is in the loader's checkpointed state);
+        // ranks of one dp rank (TP/PP peers) share a loader: mean over all ranks × dp.
+        const double mine = static_cast<double>(data.loader->skipped_documents());
+        m.extra.emplace_back("bad_documents_skipped",
+                             std::round(world_mean(par, mine, "bad_docs") * static_cast<double>(dp_world)));
+      }
       if (model.moe()) {
         // Load-balance loss (1 = balanced; mean over ranks) and the tokens-per-expert
         // spread of the last step: max / mean load of the most unbalanced layer.

@@ -9,6 +9,7 @@
 #   bench/perf.sh            # everything below, prints Markdown tables (README: "Performance")
 #   STEPS=6 bench/perf.sh    # timed steps per run (after 2 untimed warm-up steps)
 #   PARTS="speed fsdp" bench/perf.sh   # some tables only: speed seq fsdp data parity kernels
+#   PARTS=speed PRECS=bf16 MODELS=33M bench/perf.sh   # some cells of the first table only
 #
 # Tables:
 #  1. tokens/s, TFLOP/s, MFU against the matmul peak measured here (2048³ torch.mm, same
@@ -112,8 +113,8 @@ echo "## ctitan vs PyTorch $($PY -c 'import torch; print(torch.__version__)') ea
 echo
 echo "| model | precision | matmul peak (GFLOP/s) | eager tok/s | compile tok/s | ctitan tok/s | ctitan / eager | ctitan / compile | ctitan MFU | eager MFU | compile MFU | peak RSS eager / compile / ctitan (GiB) |"
 echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-for cfg in debug 33M; do
-  for prec in fp32 bf16; do
+for cfg in ${MODELS:-debug 33M}; do
+  for prec in ${PRECS:-fp32 bf16}; do
     log "$cfg $prec"
     pk=$(peak "$prec")
     c1=$(ctitan_run "${cfg}_${prec}_a" "$cfg" "$prec"); e1=$(eager_run "$cfg" "$prec"); k1=$(eager_run "$cfg" "$prec" --compile)

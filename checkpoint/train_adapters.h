@@ -185,7 +185,7 @@ struct LoaderPosition {
   int64_t epoch = 0;
   SourcePosition pos;
   std::string file_name;
-  int64_t windows = 0, seq_len = 0, vocab = 0, dp_world = 0;
+  int64_t windows = 0, seq_len = 0, vocab = 0, dp_world = 0, skipped = 0;
   std::vector<int64_t> buffer;
   bool operator<(const LoaderPosition& o) const {
     return std::tie(epoch, pos.next_document) < std::tie(o.epoch, o.pos.next_document);
@@ -214,6 +214,7 @@ inline LoaderPosition parse_loader_state(const std::string& state, int64_t saved
   p.seq_len = get("seq_len");
   p.vocab = get("vocab_size");
   p.dp_world = get("dp_world");
+  if (root.find("skipped_documents")) p.skipped = get("skipped_documents");
   if (const json::Value* f = root.find("file_name"); f && f->type == json::Value::Type::String) p.file_name = f->text;
   const json::Value* buf = root.find("buffer");
   if (!buf || buf->type != json::Value::Type::Array) throw RuntimeFailure(where + " has no \"buffer\"");
@@ -233,15 +234,17 @@ inline std::string redistribute_loader_states(const std::vector<std::string>& sa
   for (int64_t r = 0; r < W; ++r) ps.push_back(parse_loader_state(saved[r], r));
   const LoaderPosition& far = *std::max_element(ps.begin(), ps.end());
   std::vector<int64_t> buffer;
-  int64_t windows = 0, carried_docs = 0, buffered_tokens = 0, doc_tokens = 0;
+  int64_t windows = 0, carried_docs = 0, buffered_tokens = 0, doc_tokens = 0, skipped = 0;
   for (int64_t r = rank; r < W; r += world) {
     const LoaderPosition& p = ps[r];
     buffer.insert(buffer.end(), p.buffer.begin(), p.buffer.end());
     buffered_tokens += static_cast<int64_t>(p.buffer.size());
     windows += p.windows;
+    skipped += p.skipped;
     // Saved rank r's own documents between its position and the furthest one.
     DocumentReader reader(source);
     reader.seek(p.pos);
+    reader.report_bad_documents(true);
     int64_t epoch = p.epoch;
     Document doc;
     while (std::make_tuple(epoch, reader.position().next_document) <
@@ -252,6 +255,10 @@ inline std::string redistribute_loader_states(const std::vector<std::string>& sa
         continue;
       }
       if (doc.index % W != r) continue;
+      if (!doc.error.empty()) {  // the loader reports or counts it when it gets there
+        ++skipped;
+        continue;
+      }
       const std::vector<int32_t> ids = tokenizer.encode(doc.text, /*bos=*/true, /*eos=*/true);
       buffer.insert(buffer.end(), ids.begin(), ids.end());
       ++carried_docs;
@@ -269,6 +276,7 @@ inline std::string redistribute_loader_states(const std::vector<std::string>& sa
   s += ",\"next_document\":" + std::to_string(far.pos.next_document);
   s += ",\"file_index\":" + std::to_string(far.pos.file) + ",\"file_name\":" + json::quote(far.file_name);
   s += ",\"file_offset\":" + std::to_string(far.pos.offset) + ",\"file_line\":" + std::to_string(far.pos.line);
+  s += ",\"skipped_documents\":" + std::to_string(skipped);
   s += ",\"buffer\":[";
   for (size_t i = 0; i < buffer.size(); ++i) s += (i ? "," : "") + std::to_string(buffer[i]);
   s += "]}";

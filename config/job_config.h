@@ -292,6 +292,7 @@ struct Training {
   bool gc_debug;
   std::string on_nonfinite;    // ctitan only
   double loss_spike_factor;    // ctitan only
+  std::string on_bad_document;  // ctitan only
   DataLoader dataloader;
 
   template <class V>
@@ -299,7 +300,8 @@ struct Training {
     v(dataset, "dataset", "moby_dick",
       "Named corpus (ctitan's default is moby_dick; torchtitan's is c4_test)");
     v(dataset_path, "dataset_path", "",
-      "A .txt/.jsonl file or a folder of them to read instead of the named corpus (\"\" = None)");
+      "A .txt/.jsonl/.json/.jsonl.gz/.json.gz file or a folder of them to read instead of the named corpus "
+      "(\"\" = None)");
     v(local_batch_size, "local_batch_size", 8, "Sequences per rank per micro-batch",
       at_least(1).alias("batch_size"));
     v(global_batch_size, "global_batch_size", -1,
@@ -327,6 +329,10 @@ struct Training {
     v(loss_spike_factor, "loss_spike_factor", 3.0,
       "ctitan: warn when a step's loss exceeds this times the mean of the previous 20 steps; 0 = never",
       greater_than(1).or_value(0));
+    v(on_bad_document, "on_bad_document", "stop",
+      "ctitan: a malformed document (bad JSON, no string \"text\", NUL byte, invalid UTF-8) stops the "
+      "run naming file, line and reason (exit 2), or is skipped and counted (bad_documents_skipped)",
+      one_of({"stop", "skip"}));
     v.table(dataloader, "dataloader", "Data-loader settings");
   }
   CTITAN_CONFIG_DEFAULTS(Training)
@@ -743,10 +749,10 @@ struct Validation {
       "Forward-only validation loss on held-out data (after step 1 and every freq steps)",
       alias("enabled"));
     v(dataset, "dataset", "c4_validation",
-      "Named validation corpus (as training.dataset; torchtitan's default c4_validation is not one "
-      "of ctitan's)");
+      "Named validation corpus (as training.dataset; torchtitan's default c4_validation is read from "
+      "<data root>/c4/en/c4-validation.*)");
     v(dataset_path, "dataset_path", "",
-      "Validation .txt/.jsonl file or folder; wins over dataset (\"\" = None)");
+      "Validation .txt/.jsonl/.json/.jsonl.gz/.json.gz file or folder; wins over dataset (\"\" = None)");
     v(local_batch_size, "local_batch_size", 8, "Validation sequences per rank per batch", at_least(1));
     v(seq_len, "seq_len", 2048, "Validation sequence length (at most training.seq_len)", at_least(1));
     v(freq, "freq", 10, "Validate after step 1 and every this many steps", at_least(1));

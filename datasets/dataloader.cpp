@@ -33,6 +33,7 @@ DataLoader::DataLoader(const Tokenizer& tokenizer, std::string source_path, int6
       batch_size_(local_batch_size),
       dp_rank_(dp_rank),
       dp_world_(dp_world) {
+  reader_.report_bad_documents(true);
   if (seq_len < 1) {
     throw UserError("dataloader: seq_len=" + std::to_string(seq_len) + " must be >= 1");
   }
@@ -70,6 +71,19 @@ void DataLoader::fill(size_t need) {
       continue;
     }
     if (doc.index % dp_world_ != dp_rank_) continue;
+    if (!doc.error.empty()) {
+      const std::string where = reader_.files()[doc.file] + ":" + std::to_string(doc.line);
+      if (bad_mode_ == BadDocuments::kStop) {
+        throw UserError("dataset: " + where + ": " + doc.error +
+                        " (on_bad_document = \"skip\" would skip and count it)");
+      }
+      skipped_ += 1;
+      if (skipped_ <= 10) {
+        spdlog::warn("dataset: skipping {}: {}{}", where, doc.error,
+                     skipped_ == 10 ? " (further skips on this rank are only counted)" : "");
+      }
+      continue;
+    }
     const std::vector<int32_t> ids = tokenizer_->encode(doc.text, /*bos=*/true, /*eos=*/true);
     // Drop the consumed prefix now and then so the buffer stays ~one window long.
     if (head_ > 0 && head_ * 2 >= buffer_.size()) {
@@ -132,6 +146,7 @@ std::string DataLoader::state_dict() const {
   s += ",\"file_name\":" + json::quote(file_name);
   s += ",\"file_offset\":" + std::to_string(pos.offset);
   s += ",\"file_line\":" + std::to_string(pos.line);
+  s += ",\"skipped_documents\":" + std::to_string(skipped_);
   s += ",\"buffer\":[";
   for (size_t i = head_; i < buffer_.size(); ++i) {
     if (i > head_) s += ',';
@@ -191,6 +206,7 @@ void DataLoader::load_state_dict(const std::string& state) {
   pos.file = static_cast<size_t>(get_int("file_index", 0));
   pos.offset = static_cast<uint64_t>(get_int("file_offset", 0));
   pos.line = get_int("file_line", 0);
+  const int64_t skipped = root.find("skipped_documents") ? get_int("skipped_documents", 0) : 0;
   const json::Value* file_name = root.find("file_name");
   if (file_name == nullptr || file_name->type != json::Value::Type::String) {
     throw UserError(where + " is corrupt: missing \"file_name\"");
@@ -217,6 +233,7 @@ void DataLoader::load_state_dict(const std::string& state) {
   reader_.seek(pos);  // validates the position against the files; throws before any change
   epoch_ = epoch;
   windows_ = windows;
+  skipped_ = skipped;
   buffer_ = std::move(buffer);
   head_ = 0;
 }

@@ -20,7 +20,9 @@
 // state_dict() is a small JSON object that pins the exact position:
 //   {"format":"ctitan.dataloader","version":1,"dp_rank":r,"dp_world":W,"seq_len":T,
 //    "vocab_size":V,"epoch":e,"windows_produced":n,"next_document":g,"file_index":k,
-//    "file_name":"<basename>","file_offset":bytes,"file_line":lines,"buffer":[ids...]}
+//    "file_name":"<basename>","file_offset":bytes,"file_line":lines,"skipped_documents":n,
+//    "buffer":[ids...]}
+// (skipped_documents may be absent in states of older builds: 0.)
 // next_document is the global index of the next document of the stream (all ranks count
 // the same documents), so a later redistribution to another dp degree can see which
 // documents each rank has consumed: rank r has taken every d < next_document with
@@ -53,6 +55,13 @@ class DataLoader {
 
   Batch next();                       // local_batch_size windows
   std::vector<int64_t> next_window();  // one window of seq_len+1 tokens
+
+  // Malformed documents (bad JSON, no string "text", NUL bytes, invalid UTF-8):
+  // stop (the default) throws a UserError naming file, line and reason; skip leaves them out,
+  // logs the first few and counts them (skipped_documents(), kept in the state).
+  enum class BadDocuments { kStop, kSkip };
+  void set_bad_documents(BadDocuments mode) { bad_mode_ = mode; }
+  int64_t skipped_documents() const { return skipped_; }
 
   // repeat (the default): loop over the data forever. Off: one pass, then no more batches.
   void set_repeat(bool repeat) { repeat_ = repeat; }
@@ -88,6 +97,8 @@ class DataLoader {
   int64_t epoch_ = 0;
   int64_t windows_ = 0;
   bool repeat_ = true;
+  BadDocuments bad_mode_ = BadDocuments::kStop;
+  int64_t skipped_ = 0;  // malformed documents left out, this rank, all epochs
   bool exhausted_ = false;  // repeat_ off and the data's end reached
   std::vector<int64_t> buffer_;  // tokens not yet emitted start at head_
   size_t head_ = 0;

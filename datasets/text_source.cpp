@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include <zlib.h>
+
 #include "config/errors.h"
 #include "config/text.h"
 #include "datasets/json_lite.h"
@@ -14,13 +16,34 @@ namespace ctitan {
 namespace fs = std::filesystem;
 namespace {
 
-bool has_ext(const std::string& path, const char* ext) {
-  return fs::path(path).extension() == ext;
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
+// Paragraph text (.txt) or JSON lines (everything else).
+bool is_txt(const std::string& path) { return ends_with(path, ".txt"); }
+
 bool is_source_file(const fs::path& p) {
-  const auto ext = p.extension();
-  return ext == ".txt" || ext == ".jsonl";
+  const std::string n = p.filename().string();
+  for (const char* ext : {".txt", ".jsonl", ".json", ".jsonl.gz", ".json.gz"})
+    if (ends_with(n, ext)) return true;
+  return false;
+}
+
+bool is_gzip(const std::string& path) { return ends_with(path, ".gz"); }
+
+constexpr const char* kKinds = ".txt/.jsonl/.json/.jsonl.gz/.json.gz";
+
+// "dir/prefix*suffix": the folder and the two halves of the name pattern; false without '*'.
+bool split_pattern(const std::string& path, fs::path* dir, std::string* prefix, std::string* suffix) {
+  const fs::path p(path);
+  const std::string name = p.filename().string();
+  const size_t star = name.find('*');
+  if (star == std::string::npos) return false;
+  *dir = p.parent_path();
+  *prefix = name.substr(0, star);
+  *suffix = name.substr(star + 1);
+  return true;
 }
 
 std::string known_list() {
@@ -37,7 +60,7 @@ bool blank(const std::string& line) {
 }  // namespace
 
 const std::vector<std::string>& known_datasets() {
-  static const std::vector<std::string> names = {"moby_dick", "sotu"};
+  static const std::vector<std::string> names = {"moby_dick", "sotu", "c4_test", "c4", "c4_validation"};
   return names;
 }
 
@@ -54,7 +77,7 @@ std::string resolve_dataset_path(const std::string& dataset, const std::string& 
   if (!dataset_path.empty()) {
     if (!fs::exists(dataset_path, ec)) {
       throw UserError(section + ".dataset_path=" + dataset_path +
-                      " does not exist (expected a .txt/.jsonl file or a folder of them)");
+                      " does not exist (expected a " + kKinds + " file or a folder of them)");
     }
     return dataset_path;
   }
@@ -63,43 +86,56 @@ std::string resolve_dataset_path(const std::string& dataset, const std::string& 
     path = data_root + "/moby_dick/moby_dick.txt";
   } else if (dataset == "sotu") {
     path = data_root + "/sotu";
+  } else if (dataset == "c4_test") {
+    path = data_root + "/c4_test";
+  } else if (dataset == "c4" || dataset == "c4_validation") {
+    path = data_root + (dataset == "c4" ? "/c4/en/c4-train.*" : "/c4/en/c4-validation.*");
   } else {
     throw UserError(section + ".dataset=" + (dataset.empty() ? std::string("\"\"") : dataset) +
                     " is not a known corpus (known: " + known_list() + "); or set " + section +
-                    ".dataset_path to a .txt/.jsonl file or folder");
+                    ".dataset_path to a " + kKinds + " file or folder");
   }
-  bool present = fs::exists(path, ec);
-  if (present && fs::is_directory(path, ec)) {
+  bool present = true;
+  try {
+    list_source_files(path);
+  } catch (const UserError&) {
     present = false;
-    for (const auto& e : fs::directory_iterator(path, ec)) {
-      if (e.is_regular_file(ec) && is_source_file(e.path())) {
-        present = true;
-        break;
-      }
-    }
   }
-  if (!present) {
+  if (!present && (dataset == "moby_dick" || dataset == "sotu")) {
     throw UserError(section + ".dataset=" + dataset + ": " + path + " not found; run scripts/fetch_data.sh " +
                     fetch_arg + " (known corpora: " + known_list() + ") or set " + section + ".dataset_path");
+  }
+  if (!present) {
+    // torchtitan downloads these from the Hugging Face hub; ctitan reads local copies only.
+    throw UserError(section + ".dataset=" + dataset + ": " + path + " not found (torchtitan's " +
+                    (dataset == "c4_test" ? std::string("tests/assets/c4_test, JSON lines in .json files")
+                                          : std::string("allenai/c4 layout, en/*.json.gz")) +
+                    "); put the files there or set " + section + ".dataset_path to them");
   }
   return path;
 }
 
 std::vector<std::string> list_source_files(const std::string& source_path) {
   std::error_code ec;
-  const fs::path p(source_path);
-  if (!fs::exists(p, ec)) throw UserError("dataset: " + source_path + " does not exist");
-  if (fs::is_directory(p, ec)) {
+  fs::path p(source_path);
+  std::string prefix, suffix;
+  const bool pattern = split_pattern(source_path, &p, &prefix, &suffix);
+  if (!fs::exists(p, ec)) throw UserError("dataset: " + p.string() + " does not exist");
+  if (pattern || fs::is_directory(p, ec)) {
     std::vector<std::string> files;
     for (const auto& e : fs::directory_iterator(p, ec)) {
       const auto name = e.path().filename().string();
+      if (pattern && !(name.size() >= prefix.size() + suffix.size() && name.compare(0, prefix.size(), prefix) == 0 &&
+                       ends_with(name, suffix)))
+        continue;
       if (!name.empty() && name[0] != '.' && e.is_regular_file(ec) && is_source_file(e.path())) {
         files.push_back(e.path().string());
       }
     }
     if (ec) throw UserError("dataset: cannot list " + source_path + ": " + ec.message());
     if (files.empty()) {
-      throw UserError("dataset: folder " + source_path + " holds no .txt or .jsonl files");
+      throw UserError("dataset: " + std::string(pattern ? "pattern " : "folder ") + source_path + " holds no " +
+                      kKinds + " files");
     }
     // Byte order of the names, so every rank and every run agree on document order.
     std::sort(files.begin(), files.end(), [](const std::string& a, const std::string& b) {
@@ -108,7 +144,7 @@ std::vector<std::string> list_source_files(const std::string& source_path) {
     return files;
   }
   if (!is_source_file(p)) {
-    throw UserError("dataset: " + source_path + " is neither a .txt/.jsonl file nor a folder");
+    throw UserError("dataset: " + source_path + " is neither a " + kKinds + " file nor a folder");
   }
   return {source_path};
 }
@@ -129,56 +165,94 @@ void DocumentReader::seek(const SourcePosition& pos) {
                     " (" + std::to_string(files_.size()) + " files)");
   }
   if (pos.file < files_.size()) {
+    const std::string& path = files_[pos.file];
     std::error_code ec;
-    const auto size = fs::file_size(files_[pos.file], ec);
-    bool ok = !ec && pos.offset <= size;
-    if (ok && pos.offset > 0 && pos.offset < size) {
+    const auto size = fs::file_size(path, ec);
+    // A gzip file's uncompressed size is only known by inflating it: the seek below says.
+    bool ok = !ec && (is_gzip(path) || pos.offset <= size);
+    if (ok && pos.offset > 0) {
       // A document starts at a line start: the byte before it must be a newline.
-      std::ifstream f(files_[pos.file], std::ios::binary);
-      f.seekg(static_cast<std::streamoff>(pos.offset - 1));
-      ok = f.get() == '\n';
+      gzFile f = gzopen(path.c_str(), "rb");
+      ok = f != nullptr && gzseek(f, static_cast<z_off_t>(pos.offset - 1), SEEK_SET) >= 0 && gzgetc(f) == '\n';
+      if (f != nullptr) gzclose(f);
     }
     if (!ok) {
-      throw UserError("dataset: byte offset " + std::to_string(pos.offset) + " of " +
-                      files_[pos.file] +
+      throw UserError("dataset: byte offset " + std::to_string(pos.offset) + " of " + path +
                       " is not a line start (the file changed since the position was saved?)");
     }
   }
-  in_.close();
-  in_.clear();
-  open_ = false;
+  close();
   pos_ = pos;
+}
+
+DocumentReader::~DocumentReader() { close(); }
+
+void DocumentReader::close() {
+  if (gz_ != nullptr) gzclose(static_cast<gzFile>(gz_));
+  gz_ = nullptr;
+  open_ = false;
 }
 
 bool DocumentReader::open_current() {
   if (pos_.file >= files_.size()) return false;
   if (!open_) {
-    in_.clear();
-    in_.open(files_[pos_.file], std::ios::binary);
-    if (!in_) throw RuntimeFailure("dataset: cannot open " + files_[pos_.file]);
-    if (pos_.offset > 0) in_.seekg(static_cast<std::streamoff>(pos_.offset));
+    gzFile f = gzopen(files_[pos_.file].c_str(), "rb");
+    if (f == nullptr) throw RuntimeFailure("dataset: cannot open " + files_[pos_.file]);
+    gz_ = f;
     open_ = true;
+    gzbuffer(f, 1 << 18);
+    if (pos_.offset > 0 && gzseek(f, static_cast<z_off_t>(pos_.offset), SEEK_SET) < 0)
+      throw RuntimeFailure("dataset: cannot seek to byte " + std::to_string(pos_.offset) + " of " + files_[pos_.file]);
   }
   return true;
 }
 
 bool DocumentReader::read_line(std::string* line) {
   const bool at_start = pos_.offset == 0;
-  if (!std::getline(in_, *line)) return false;
-  pos_.offset += line->size() + (in_.eof() ? 0 : 1);
+  // gzgets: up to sizeof buf - 1 bytes, up to and with the newline; NUL bytes are kept
+  // (the byte count comes from the offset, not from strlen).
+  gzFile f = static_cast<gzFile>(gz_);
+  line->clear();
+  bool newline = false;
+  char buf[1 << 14];
+  for (;;) {
+    const z_off_t before = gztell(f);
+    if (gzgets(f, buf, sizeof buf) == nullptr) break;
+    const size_t n = static_cast<size_t>(gztell(f) - before);
+    line->append(buf, n);
+    if (n > 0 && buf[n - 1] == '\n') {
+      newline = true;
+      line->pop_back();
+      break;
+    }
+  }
+  int zerr = Z_OK;
+  const char* msg = gzerror(f, &zerr);
+  if (zerr != Z_OK && zerr != Z_STREAM_END)
+    throw RuntimeFailure("dataset: read error in " + files_[pos_.file] + ": " + msg + " (a damaged .gz file?)");
+  if (line->empty() && !newline) return false;
+  pos_.offset += line->size() + (newline ? 1 : 0);
   pos_.line += 1;
   if (at_start && line->compare(0, 3, "\xEF\xBB\xBF") == 0) line->erase(0, 3);
   if (!line->empty() && line->back() == '\r') line->pop_back();
   // Text only: a binary or wrongly encoded file is named, not tokenized into noise.
   if (const size_t nul = line->find('\0'); nul != std::string::npos)
-    fail_line("a NUL byte at column " + std::to_string(nul + 1) + ": binary data, not text");
+    bad_line("a NUL byte at column " + std::to_string(nul + 1) + ": binary data, not text");
   if (const size_t bad = invalid_utf8_at(*line); bad != std::string::npos) {
     char hex[8];
     std::snprintf(hex, sizeof hex, "0x%02x", static_cast<unsigned char>((*line)[bad]));
-    fail_line(std::string("not valid UTF-8 (byte ") + hex + " at column " + std::to_string(bad + 1) +
+    bad_line(std::string("not valid UTF-8 (byte ") + hex + " at column " + std::to_string(bad + 1) +
               "); convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8");
   }
   return true;
+}
+
+void DocumentReader::bad_line(const std::string& what) {
+  if (!report_bad_) fail_line(what);
+  if (pending_error_.empty()) {
+    pending_error_ = what;
+    pending_line_ = pos_.line;
+  }
 }
 
 void DocumentReader::fail_line(const std::string& what) const {
@@ -187,25 +261,28 @@ void DocumentReader::fail_line(const std::string& what) const {
 }
 
 bool DocumentReader::next_in_file(Document* doc) {
-  const bool jsonl = has_ext(files_[pos_.file], ".jsonl");
+  const bool jsonl = !is_txt(files_[pos_.file]);
   std::string line;
   if (jsonl) {
     while (read_line(&line)) {
       if (blank(line)) continue;
+      doc->line = pos_.line;
+      if (!pending_error_.empty()) return true;  // bad bytes: not worth parsing
       json::Value v;
       std::string err;
-      if (!json::parse(line, &v, &err)) fail_line("invalid JSON (" + err + ")");
-      if (v.type != json::Value::Type::Object) {
-        fail_line(std::string("expected a JSON object with a \"text\" field, not ") +
-                  json::type_name(v.type));
+      const json::Value* text = nullptr;
+      if (!json::parse(line, &v, &err)) {
+        bad_line("invalid JSON (" + err + ")");
+      } else if (v.type != json::Value::Type::Object) {
+        bad_line(std::string("expected a JSON object with a \"text\" field, not ") + json::type_name(v.type));
+      } else if ((text = v.find("text")) == nullptr) {
+        bad_line("record has no \"text\" field");
+      } else if (text->type != json::Value::Type::String) {
+        bad_line(std::string("\"text\" must be a string, not ") + json::type_name(text->type));
+        text = nullptr;
       }
-      const json::Value* text = v.find("text");
-      if (text == nullptr) fail_line("record has no \"text\" field");
-      if (text->type != json::Value::Type::String) {
-        fail_line(std::string("\"text\" must be a string, not ") + json::type_name(text->type));
-      }
+      if (text == nullptr) return true;
       doc->text = text->text;
-      doc->line = pos_.line;
       return true;
     }
     return false;
@@ -233,15 +310,17 @@ bool DocumentReader::next(Document* doc) {
   while (open_current()) {
     const int64_t index = pos_.next_document;
     const size_t file = pos_.file;
+    pending_error_.clear();
     if (next_in_file(doc)) {
+      if (!pending_error_.empty()) doc->line = pending_line_;
+      doc->error = std::move(pending_error_);
+      pending_error_.clear();
       doc->index = index;
       doc->file = file;
       pos_.next_document += 1;
       return true;
     }
-    if (in_.bad()) throw RuntimeFailure("dataset: read error in " + files_[pos_.file]);
-    in_.close();
-    open_ = false;
+    close();
     pos_.file += 1;
     pos_.offset = 0;
     pos_.line = 0;

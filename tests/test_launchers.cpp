@@ -309,8 +309,8 @@ TEST_F(Launchers, TorchrunElasticShrinksToOneAgentAndReadsEveryDocumentOnce) {
   }
   // have: the loader's buffer at the end, and every traced window that counted: attempt 0's up
   // to step `resumed` (its later steps were rolled back), attempt 1's all. A file holds one
-  // rank number's windows; a restart shows as the step going back (attempt 1 starts at
-  // resumed + 1, attempt 0 at 1).
+  // rank number's windows, attempt after attempt (attempt 1 starts at resumed + 1, attempt 0
+  // at 1).
   {
     const auto b0 = final_state.find("\"buffer\":[");
     ASSERT_NE(b0, std::string::npos) << final_state;
@@ -324,12 +324,16 @@ TEST_F(Launchers, TorchrunElasticShrinksToOneAgentAndReadsEveryDocumentOnce) {
   for (const std::string& prefix : {trace_a, trace_b})
     for (int r = 0; r < 2; ++r) {
       std::ifstream f(prefix + ".rank" + std::to_string(r));
-      int64_t first = -1, last = -1;
+      int64_t first = -1, last = -1, same = 0;  // same: windows of step `last` in this attempt
       for (std::string line; std::getline(f, line);) {
         std::istringstream ls(line);
         int64_t step = 0;
         ls >> step;
-        if (first < 0 || step < last) first = step;  // a new attempt's first window
+        // A new attempt: the step goes back, or repeats once its 2 windows (local_batch_size)
+        // are there (attempt 1 may start at the very step attempt 0 died in).
+        const bool new_attempt = first < 0 || step < last || (step == last && same == 2);
+        if (new_attempt) first = step;
+        same = step == last && !new_attempt ? same + 1 : 1;
         last = step;
         if (first == 1 && step > resumed) continue;  // attempt 0, rolled back
         ++windows;

@@ -1,0 +1,130 @@
+// End-to-end tests of the data side through the real `train` binary: malformed documents
+// (training.on_bad_document), corpus formats and sharding as a run sees them.
+//
+// The corpus is generated here (JSON lines of English-like sentences) and a sentencepiece
+// tokenizer (vocab 400) is trained on it with scripts/train_tokenizer.sh.
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/e2e.h"
+
+namespace fs = std::filesystem;
+using namespace ctitan::testing;
+
+namespace {
+
+// Line `i` (0-based) of the generated corpus: one JSON object with a "text" field.
+std::string sentence_text(std::mt19937& rng) {
+  const char* subj[] = {"the whale", "the captain", "a sailor", "the harpooneer", "the mate", "the ship"};
+  const char* verb[] = {"watched", "followed", "feared", "sought", "sailed past", "remembered"};
+  const char* obj[] = {"the white sea", "a distant spout", "the old chart", "the long voyage"};
+  std::string s;
+  const int n = 2 + rng() % 3;
+  for (int k = 0; k < n; ++k)
+    s += std::string(k ? " " : "") + subj[rng() % 6] + " " + verb[rng() % 6] + " " + obj[rng() % 4] + ".";
+  return s;
+}
+
+class DataE2E : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    root_ = fs::temp_directory_path() / ("ctitan_data_e2e_" + std::to_string(getpid()));
+    fs::create_directories(root_);
+    std::mt19937 rng(99);
+    std::ofstream txt(root_ / "plain.txt");
+    for (int i = 0; i < 600; ++i) {
+      const std::string t = sentence_text(rng);
+      lines_.push_back("{\"text\": \"" + t + "\", \"id\": " + std::to_string(i) + "}");
+      txt << t << "\n\n";
+    }
+    txt.close();
+    tokenizer_ = (root_ / "tok.model").string();
+    auto r = sh(kSrc + "/scripts/train_tokenizer.sh " + (root_ / "plain.txt").string() + " " + tokenizer_ + " 400");
+    ASSERT_EQ(r.code, 0) << r.out;
+  }
+  static void TearDownTestSuite() { fs::remove_all(root_); }
+
+  // Writes the corpus with `bad` replacing some lines (1-based line -> content).
+  static std::string write_jsonl(const std::string& name, const std::vector<std::pair<int, std::string>>& bad) {
+    std::vector<std::string> lines = lines_;
+    for (const auto& [n, content] : bad) lines[n - 1] = content;
+    const fs::path p = root_ / name;
+    std::ofstream f(p, std::ios::binary);
+    for (const auto& l : lines) f << l << "\n";
+    return p.string();
+  }
+
+  static std::string args(const std::string& data, const std::string& dump, int steps) {
+    return " --job.config_file " + kSrc + "/train_configs/debug_model.toml --model.tokenizer_path " + tokenizer_ +
+           " --training.dataset_path " + data + " --job.dump_folder " + dump + " --training.steps " +
+           std::to_string(steps) + " --training.seq_len 64 --training.local_batch_size 4 --metrics.log_freq 1";
+  }
+
+  static fs::path root_;
+  static std::vector<std::string> lines_;
+  static std::string tokenizer_;
+};
+fs::path DataE2E::root_;
+std::vector<std::string> DataE2E::lines_;
+std::string DataE2E::tokenizer_;
+
+// training.on_bad_document. Four malformed lines: bad JSON, invalid UTF-8, a NUL byte, no
+// "text". stop (default): the run ends at the first one with exit 2 and one line naming
+// file, line and reason; the checkpoint saved before it is intact (a rerun with skip loads
+// it). skip: the four are left out and counted — in the console line and metrics.jsonl —
+// and a resume from a checkpoint taken after them reports the same count, not twice it.
+TEST_F(DataE2E, BadDocumentsStopOrAreSkippedAndCounted) {
+  const std::string data = write_jsonl("bad.jsonl", {{40, "{\"text\": \"unterminated}"},
+                                                     {41, "{\"text\": \"caf\xe9 au lait\"}"},
+                                                     {60, std::string("{\"text\": \"a\0b\"}", 15)},
+                                                     {75, "{\"title\": \"no text\"}"}});
+  const std::string dump = (root_ / "stop").string();
+  auto r = sh(kTrain + args(data, dump, 30) + " --checkpoint.enable --checkpoint.interval 2");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("\ndataset: " + data + ":40: invalid JSON (unterminated string"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("on_bad_document = \"skip\""), std::string::npos) << r.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex("step: +([0-9]+)/30[^\\n]*\\ndataset: "))) << r.out;
+  const int last = std::stoi(m[1]);
+  ASSERT_GE(last, 2) << "the bad line must come after the first checkpoint";
+  const std::string ckpt = dump + "/checkpoint/step-" + std::to_string(last - last % 2);
+  ASSERT_TRUE(fs::exists(ckpt)) << r.out;
+
+  // skip, resuming from the checkpoint the stopped run left: it loads, then passes the bad lines.
+  const std::string dump2 = (root_ / "skip").string();
+  r = sh(kTrain + args(data, dump2, 14) + " --training.on_bad_document skip --checkpoint.enable "
+                                          "--checkpoint.interval 10 --checkpoint.initial_load_path " + ckpt +
+         " --checkpoint.no_initial_load_model_only");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("checkpoint: loaded step " + std::to_string(last - last % 2)), std::string::npos) << r.out;
+  for (const std::string& w : {"skipping " + data + ":40: invalid JSON", "skipping " + data + ":41: not valid UTF-8",
+                              "skipping " + data + ":60: a NUL byte", "skipping " + data + ":75: record has no"})
+    EXPECT_NE(r.out.find(w), std::string::npos) << w << "\n" << r.out;
+  EXPECT_NE(r.out.find("step:    14/14"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("bad_documents_skipped: 4.0000"), std::string::npos) << r.out;
+  auto counts = jsonl_field(dump2 + "/metrics.jsonl", "bad_documents_skipped");
+  ASSERT_FALSE(counts.empty());
+  EXPECT_EQ(std::stod(counts.back()), 4.0);
+  // Resume from step 10 (after the bad lines) to step 14: the count stays 4.
+  const std::string dump3 = (root_ / "skip_resume").string();
+  r = sh(kTrain + args(data, dump3, 14) + " --training.on_bad_document skip --checkpoint.enable "
+                                          "--checkpoint.initial_load_path " + dump2 + "/checkpoint/step-10" +
+         " --checkpoint.no_initial_load_model_only");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.find("skipping "), std::string::npos) << "no bad line read again\n" << r.out;
+  counts = jsonl_field(dump3 + "/metrics.jsonl", "bad_documents_skipped");
+  ASSERT_FALSE(counts.empty());
+  EXPECT_EQ(std::stod(counts.front()), 4.0);
+  EXPECT_EQ(std::stod(counts.back()), 4.0);
+}
+
+}  // namespace
