@@ -12,6 +12,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <iostream>
 #include <random>
 #include <thread>
@@ -39,6 +40,7 @@
 #include "datasets/dataloader.h"
 #include "datasets/tokenizer.h"
 #include "models/fused_ops.h"
+#include "models/init.h"
 #include "models/gemm.h"
 #include "models/llama/args.h"
 #include "models/llama/model.h"
@@ -195,6 +197,7 @@ struct TrainModel {
   std::function<torch::Tensor(const torch::Tensor&)> forward;  // tokens [B, T] -> logits [B, T, V]
   std::function<std::vector<ModelUnit>()> units;
   std::function<void(UnitWrapper)> set_unit_wrapper;
+  std::function<void(size_t)> init_unit;  // unit i of units(), as the full init draws it
   int64_t n_layers = 0;
   int64_t total_params = 0, embedding_params = 0;
   double flops_per_token = 0;
@@ -208,13 +211,22 @@ struct TrainModel {
   bool moe() const { return static_cast<bool>(step_load_balance); }
 };
 
-// Builds and initialises the model (every rank the full model from the same seed).
-TrainModel build_model(const ModelArgs& a, int64_t seq_len) {
+// How build_model leaves the parameters.
+enum class ModelInit {
+  Full,      // allocated and initialised (every rank the full model from the same seed)
+  Deferred,  // no storage: FSDP gives each unit storage and initialises it (init_unit) in turn
+  None,      // allocated, not initialised: a checkpoint fills them
+};
+
+TrainModel build_model(const ModelArgs& a, int64_t seq_len, ModelInit init) {
   TrainModel m;
+  std::optional<DeferredParameters> deferred;
+  if (init == ModelInit::Deferred) deferred.emplace();
   if (a.name == "mixtral") {
     mixtral::Transformer model(a.mixtral);
-    model->init_weights();
+    if (init == ModelInit::Full) model->init_weights();
     model->train();
+    m.init_unit = [model](size_t i) mutable { model->init_unit(i); };
     m.module = model.ptr();
     m.forward = [model](const torch::Tensor& t) mutable { return model->forward(t); };
     m.units = [model] { return model->units(); };
@@ -232,8 +244,9 @@ TrainModel build_model(const ModelArgs& a, int64_t seq_len) {
     return m;
   }
   Transformer model(a.llama);
-  model->init_weights();
+  if (init == ModelInit::Full) model->init_weights();
   model->train();
+  m.init_unit = [model](size_t i) mutable { model->init_unit(i); };
   m.module = model.ptr();
   m.forward = [model](const torch::Tensor& t) mutable { return model->forward(t); };
   m.units = [model] { return model->units(); };
@@ -562,21 +575,28 @@ void maybe_save(CheckpointManager& manager, int64_t step, bool last_step, const 
 
 // FSDP over the shard group (HSDP: plus the replicate group) whenever there is more than
 // one data-parallel rank. Applied from outside the model: it wraps the model's units.
-std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, Parallelism& par) {
-  if (par.dims.dp() <= 1) {
-    // One process: FSDP's machinery over a group of one gives bf16 mixed precision (bf16
-    // compute parameters, fp32 master weights, optimizer state and gradients) with the same
-    // code and the same rounding as on N ranks. Only where the CPU has native bf16 matmuls:
-    // elsewhere bf16 is emulated and slower than float32.
-    if (cfg.training.mixed_precision_param == "float32") return nullptr;
-    if (!cpu_has_native_bf16()) {
-      spdlog::info("training.mixed_precision_param = {}: this CPU has no native bf16 matmul (avx512_bf16 / "
-                   "amx_bf16), so one process trains in float32",
-                   cfg.training.mixed_precision_param);
-      return nullptr;
-    }
-    par.shard = Comm::single("local");
+bool fsdp_applies(const JobConfig& cfg, const Parallelism& par) {
+  if (par.dims.dp() > 1) return true;
+  // One process: FSDP's machinery over a group of one gives bf16 mixed precision (bf16
+  // compute parameters, fp32 master weights, optimizer state and gradients) with the same
+  // code and the same rounding as on N ranks. Only where the CPU has native bf16 matmuls:
+  // elsewhere bf16 is emulated and slower than float32.
+  if (cfg.training.mixed_precision_param == "float32") return false;
+  if (!cpu_has_native_bf16()) {
+    spdlog::info("training.mixed_precision_param = {}: this CPU has no native bf16 matmul (avx512_bf16 / "
+                 "amx_bf16), so one process trains in float32",
+                 cfg.training.mixed_precision_param);
+    return false;
   }
+  return true;
+}
+
+// init_unit: for a model built with ModelInit::Deferred, what fills each unit before FSDP
+// keeps this rank's rows (empty: the shards start as zeros for a checkpoint to fill).
+std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, Parallelism& par, bool sharded,
+                                       const std::function<void(size_t)>& init_unit) {
+  if (!sharded) return nullptr;
+  if (par.dims.dp() <= 1) par.shard = Comm::single("local");
   // One process: freeing the bf16 copies after forward saves little and costs a second cast
   // in backward, so "default" keeps them (explicit "always" still frees).
   const std::string reshard = par.dims.dp() <= 1 && cfg.parallelism.fsdp_reshard_after_forward == "default"
@@ -584,7 +604,7 @@ std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, 
                                   : cfg.parallelism.fsdp_reshard_after_forward;
   auto opts = fsdp_options(reshard, cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce);
   opts.prefetch = cfg.parallelism.fsdp_prefetch;
-  auto fsdp = std::make_shared<FSDP>(model.units(), par.shard, par.replicate, opts);
+  auto fsdp = std::make_shared<FSDP>(model.units(), par.shard, par.replicate, opts, init_unit);
   model.set_unit_wrapper(fsdp->wrapper());
   if (par.dims.dp() <= 1)
     spdlog::info("mixed precision on one process: {} compute, float32 master weights and optimizer state, {} "
@@ -689,16 +709,34 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
     spdlog::info("torchrun: run {}, restart count {} (at most {}){}", launch.run_id, launch.restart_count,
                  launch.max_restarts, launch.agent_store ? ", ranks join the agent's store" : "");
 
-  // ---- model: build, initialise, then shard. Construction and init are separate so a
-  // sharded build could initialise only what it holds; here every rank initialises the
-  // full model from the same seed and FSDP keeps each rank's rows. --------------------
+  // ---- model: build without storage, shard, initialise unit by unit. With FSDP the full
+  // model never exists on a rank: each unit is given storage, initialised from the seed as
+  // the full init would (same draws, same order), cut to this rank's rows and freed. A run
+  // that loads a checkpoint draws nothing: the checkpoint gives the values. ------------
+  const bool sharded = fsdp_applies(cfg, par);
+  const bool loads_weights = !cfg.checkpoint.create_seed_checkpoint && will_load_model(checkpoint_options(cfg));
+  reset_peak_rss();
+  const double rss_before_model = current_rss_gib();
   torch::manual_seed(seed);
-  TrainModel model = build_model(margs, cfg.training.seq_len);
+  TrainModel model = build_model(margs, cfg.training.seq_len,
+                                 sharded ? ModelInit::Deferred : loads_weights ? ModelInit::None : ModelInit::Full);
   const double flops_per_tok = model.flops_per_token;  // MoE: active experts only
   spdlog::info("model: {} {} — {:.3f}M parameters ({:.3f}M non-embedding), {:.1f} MFLOP/token",
                cfg.model.name, cfg.model.flavor, model.total_params / 1e6,
                (model.total_params - model.embedding_params) / 1e6, flops_per_tok / 1e6);
-  std::shared_ptr<FSDP> fsdp = maybe_apply_fsdp(model, cfg, par);
+  const size_t n_units = model.units().size();
+  size_t units_initialised = !sharded && !loads_weights ? n_units : 0;
+  std::function<void(size_t)> init_unit;
+  if (!loads_weights)
+    init_unit = [&model, &units_initialised](size_t i) {
+      model.init_unit(i);
+      ++units_initialised;
+    };
+  std::shared_ptr<FSDP> fsdp = maybe_apply_fsdp(model, cfg, par, sharded, init_unit);
+  spdlog::info("model init: {} of {} units randomly initialised on this rank ({})", units_initialised, n_units,
+               loads_weights ? "the weights come from the checkpoint"
+               : sharded     ? "one unit at a time, this rank keeping its rows"
+                             : "the full model");
   // The full-size parameters sharding freed sit in the CPU allocator's cache; they are
   // the memory FSDP exists to give back.
   if (fsdp) release_cached_cpu_memory();
@@ -738,6 +776,23 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
                  train_state.step > 0 ? "resumed from step " + std::to_string(train_state.step)
                                       : std::string("no complete checkpoint, starting from step 1"));
 
+  {
+    // Start-up memory: the growth of the peak RSS from just before the model was built to
+    // here: the shards, the unit being initialised, the optimizer, a checkpoint load.
+    int64_t largest_unit = 0;
+    for (const auto& u : model.units()) {
+      int64_t n = 0;
+      for (const auto& [fqn, t] : u.params) n += t.numel();
+      largest_unit = std::max(largest_unit, n * 4);
+    }
+    const double MiB = 1024.0 * 1024.0, GiB_in_MiB = 1024.0;
+    const double shard_mib = (fsdp ? fsdp->sharded_param_bytes() : model.total_params * 4) / MiB;
+    const double peak = peak_rss_gib();
+    spdlog::info("start-up memory: RSS before the model {:.1f} MiB, peak before step 1 {:.1f} MiB (+{:.1f} MiB; "
+                 "this rank's fp32 parameters {:.1f} MiB, largest unit {:.1f} MiB fp32)",
+                 rss_before_model * GiB_in_MiB, peak * GiB_in_MiB, (peak - rss_before_model) * GiB_in_MiB, shard_mib,
+                 largest_unit / MiB);
+  }
   // ---- training loop --------------------------------------------------------------------
   const std::string peak_dtype = fsdp && cfg.training.mixed_precision_param == "bfloat16" ? "bfloat16" : "float32";
   // The better of ATen's matmul and the GEMM the model's projections use (models/gemm.h),
