@@ -728,7 +728,11 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   size_t units_initialised = !sharded && !loads_weights ? n_units : 0;
   std::function<void(size_t)> init_unit;
   if (!loads_weights)
-    init_unit = [&model, &units_initialised](size_t i) {
+    init_unit = [&model, &units_initialised, sharded](size_t i) {
+      // The previous unit's full values are freed by now; the caching CPU allocator would
+      // keep them (units differ in size, so the next one is a fresh block): give them back,
+      // so at most one unit exists beside the shards.
+      if (sharded) release_cached_cpu_memory();
       model.init_unit(i);
       ++units_initialised;
     };
