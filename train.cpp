@@ -28,6 +28,7 @@
 #include "checkpoint/train_adapters.h"
 #include "components/cpu_allocator.h"
 #include "components/lr_scheduler.h"
+#include "components/memory_estimate.h"
 #include "components/metrics.h"
 #include "components/optimizer.h"
 #include "components/preemption.h"
@@ -634,6 +635,105 @@ std::shared_ptr<ActivationCheckpoint> maybe_apply_ac(TrainModel& model, const Jo
   return ac;
 }
 
+std::string format_gib(double gib) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", gib);
+  return buf;
+}
+
+std::string join_or(const std::vector<std::string>& v) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", or " : "") + v[i];
+  return out;
+}
+
+// The sizes the memory estimate needs, from the model args (nothing allocated).
+MemoryModel memory_model(const ModelArgs& a) {
+  MemoryModel m;
+  int64_t V = 0, D = 0, L = 0, total = 0;
+  if (a.name == "mixtral") {
+    const auto& x = a.mixtral;
+    V = x.vocab_size, D = x.dim, L = x.n_layers, total = mixtral::count_params(x).total;
+    m.kv_dim = x.n_kv_heads * x.head_dim();
+    m.ffn = x.moe.hidden_dim * x.moe.top_k;
+    m.head_dim = x.head_dim();
+  } else {
+    const auto& x = a.llama;
+    V = x.vocab_size, D = x.dim, L = x.n_layers, total = count_params(x).total;
+    m.kv_dim = x.kv_heads() * x.head_dim();
+    m.ffn = llama::ffn_hidden_dim(x);
+    m.head_dim = x.head_dim();
+  }
+  m.params = total;
+  m.dim = D, m.vocab = V, m.n_layers = L;
+  const int64_t block = (total - 2 * V * D - D) / std::max<int64_t>(1, L);
+  m.largest_unit = std::max({V * D, V * D + D, block});
+  return m;
+}
+
+MemoryRun memory_run(const JobConfig& cfg, int64_t dp, bool sharded) {
+  MemoryRun r;
+  r.dp = dp;
+  r.fsdp = sharded;
+  r.compute_bytes = sharded && cfg.training.mixed_precision_param == "bfloat16" ? 2 : 4;
+  r.batch = cfg.training.local_batch_size;
+  r.seq = cfg.training.seq_len;
+  r.ac_mode = cfg.activation_checkpoint.mode;
+  r.checkpoint = cfg.checkpoint.enable;
+  return r;
+}
+
+// Before anything of the model is allocated: the estimate of this rank's peak, and when it
+// cannot fit in what the rank can have, one line with the numbers and what would fit (exit 2).
+MemoryEstimate check_memory_fits(const JobConfig& cfg, const ModelArgs& margs, const LaunchEnv& env, int64_t dp,
+                                 bool sharded) {
+  const MemoryModel mm = memory_model(margs);
+  const MemoryRun run = memory_run(cfg, dp, sharded);
+  const double base = current_rss_gib() * (1 << 30);
+  const MemoryEstimate est = estimate_memory(mm, run, base);
+  std::string how;
+  const double avail = memory_available_per_rank(env.local_world_size, &how);
+  if (est.total() <= avail) return est;
+  const double G = 1 << 30;
+  std::vector<std::string> fits;
+  for (int64_t n = std::max<int64_t>(2, 2 * dp); n <= (1 << 20); n *= 2) {
+    MemoryRun more = run;
+    more.dp = n;
+    more.fsdp = true;
+    if (estimate_memory(mm, more, base).total() <= avail) {
+      fits.push_back(std::to_string(n) + " ranks with as much memory each");
+      break;
+    }
+  }
+  if (run.ac_mode != "full") {
+    MemoryRun ac = run;
+    ac.ac_mode = "full";
+    const double t = estimate_memory(mm, ac, base).total();
+    if (t <= avail) fits.push_back("activation_checkpoint.mode = \"full\" (" + format_gib(t / G) + " GiB)");
+  }
+  for (int64_t b = run.batch / 2; b >= 1; b /= 2) {
+    MemoryRun small = run;
+    small.batch = b;
+    if (estimate_memory(mm, small, base).total() <= avail) {
+      fits.push_back("training.local_batch_size = " + std::to_string(b));
+      break;
+    }
+  }
+  for (int64_t t = run.seq / 2; t >= 1; t /= 2) {
+    MemoryRun shorter = run;
+    shorter.seq = t;
+    if (estimate_memory(mm, shorter, base).total() <= avail) {
+      fits.push_back("training.seq_len = " + std::to_string(t));
+      break;
+    }
+  }
+  throw UserError("memory: " + cfg.model.name + " " + cfg.model.flavor + " at local_batch_size " +
+                  std::to_string(run.batch) + " × seq_len " + std::to_string(run.seq) + " (AC " + run.ac_mode + ", " +
+                  std::to_string(dp) + " dp rank(s)) needs an estimated " + describe(est) + " per rank, but a rank can have " +
+                  format_gib(avail / G) + " GiB (" + how + "); would fit: " +
+                  (fits.empty() ? std::string("nothing this estimate can find on this machine") : join_or(fits)));
+}
+
 // job.validate_only: the checks a run makes before it writes anything — the config, the
 // launch environment against the parallelism degrees, the batch arithmetic, the tokenizer
 // (loaded) and the model built on its vocabulary, the dataset (found) — then one line on
@@ -689,6 +789,8 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   DataPipeline data = build_data(cfg, par.dp_rank, dp_world);
   const ModelArgs margs = build_model_args(cfg, *data.tokenizer);
   const std::unique_ptr<Validator> validator = maybe_build_validator(cfg, *data.tokenizer, par.dp_rank, dp_world);
+  const bool sharded = fsdp_applies(cfg, par);
+  const MemoryEstimate mem_estimate = check_memory_fits(cfg, margs, launch, dp_world, sharded);
 
   // ---- everything validated: from here on the run writes its outputs --------------------
   add_log_file(cfg.job.dump_folder, launch.rank);
@@ -713,7 +815,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   // model never exists on a rank: each unit is given storage, initialised from the seed as
   // the full init would (same draws, same order), cut to this rank's rows and freed. A run
   // that loads a checkpoint draws nothing: the checkpoint gives the values. ------------
-  const bool sharded = fsdp_applies(cfg, par);
+  spdlog::info("memory estimate: {} per rank", describe(mem_estimate));
   const bool loads_weights = !cfg.checkpoint.create_seed_checkpoint && will_load_model(checkpoint_options(cfg));
   reset_peak_rss();
   const double rss_before_model = current_rss_gib();
