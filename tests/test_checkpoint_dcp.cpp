@@ -72,6 +72,12 @@ class DcpE2E : public ::testing::Test {
     auto s = sh(script() + "save --out " + tt_ + " --ranks 2 --steps 3 --total-steps 5 --seq 32 --batch 2");
     ASSERT_EQ(s.code, 0) << s.out;
     ref_ = (root_ / "torchtitan" / "reference.pt").string();
+    // The same on 3 ranks: uneven FSDP shards (2048 rows as 683 + 683 + 682).
+    tt3_ = (root_ / "torchtitan3" / "step-3").string();
+    fs::create_directories(root_ / "torchtitan3");
+    auto s3 = sh(script() + "save --out " + tt3_ + " --ranks 3 --steps 3 --total-steps 5 --seq 32 --batch 2");
+    ASSERT_EQ(s3.code, 0) << s3.out;
+    ref3_ = (root_ / "torchtitan3" / "reference.pt").string();
   }
   static void TearDownTestSuite() {
     if (!std::getenv("CTITAN_KEEP_TEST_OUTPUT")) fs::remove_all(root_);
@@ -98,78 +104,89 @@ class DcpE2E : public ::testing::Test {
            " --training.mixed_precision_param float32";
   }
 
+  static std::string resume_args(const std::string& src) {
+    std::string a = resume_args();
+    return a.replace(a.find(tt_), tt_.size(), src);
+  }
+  // Resumes `src` (reference tensors in `ref`) on n ranks and checks tensors, step, LR and
+  // the losses of steps 4 and 5 against PyTorch's; see the test below.
+  static void check_resume(const std::string& src, const std::string& ref_path, int n, const std::string& tag);
+
   static fs::path root_;
-  static std::string corpus_, tokenizer_, tt_, ref_;
+  static std::string corpus_, tokenizer_, tt_, ref_, tt3_, ref3_;
 };
 fs::path DcpE2E::root_;
-std::string DcpE2E::corpus_, DcpE2E::tokenizer_, DcpE2E::tt_, DcpE2E::ref_;
+std::string DcpE2E::corpus_, DcpE2E::tokenizer_, DcpE2E::tt_, DcpE2E::ref_, DcpE2E::tt3_, DcpE2E::ref3_;
 
 // Criterion 1: on 1, 2 and 3 ranks, every model and optimizer tensor ctitan holds after the
 // load equals PyTorch's (the job's state written back out by the CTITAN_CHECKPOINT_DUMP_LOADED
 // hook, compared with the full tensors PyTorch saved beside the checkpoint); step and LR
 // continue; the losses of steps 4 and 5 equal PyTorch's own steps 4 and 5 (the checkpoint
 // loaded by dcp.load into one process) on the batches ctitan traced, within 1e-5 relative.
-TEST_F(DcpE2E, TorchtitanCheckpointResumesOnOneTwoAndThreeRanks) {
-  const auto ref = load_pt(ref_);
+void DcpE2E::check_resume(const std::string& src, const std::string& ref_path, int n, const std::string& tag) {
+  SCOPED_TRACE(tag + ", ranks " + std::to_string(n));
+  const auto ref = load_pt(ref_path);
   ASSERT_GT(ref.size(), 100u);
-  for (int n : {1, 2, 3}) {
-    SCOPED_TRACE("ranks " + std::to_string(n));
-    const fs::path dir = root_ / ("resume" + std::to_string(n));
-    const std::string dump = (dir / "loaded").string(), win = (dir / "windows").string();
-    auto rs = train(n, dir.string(), resume_args() + " --checkpoint.exclude_from_loading dataloader",
-                    {{"CTITAN_CHECKPOINT_DUMP_LOADED", dump}, {"CTITAN_TRACE_WINDOWS", win}});
-    ASSERT_TRUE(ctitan::testing::all_ok(rs));
-    EXPECT_NE(rs[0].output.find("loaded step 3 from " + tt_), std::string::npos) << rs[0].output;
+  const fs::path dir = root_ / ("resume_" + tag + "_" + std::to_string(n));
+  const std::string dump = (dir / "loaded").string(), win = (dir / "windows").string();
+  auto rs = train(n, dir.string(), resume_args(src) + " --checkpoint.exclude_from_loading dataloader",
+                  {{"CTITAN_CHECKPOINT_DUMP_LOADED", dump}, {"CTITAN_TRACE_WINDOWS", win}});
+  ASSERT_TRUE(ctitan::testing::all_ok(rs));
+  EXPECT_NE(rs[0].output.find("loaded step 3 from " + src), std::string::npos) << rs[0].output;
 
-    // Every tensor as PyTorch saved it.
-    CheckpointReader loaded(ckpt::step_dir(dump, 3));
-    size_t model = 0, moments = 0, steps = 0;
-    for (const auto& [key, want] : ref) {
-      if (key == "lr" || key == "lr_scheduler.last_epoch") continue;
-      ASSERT_TRUE(loaded.has(key)) << key;
-      const torch::Tensor got = loaded.read_tensor(key);
-      if (key.size() > 5 && key.compare(key.size() - 5, 5, ".step") == 0) {
-        EXPECT_EQ(got.item<int64_t>(), static_cast<int64_t>(want.item<float>())) << key;
-        ++steps;
-        continue;
-      }
-      EXPECT_TRUE(torch::equal(got, want)) << key;
-      (key.rfind("optimizer.", 0) == 0 ? moments : model) += 1;
+  // Every tensor as PyTorch saved it.
+  CheckpointReader loaded(ckpt::step_dir(dump, 3));
+  size_t model = 0, moments = 0, steps = 0;
+  for (const auto& [key, want] : ref) {
+    if (key == "lr" || key == "lr_scheduler.last_epoch") continue;
+    ASSERT_TRUE(loaded.has(key)) << key;
+    const torch::Tensor got = loaded.read_tensor(key);
+    if (key.size() > 5 && key.compare(key.size() - 5, 5, ".step") == 0) {
+      EXPECT_EQ(got.item<int64_t>(), static_cast<int64_t>(want.item<float>())) << key;
+      ++steps;
+      continue;
     }
-    EXPECT_EQ(model, 57u);
-    EXPECT_EQ(moments, 2 * 57u);
-    EXPECT_EQ(steps, 57u);
-    EXPECT_EQ(loaded.read_int("lr_scheduler.last_step"), ref.at("lr_scheduler.last_epoch").item<int64_t>());
-    EXPECT_EQ(loaded.read_int("train_state.step"), 3);
-
-    // PyTorch's own steps 4 and 5 on ctitan's batches.
-    auto py = sh(script() + "continue --ckpt " + tt_ + " --windows " + win +
-                 " --total-steps 5 --warmup 2 --decay-ratio 0.6 --min-lr 0.1 --seq 32");
-    ASSERT_EQ(py.code, 0) << py.out;
-    std::smatch m;
-    std::vector<double> py_loss, py_lr;
-    const std::string json = line_with(py.out, "\"losses\"");
-    const std::regex loss_re("\"loss\": ([-0-9.e]+)");
-    for (auto it = std::sregex_iterator(json.begin(), json.end(), loss_re);
-         it != std::sregex_iterator(); ++it)
-      py_loss.push_back(std::stod((*it)[1]));
-    ASSERT_TRUE(std::regex_search(json, m, std::regex("\"lrs\": \\[([^\\]]*)\\]"))) << py.out;
-    std::istringstream lrs(m[1].str());
-    for (std::string x; std::getline(lrs, x, ',');) py_lr.push_back(std::stod(x));
-    const auto steps_logged = ctitan::testing::jsonl_field((dir / "metrics.jsonl").string(), "step");
-    const auto loss = ctitan::testing::jsonl_field((dir / "metrics.jsonl").string(), "loss");
-    const auto lr = ctitan::testing::jsonl_field((dir / "metrics.jsonl").string(), "lr");
-    ASSERT_EQ(steps_logged, (std::vector<std::string>{"4", "5"}));
-    ASSERT_EQ(py_loss.size(), 2u) << py.out;
-    ASSERT_EQ(py_lr.size(), 2u) << py.out;
-    for (size_t i = 0; i < 2; ++i) {
-      const double rel = std::abs(std::stod(loss[i]) - py_loss[i]) / std::abs(py_loss[i]);
-      EXPECT_LT(rel, 1e-5) << "step " << 4 + i << ": ctitan " << loss[i] << ", PyTorch " << py_loss[i];
-      EXPECT_NEAR(std::stod(lr[i]), py_lr[i], 1e-12 + 1e-9 * py_lr[i]) << "step " << 4 + i;
-      std::printf("[ranks %d] step %zu: loss ctitan %s PyTorch %.9g (rel %.2e); lr ctitan %s PyTorch %.9g\n", n,
-                  4 + i, loss[i].c_str(), py_loss[i], rel, lr[i].c_str(), py_lr[i]);
-    }
+    EXPECT_TRUE(torch::equal(got, want)) << key;
+    (key.rfind("optimizer.", 0) == 0 ? moments : model) += 1;
   }
+  EXPECT_EQ(model, 57u);
+  EXPECT_EQ(moments, 2 * 57u);
+  EXPECT_EQ(steps, 57u);
+  EXPECT_EQ(loaded.read_int("lr_scheduler.last_step"), ref.at("lr_scheduler.last_epoch").item<int64_t>());
+  EXPECT_EQ(loaded.read_int("train_state.step"), 3);
+
+  // PyTorch's own steps 4 and 5 on ctitan's batches.
+  auto py = sh(script() + "continue --ckpt " + src + " --windows " + win +
+               " --total-steps 5 --warmup 2 --decay-ratio 0.6 --min-lr 0.1 --seq 32");
+  ASSERT_EQ(py.code, 0) << py.out;
+  std::smatch m;
+  std::vector<double> py_loss, py_lr;
+  const std::string json = line_with(py.out, "\"losses\"");
+  const std::regex loss_re("\"loss\": ([-0-9.e]+)");
+  for (auto it = std::sregex_iterator(json.begin(), json.end(), loss_re); it != std::sregex_iterator(); ++it)
+    py_loss.push_back(std::stod((*it)[1]));
+  ASSERT_TRUE(std::regex_search(json, m, std::regex("\"lrs\": \\[([^\\]]*)\\]"))) << py.out;
+  std::istringstream lrs(m[1].str());
+  for (std::string x; std::getline(lrs, x, ',');) py_lr.push_back(std::stod(x));
+  const auto steps_logged = ctitan::testing::jsonl_field((dir / "metrics.jsonl").string(), "step");
+  const auto loss = ctitan::testing::jsonl_field((dir / "metrics.jsonl").string(), "loss");
+  const auto lr = ctitan::testing::jsonl_field((dir / "metrics.jsonl").string(), "lr");
+  ASSERT_EQ(steps_logged, (std::vector<std::string>{"4", "5"}));
+  ASSERT_EQ(py_loss.size(), 2u) << py.out;
+  ASSERT_EQ(py_lr.size(), 2u) << py.out;
+  for (size_t i = 0; i < 2; ++i) {
+    const double rel = std::abs(std::stod(loss[i]) - py_loss[i]) / std::abs(py_loss[i]);
+    EXPECT_LT(rel, 1e-5) << "step " << 4 + i << ": ctitan " << loss[i] << ", PyTorch " << py_loss[i];
+    EXPECT_NEAR(std::stod(lr[i]), py_lr[i], 1e-12 + 1e-9 * py_lr[i]) << "step " << 4 + i;
+    std::printf("[%s, ranks %d] step %zu: loss ctitan %s PyTorch %.9g (rel %.2e); lr ctitan %s PyTorch %.9g\n",
+                tag.c_str(), n, 4 + i, loss[i].c_str(), py_loss[i], rel, lr[i].c_str(), py_lr[i]);
+  }
+}
+
+TEST_F(DcpE2E, TorchtitanCheckpointResumesOnOneTwoAndThreeRanks) {
+  for (int n : {1, 2, 3}) check_resume(tt_, ref_, n, "saved_on_2");
+  // Uneven shards the other way: saved on 3 ranks, resumed on 2.
+  check_resume(tt3_, ref3_, 2, "saved_on_3");
 }
 
 // torchtitan's dataloader state is a pickled Python object: loading it is refused before
