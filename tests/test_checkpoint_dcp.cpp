@@ -66,18 +66,23 @@ class DcpE2E : public ::testing::Test {
     auto r = sh(kSrc + "/scripts/train_tokenizer.sh " + corpus_ + " " + tokenizer_ + " 300");
     ASSERT_EQ(r.code, 0) << r.out;
     ASSERT_TRUE(fs::exists(venv_python())) << venv_python() << " is missing: scripts/install_deps.sh makes the venv";
-    // torchtitan's layout, written by PyTorch's own DCP on 2 Gloo ranks after 3 AdamW steps.
-    tt_ = (root_ / "torchtitan" / "step-3").string();
-    fs::create_directories(root_ / "torchtitan");
-    auto s = sh(script() + "save --out " + tt_ + " --ranks 2 --steps 3 --total-steps 5 --seq 32 --batch 2");
-    ASSERT_EQ(s.code, 0) << s.out;
-    ref_ = (root_ / "torchtitan" / "reference.pt").string();
-    // The same on 3 ranks: uneven FSDP shards (2048 rows as 683 + 683 + 682).
-    tt3_ = (root_ / "torchtitan3" / "step-3").string();
-    fs::create_directories(root_ / "torchtitan3");
-    auto s3 = sh(script() + "save --out " + tt3_ + " --ranks 3 --steps 3 --total-steps 5 --seq 32 --batch 2");
-    ASSERT_EQ(s3.code, 0) << s3.out;
-    ref3_ = (root_ / "torchtitan3" / "reference.pt").string();
+  }
+  // torchtitan's layout, written by PyTorch's own DCP on `ranks` Gloo ranks after 3 AdamW
+  // steps, once per test process (ctest runs each test in its own): <root>/torchtitan<ranks>/
+  // step-3 and reference.pt beside it (every tensor whole, torch.save).
+  static std::string torchtitan_checkpoint(int ranks) {
+    const fs::path dir = root_ / ("torchtitan" + std::to_string(ranks));
+    const std::string out = (dir / "step-3").string();
+    if (!fs::exists(dir / "reference.pt")) {
+      fs::create_directories(dir);
+      auto s = sh(script() + "save --out " + out + " --ranks " + std::to_string(ranks) +
+                  " --steps 3 --total-steps 5 --seq 32 --batch 2");
+      EXPECT_EQ(s.code, 0) << s.out;
+    }
+    return out;
+  }
+  static std::string reference_of(const std::string& ckpt) {
+    return (fs::path(ckpt).parent_path() / "reference.pt").string();
   }
   static void TearDownTestSuite() {
     if (!std::getenv("CTITAN_KEEP_TEST_OUTPUT")) fs::remove_all(root_);
@@ -97,26 +102,22 @@ class DcpE2E : public ::testing::Test {
   }
   // The torchtitan checkpoint resumed: the schedule of the PyTorch run (5 steps, warmup 2,
   // linear decay over 3 steps, min 0.1), full training state, torchtitan's data state left out.
-  static std::string resume_args() {
-    return "--checkpoint.initial_load_path " + tt_ +
+  static std::string resume_args(const std::string& src) {
+    return "--checkpoint.initial_load_path " + src +
            " --checkpoint.initial_load_model_only false --training.steps 5 --lr_scheduler.warmup_steps 2"
            " --lr_scheduler.decay_ratio 0.6 --lr_scheduler.min_lr_factor 0.1 --optimizer.lr 8e-4"
            " --training.mixed_precision_param float32";
   }
 
-  static std::string resume_args(const std::string& src) {
-    std::string a = resume_args();
-    return a.replace(a.find(tt_), tt_.size(), src);
-  }
   // Resumes `src` (reference tensors in `ref`) on n ranks and checks tensors, step, LR and
   // the losses of steps 4 and 5 against PyTorch's; see the test below.
   static void check_resume(const std::string& src, const std::string& ref_path, int n, const std::string& tag);
 
   static fs::path root_;
-  static std::string corpus_, tokenizer_, tt_, ref_, tt3_, ref3_;
+  static std::string corpus_, tokenizer_;
 };
 fs::path DcpE2E::root_;
-std::string DcpE2E::corpus_, DcpE2E::tokenizer_, DcpE2E::tt_, DcpE2E::ref_, DcpE2E::tt3_, DcpE2E::ref3_;
+std::string DcpE2E::corpus_, DcpE2E::tokenizer_;
 
 // Criterion 1: on 1, 2 and 3 ranks, every model and optimizer tensor ctitan holds after the
 // load equals PyTorch's (the job's state written back out by the CTITAN_CHECKPOINT_DUMP_LOADED
@@ -184,15 +185,16 @@ void DcpE2E::check_resume(const std::string& src, const std::string& ref_path, i
 }
 
 TEST_F(DcpE2E, TorchtitanCheckpointResumesOnOneTwoAndThreeRanks) {
-  for (int n : {1, 2, 3}) check_resume(tt_, ref_, n, "saved_on_2");
+  const std::string tt = torchtitan_checkpoint(2), tt3 = torchtitan_checkpoint(3);
+  for (int n : {1, 2, 3}) check_resume(tt, reference_of(tt), n, "saved_on_2");
   // Uneven shards the other way: saved on 3 ranks, resumed on 2.
-  check_resume(tt3_, ref3_, 2, "saved_on_3");
+  check_resume(tt3, reference_of(tt3), 2, "saved_on_3");
 }
 
 // torchtitan's dataloader state is a pickled Python object: loading it is refused before
 // anything is loaded, with the setting that makes the load go ahead.
 TEST_F(DcpE2E, TorchtitanDataloaderStateNeedsToBeExcluded) {
-  auto rs = train(1, (root_ / "no_exclude").string(), resume_args());
+  auto rs = train(1, (root_ / "no_exclude").string(), resume_args(torchtitan_checkpoint(2)));
   ASSERT_EQ(rs.size(), 1u);
   EXPECT_EQ(rs[0].exit_code, 2) << rs[0].output;
   const std::string l = line_with(rs[0].output, "not transferable");
@@ -202,8 +204,9 @@ TEST_F(DcpE2E, TorchtitanDataloaderStateNeedsToBeExcluded) {
 // checkpoint_tool lists a torchtitan DCP folder and --verify reads every item through its
 // archive's CRC-32s.
 TEST_F(DcpE2E, ToolInspectsAndVerifiesATorchtitanFolder) {
+  const std::string tt = torchtitan_checkpoint(2);
   const std::string tool = (fs::path(ctitan::testing::kTrain).parent_path() / "checkpoint_tool").string();
-  auto r = sh(tool + " inspect " + tt_ + " --verify");
+  auto r = sh(tool + " inspect " + tt + " --verify");
   ASSERT_EQ(r.code, 0) << r.out;
   for (const char* s : {"torch.distributed.checkpoint folder written by PyTorch (torchtitan?), complete", "step 3\n",
                         "saved by 2 ranks", "file __0_0.distcp", "tok_embeddings.weight  sharded  float32 [2048, 256]  2 chunks",
@@ -211,10 +214,10 @@ TEST_F(DcpE2E, ToolInspectsAndVerifiesATorchtitanFolder) {
     EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
   // convert: the model, matched from its shapes, as a .pt whose tensors are PyTorch's.
   const std::string pt = (root_ / "tool_tt.pt").string();
-  auto c = sh(tool + " convert " + tt_ + " " + pt);
+  auto c = sh(tool + " convert " + tt + " " + pt);
   ASSERT_EQ(c.code, 0) << c.out;
   EXPECT_NE(c.out.find("llama3 \"debugmodel\" (57 tensors, float32)"), std::string::npos) << c.out;
-  const auto ref = load_pt(ref_), got = load_pt(pt);
+  const auto ref = load_pt(reference_of(tt)), got = load_pt(pt);
   EXPECT_EQ(got.size(), 57u);
   for (const auto& [k, t] : got) EXPECT_TRUE(ref.count(k) && torch::equal(t, ref.at(k))) << k;
 }
@@ -326,10 +329,11 @@ TEST_F(DcpE2E, DcpSaveResumesInPyTorchWithTorchtitansLayout) {
 // .distcp: each is one line naming the file and the problem, a non-zero exit, and the
 // command in the pickle never ran.
 TEST_F(DcpE2E, HostileAndDamagedFoldersAreOneLineErrors) {
+  const std::string tt = torchtitan_checkpoint(2);
   auto copy = [&](const std::string& name) {
     const fs::path d = root_ / "bad" / name / "step-3";
     fs::create_directories(d.parent_path());
-    fs::copy(tt_, d, fs::copy_options::recursive);
+    fs::copy(tt, d, fs::copy_options::recursive);
     return d.string();
   };
   auto run = [&](const std::string& path) {
