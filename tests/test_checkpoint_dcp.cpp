@@ -201,6 +201,20 @@ TEST_F(DcpE2E, TorchtitanDataloaderStateNeedsToBeExcluded) {
   EXPECT_NE(l.find("checkpoint.exclude_from_loading = [\"dataloader\"]"), std::string::npos) << rs[0].output;
 }
 
+// torchtitan's own checkpoint folder as checkpoint.folder: its step-<N> (no ctitan marker;
+// DCP commits with .metadata) is the newest complete checkpoint, and the run resumes from it.
+TEST_F(DcpE2E, TorchtitanCheckpointFolderResumesInPlace) {
+  const fs::path dump = root_ / "in_place";
+  fs::create_directories(dump / "checkpoint");
+  fs::copy(torchtitan_checkpoint(2), dump / "checkpoint" / "step-3", fs::copy_options::recursive);
+  EXPECT_EQ(ckpt::scan_folder((dump / "checkpoint").string()).complete, (std::vector<int64_t>{3}));
+  auto rs = train(1, dump.string(), "--training.steps 4 --checkpoint.exclude_from_loading dataloader");
+  ASSERT_TRUE(ctitan::testing::all_ok(rs));
+  EXPECT_NE(rs[0].output.find("loaded step 3 from " + (dump / "checkpoint" / "step-3").string()), std::string::npos)
+      << rs[0].output;
+  EXPECT_EQ(ctitan::testing::jsonl_field((dump / "metrics.jsonl").string(), "step"), (std::vector<std::string>{"4"}));
+}
+
 // checkpoint_tool lists a torchtitan DCP folder and --verify reads every item through its
 // archive's CRC-32s.
 TEST_F(DcpE2E, ToolInspectsAndVerifiesATorchtitanFolder) {
