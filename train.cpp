@@ -12,6 +12,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <iostream>
 #include <random>
 #include <thread>
@@ -27,6 +28,7 @@
 #include "checkpoint/train_adapters.h"
 #include "components/cpu_allocator.h"
 #include "components/lr_scheduler.h"
+#include "components/memory_estimate.h"
 #include "components/metrics.h"
 #include "components/optimizer.h"
 #include "components/preemption.h"
@@ -39,6 +41,7 @@
 #include "datasets/dataloader.h"
 #include "datasets/tokenizer.h"
 #include "models/fused_ops.h"
+#include "models/init.h"
 #include "models/gemm.h"
 #include "models/llama/args.h"
 #include "models/llama/model.h"
@@ -196,6 +199,7 @@ struct TrainModel {
   std::function<torch::Tensor(const torch::Tensor&)> forward;  // tokens [B, T] -> logits [B, T, V]
   std::function<std::vector<ModelUnit>()> units;
   std::function<void(UnitWrapper)> set_unit_wrapper;
+  std::function<void(size_t)> init_unit;  // unit i of units(), as the full init draws it
   int64_t n_layers = 0;
   int64_t total_params = 0, embedding_params = 0;
   double flops_per_token = 0;
@@ -209,13 +213,22 @@ struct TrainModel {
   bool moe() const { return static_cast<bool>(step_load_balance); }
 };
 
-// Builds and initialises the model (every rank the full model from the same seed).
-TrainModel build_model(const ModelArgs& a, int64_t seq_len) {
+// How build_model leaves the parameters.
+enum class ModelInit {
+  Full,      // allocated and initialised (every rank the full model from the same seed)
+  Deferred,  // no storage: FSDP gives each unit storage and initialises it (init_unit) in turn
+  None,      // allocated, not initialised: a checkpoint fills them
+};
+
+TrainModel build_model(const ModelArgs& a, int64_t seq_len, ModelInit init) {
   TrainModel m;
+  std::optional<DeferredParameters> deferred;
+  if (init == ModelInit::Deferred) deferred.emplace();
   if (a.name == "mixtral") {
     mixtral::Transformer model(a.mixtral);
-    model->init_weights();
+    if (init == ModelInit::Full) model->init_weights();
     model->train();
+    m.init_unit = [model](size_t i) mutable { model->init_unit(i); };
     m.module = model.ptr();
     m.forward = [model](const torch::Tensor& t) mutable { return model->forward(t); };
     m.units = [model] { return model->units(); };
@@ -233,8 +246,9 @@ TrainModel build_model(const ModelArgs& a, int64_t seq_len) {
     return m;
   }
   Transformer model(a.llama);
-  model->init_weights();
+  if (init == ModelInit::Full) model->init_weights();
   model->train();
+  m.init_unit = [model](size_t i) mutable { model->init_unit(i); };
   m.module = model.ptr();
   m.forward = [model](const torch::Tensor& t) mutable { return model->forward(t); };
   m.units = [model] { return model->units(); };
@@ -566,21 +580,28 @@ void maybe_save(CheckpointManager& manager, int64_t step, bool last_step, const 
 
 // FSDP over the shard group (HSDP: plus the replicate group) whenever there is more than
 // one data-parallel rank. Applied from outside the model: it wraps the model's units.
-std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, Parallelism& par) {
-  if (par.dims.dp() <= 1) {
-    // One process: FSDP's machinery over a group of one gives bf16 mixed precision (bf16
-    // compute parameters, fp32 master weights, optimizer state and gradients) with the same
-    // code and the same rounding as on N ranks. Only where the CPU has native bf16 matmuls:
-    // elsewhere bf16 is emulated and slower than float32.
-    if (cfg.training.mixed_precision_param == "float32") return nullptr;
-    if (!cpu_has_native_bf16()) {
-      spdlog::info("training.mixed_precision_param = {}: this CPU has no native bf16 matmul (avx512_bf16 / "
-                   "amx_bf16), so one process trains in float32",
-                   cfg.training.mixed_precision_param);
-      return nullptr;
-    }
-    par.shard = Comm::single("local");
+bool fsdp_applies(const JobConfig& cfg, const Parallelism& par) {
+  if (par.dims.dp() > 1) return true;
+  // One process: FSDP's machinery over a group of one gives bf16 mixed precision (bf16
+  // compute parameters, fp32 master weights, optimizer state and gradients) with the same
+  // code and the same rounding as on N ranks. Only where the CPU has native bf16 matmuls:
+  // elsewhere bf16 is emulated and slower than float32.
+  if (cfg.training.mixed_precision_param == "float32") return false;
+  if (!cpu_has_native_bf16()) {
+    spdlog::info("training.mixed_precision_param = {}: this CPU has no native bf16 matmul (avx512_bf16 / "
+                 "amx_bf16), so one process trains in float32",
+                 cfg.training.mixed_precision_param);
+    return false;
   }
+  return true;
+}
+
+// init_unit: for a model built with ModelInit::Deferred, what fills each unit before FSDP
+// keeps this rank's rows (empty: the shards start as zeros for a checkpoint to fill).
+std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, Parallelism& par, bool sharded,
+                                       const std::function<void(size_t)>& init_unit) {
+  if (!sharded) return nullptr;
+  if (par.dims.dp() <= 1) par.shard = Comm::single("local");
   // One process: freeing the bf16 copies after forward saves little and costs a second cast
   // in backward, so "default" keeps them (explicit "always" still frees).
   const std::string reshard = par.dims.dp() <= 1 && cfg.parallelism.fsdp_reshard_after_forward == "default"
@@ -588,7 +609,7 @@ std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, 
                                   : cfg.parallelism.fsdp_reshard_after_forward;
   auto opts = fsdp_options(reshard, cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce);
   opts.prefetch = cfg.parallelism.fsdp_prefetch;
-  auto fsdp = std::make_shared<FSDP>(model.units(), par.shard, par.replicate, opts);
+  auto fsdp = std::make_shared<FSDP>(model.units(), par.shard, par.replicate, opts, init_unit);
   model.set_unit_wrapper(fsdp->wrapper());
   if (par.dims.dp() <= 1)
     spdlog::info("mixed precision on one process: {} compute, float32 master weights and optimizer state, {} "
@@ -616,6 +637,105 @@ std::shared_ptr<ActivationCheckpoint> maybe_apply_ac(TrainModel& model, const Jo
                c.mode, c.mode == "selective" ? " " + c.selective_ac_option : "", ac->checkpointed_units(units),
                model.n_layers, c.preserve_rng_state, c.determinism_check);
   return ac;
+}
+
+std::string format_gib(double gib) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", gib);
+  return buf;
+}
+
+std::string join_or(const std::vector<std::string>& v) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", or " : "") + v[i];
+  return out;
+}
+
+// The sizes the memory estimate needs, from the model args (nothing allocated).
+MemoryModel memory_model(const ModelArgs& a) {
+  MemoryModel m;
+  int64_t V = 0, D = 0, L = 0, total = 0;
+  if (a.name == "mixtral") {
+    const auto& x = a.mixtral;
+    V = x.vocab_size, D = x.dim, L = x.n_layers, total = mixtral::count_params(x).total;
+    m.kv_dim = x.n_kv_heads * x.head_dim();
+    m.ffn = x.moe.hidden_dim * x.moe.top_k;
+    m.head_dim = x.head_dim();
+  } else {
+    const auto& x = a.llama;
+    V = x.vocab_size, D = x.dim, L = x.n_layers, total = count_params(x).total;
+    m.kv_dim = x.kv_heads() * x.head_dim();
+    m.ffn = llama::ffn_hidden_dim(x);
+    m.head_dim = x.head_dim();
+  }
+  m.params = total;
+  m.dim = D, m.vocab = V, m.n_layers = L;
+  const int64_t block = (total - 2 * V * D - D) / std::max<int64_t>(1, L);
+  m.largest_unit = std::max({V * D, V * D + D, block});
+  return m;
+}
+
+MemoryRun memory_run(const JobConfig& cfg, int64_t dp, bool sharded) {
+  MemoryRun r;
+  r.dp = dp;
+  r.fsdp = sharded;
+  r.compute_bytes = sharded && cfg.training.mixed_precision_param == "bfloat16" ? 2 : 4;
+  r.batch = cfg.training.local_batch_size;
+  r.seq = cfg.training.seq_len;
+  r.ac_mode = cfg.activation_checkpoint.mode;
+  r.checkpoint = cfg.checkpoint.enable;
+  return r;
+}
+
+// Before anything of the model is allocated: the estimate of this rank's peak, and when it
+// cannot fit in what the rank can have, one line with the numbers and what would fit (exit 2).
+MemoryEstimate check_memory_fits(const JobConfig& cfg, const ModelArgs& margs, const LaunchEnv& env, int64_t dp,
+                                 bool sharded) {
+  const MemoryModel mm = memory_model(margs);
+  const MemoryRun run = memory_run(cfg, dp, sharded);
+  const double base = current_rss_gib() * (1 << 30);
+  const MemoryEstimate est = estimate_memory(mm, run, base);
+  std::string how;
+  const double avail = memory_available_per_rank(env.local_world_size, &how);
+  if (est.total() <= avail) return est;
+  const double G = 1 << 30;
+  std::vector<std::string> fits;
+  for (int64_t n = std::max<int64_t>(2, 2 * dp); n <= (1 << 20); n *= 2) {
+    MemoryRun more = run;
+    more.dp = n;
+    more.fsdp = true;
+    if (estimate_memory(mm, more, base).total() <= avail) {
+      fits.push_back(std::to_string(n) + " ranks with as much memory each");
+      break;
+    }
+  }
+  if (run.ac_mode != "full") {
+    MemoryRun ac = run;
+    ac.ac_mode = "full";
+    const double t = estimate_memory(mm, ac, base).total();
+    if (t <= avail) fits.push_back("activation_checkpoint.mode = \"full\" (" + format_gib(t / G) + " GiB)");
+  }
+  for (int64_t b = run.batch / 2; b >= 1; b /= 2) {
+    MemoryRun small = run;
+    small.batch = b;
+    if (estimate_memory(mm, small, base).total() <= avail) {
+      fits.push_back("training.local_batch_size = " + std::to_string(b));
+      break;
+    }
+  }
+  for (int64_t t = run.seq / 2; t >= 1; t /= 2) {
+    MemoryRun shorter = run;
+    shorter.seq = t;
+    if (estimate_memory(mm, shorter, base).total() <= avail) {
+      fits.push_back("training.seq_len = " + std::to_string(t));
+      break;
+    }
+  }
+  throw UserError("memory: " + cfg.model.name + " " + cfg.model.flavor + " at local_batch_size " +
+                  std::to_string(run.batch) + " × seq_len " + std::to_string(run.seq) + " (AC " + run.ac_mode + ", " +
+                  std::to_string(dp) + " dp rank(s)) needs an estimated " + describe(est) + " per rank, but a rank can have " +
+                  format_gib(avail / G) + " GiB (" + how + "); would fit: " +
+                  (fits.empty() ? std::string("nothing this estimate can find on this machine") : join_or(fits)));
 }
 
 // job.validate_only: the checks a run makes before it writes anything — the config, the
@@ -673,6 +793,8 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   DataPipeline data = build_data(cfg, par.dp_rank, dp_world);
   const ModelArgs margs = build_model_args(cfg, *data.tokenizer);
   const std::unique_ptr<Validator> validator = maybe_build_validator(cfg, *data.tokenizer, par.dp_rank, dp_world);
+  const bool sharded = fsdp_applies(cfg, par);
+  const MemoryEstimate mem_estimate = check_memory_fits(cfg, margs, launch, dp_world, sharded);
 
   // ---- everything validated: from here on the run writes its outputs --------------------
   add_log_file(cfg.job.dump_folder, launch.rank);
@@ -693,16 +815,38 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
     spdlog::info("torchrun: run {}, restart count {} (at most {}){}", launch.run_id, launch.restart_count,
                  launch.max_restarts, launch.agent_store ? ", ranks join the agent's store" : "");
 
-  // ---- model: build, initialise, then shard. Construction and init are separate so a
-  // sharded build could initialise only what it holds; here every rank initialises the
-  // full model from the same seed and FSDP keeps each rank's rows. --------------------
+  // ---- model: build without storage, shard, initialise unit by unit. With FSDP the full
+  // model never exists on a rank: each unit is given storage, initialised from the seed as
+  // the full init would (same draws, same order), cut to this rank's rows and freed. A run
+  // that loads a checkpoint draws nothing: the checkpoint gives the values. ------------
+  spdlog::info("memory estimate: {} per rank", describe(mem_estimate));
+  const bool loads_weights = !cfg.checkpoint.create_seed_checkpoint && will_load_model(checkpoint_options(cfg));
+  reset_peak_rss();
+  const double rss_before_model = current_rss_gib();
   torch::manual_seed(seed);
-  TrainModel model = build_model(margs, cfg.training.seq_len);
+  TrainModel model = build_model(margs, cfg.training.seq_len,
+                                 sharded ? ModelInit::Deferred : loads_weights ? ModelInit::None : ModelInit::Full);
   const double flops_per_tok = model.flops_per_token;  // MoE: active experts only
   spdlog::info("model: {} {} — {:.3f}M parameters ({:.3f}M non-embedding), {:.1f} MFLOP/token",
                cfg.model.name, cfg.model.flavor, model.total_params / 1e6,
                (model.total_params - model.embedding_params) / 1e6, flops_per_tok / 1e6);
-  std::shared_ptr<FSDP> fsdp = maybe_apply_fsdp(model, cfg, par);
+  const size_t n_units = model.units().size();
+  size_t units_initialised = !sharded && !loads_weights ? n_units : 0;
+  std::function<void(size_t)> init_unit;
+  if (!loads_weights)
+    init_unit = [&model, &units_initialised, sharded](size_t i) {
+      // The previous unit's full values are freed by now; the caching CPU allocator would
+      // keep them (units differ in size, so the next one is a fresh block): give them back,
+      // so at most one unit exists beside the shards.
+      if (sharded) release_cached_cpu_memory();
+      model.init_unit(i);
+      ++units_initialised;
+    };
+  std::shared_ptr<FSDP> fsdp = maybe_apply_fsdp(model, cfg, par, sharded, init_unit);
+  spdlog::info("model init: {} of {} units randomly initialised on this rank ({})", units_initialised, n_units,
+               loads_weights ? "the weights come from the checkpoint"
+               : sharded     ? "one unit at a time, this rank keeping its rows"
+                             : "the full model");
   // The full-size parameters sharding freed sit in the CPU allocator's cache; they are
   // the memory FSDP exists to give back.
   if (fsdp) release_cached_cpu_memory();
@@ -742,6 +886,23 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
                  train_state.step > 0 ? "resumed from step " + std::to_string(train_state.step)
                                       : std::string("no complete checkpoint, starting from step 1"));
 
+  {
+    // Start-up memory: the growth of the peak RSS from just before the model was built to
+    // here: the shards, the unit being initialised, the optimizer, a checkpoint load.
+    int64_t largest_unit = 0;
+    for (const auto& u : model.units()) {
+      int64_t n = 0;
+      for (const auto& [fqn, t] : u.params) n += t.numel();
+      largest_unit = std::max(largest_unit, n * 4);
+    }
+    const double MiB = 1024.0 * 1024.0, GiB_in_MiB = 1024.0;
+    const double shard_mib = (fsdp ? fsdp->sharded_param_bytes() : model.total_params * 4) / MiB;
+    const double peak = peak_rss_gib();
+    spdlog::info("start-up memory: RSS before the model {:.1f} MiB, peak before step 1 {:.1f} MiB (+{:.1f} MiB; "
+                 "this rank's fp32 parameters {:.1f} MiB, largest unit {:.1f} MiB fp32)",
+                 rss_before_model * GiB_in_MiB, peak * GiB_in_MiB, (peak - rss_before_model) * GiB_in_MiB, shard_mib,
+                 largest_unit / MiB);
+  }
   // ---- training loop --------------------------------------------------------------------
   const std::string peak_dtype = fsdp && cfg.training.mixed_precision_param == "bfloat16" ? "bfloat16" : "float32";
   // The better of ATen's matmul and the GEMM the model's projections use (models/gemm.h),

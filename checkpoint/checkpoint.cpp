@@ -836,6 +836,13 @@ void check_checkpoint_config(const JobConfig& cfg) {
                     "(an HF folder holds the model only)");
 }
 
+bool will_load_model(const CheckpointOptions& o) {
+  if (!o.enable) return false;
+  const auto& ex = o.exclude_from_loading;
+  if (std::find(ex.begin(), ex.end(), "model") != ex.end()) return false;
+  return o.load_step >= 0 || !ckpt::scan_folder(o.folder).complete.empty() || !o.initial_load_path.empty();
+}
+
 CheckpointOptions checkpoint_options(const JobConfig& cfg) {
   const auto& c = cfg.checkpoint;
   CheckpointOptions o;

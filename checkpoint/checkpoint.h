@@ -290,6 +290,12 @@ const std::vector<std::string>& checkpoint_component_names();
 void check_checkpoint_config(const JobConfig& cfg);
 CheckpointOptions checkpoint_options(const JobConfig& cfg);
 
+// Whether load() is going to load model weights: checkpointing on, "model" not in
+// exclude_from_loading, and a checkpoint to load (load_step, a complete step in folder, or
+// initial_load_path). Known before the model exists (it reads the folder only), so a run
+// that loads never draws random initial weights.
+bool will_load_model(const CheckpointOptions& o);
+
 struct LoadResult {
   bool loaded = false;
   int64_t step = 0;

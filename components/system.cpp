@@ -113,6 +113,13 @@ double heap_in_use_gib() {
 
 double current_rss_gib() { return read_status_kib("VmRSS") / (1024.0 * 1024.0); }
 
+bool reset_peak_rss() {
+  std::ofstream f("/proc/self/clear_refs");
+  f << "5";
+  f.flush();
+  return static_cast<bool>(f);
+}
+
 double measure_matmul_peak_flops(const std::string& dtype) {
   torch::NoGradGuard no_grad;
   const auto st = dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat32;

@@ -29,6 +29,9 @@ bool cpu_has_native_bf16();
 double peak_rss_gib();
 // Current resident set size, in GiB (VmRSS).
 double current_rss_gib();
+// Starts VmHWM over from the current RSS (writes 5 to /proc/self/clear_refs), so a later
+// peak_rss_gib() is the peak of what came after. False where the kernel refuses.
+bool reset_peak_rss();
 // Bytes of heap in use (malloc'ed and not freed, mmapped chunks included, blocks the caching
 // CPU allocator holds excluded), in GiB. The
 // growth across a forward pass is the memory autograd keeps for backward.

@@ -28,4 +28,21 @@ void normal_(const torch::Tensor& t, double mean, double std) {
   t.normal_(mean, std);
 }
 
+namespace {
+thread_local bool deferred_parameters = false;
+}  // namespace
+
+DeferredParameters::DeferredParameters() : previous_(deferred_parameters) { deferred_parameters = true; }
+DeferredParameters::~DeferredParameters() { deferred_parameters = previous_; }
+bool DeferredParameters::active() { return deferred_parameters; }
+
+torch::Tensor new_parameter(at::IntArrayRef shape) {
+  if (!deferred_parameters) return torch::empty(shape);
+  // A CPU tensor of that shape over an empty storage: no bytes until someone resizes the
+  // storage (FSDP does, one unit at a time). Reading it before that is a bug.
+  auto t = torch::empty({0});
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+  return t;
+}
+
 }  // namespace ctitan

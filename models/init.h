@@ -16,4 +16,23 @@ void trunc_normal_(const torch::Tensor& t, double mean = 0.0, double std = 1.0, 
 // In place N(mean, std^2) from the default generator (torch.nn.init.normal_).
 void normal_(const torch::Tensor& t, double mean = 0.0, double std = 1.0);
 
+// Parameters created while a DeferredParameters scope is alive on this thread have their
+// shape and dtype but no storage (0 bytes): a model of any size can be built this way, then
+// sharded, and each unit given storage and initialised in turn (FSDP's per-unit
+// initialisation, parallelisms/fsdp.h). Outside the scope new_parameter is torch::empty.
+class DeferredParameters {
+ public:
+  DeferredParameters();
+  ~DeferredParameters();
+  DeferredParameters(const DeferredParameters&) = delete;
+  DeferredParameters& operator=(const DeferredParameters&) = delete;
+  static bool active();
+
+ private:
+  bool previous_;
+};
+
+// float32 [shape], uninitialised; storage-less inside a DeferredParameters scope.
+torch::Tensor new_parameter(at::IntArrayRef shape);
+
 }  // namespace ctitan

@@ -23,7 +23,7 @@ torch::ScalarType compute_dtype(const torch::Tensor& x) {
 
 // ---------------------------------------------------------------------------------------
 LinearImpl::LinearImpl(int64_t in, int64_t out) : in_features(in), out_features(out) {
-  weight = register_parameter("weight", torch::empty({out, in}));
+  weight = register_parameter("weight", new_parameter({out, in}));
 }
 
 // Through recompute::linear: op-level selective activation checkpointing may keep and
@@ -31,7 +31,7 @@ LinearImpl::LinearImpl(int64_t in, int64_t out) : in_features(in), out_features(
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return recompute::linear(x, weight); }
 
 EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim) {
-  weight = register_parameter("weight", torch::empty({num_embeddings, embedding_dim}));
+  weight = register_parameter("weight", new_parameter({num_embeddings, embedding_dim}));
 }
 
 torch::Tensor EmbeddingImpl::forward(const torch::Tensor& tokens) {
@@ -39,7 +39,9 @@ torch::Tensor EmbeddingImpl::forward(const torch::Tensor& tokens) {
 }
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps_) : eps(eps_) {
-  weight = register_parameter("weight", torch::ones({dim}));
+  auto w = new_parameter({dim});
+  if (w.storage().nbytes() > 0) w.fill_(1.0);
+  weight = register_parameter("weight", w);
 }
 
 void RMSNormImpl::reset_parameters() {

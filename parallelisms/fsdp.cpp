@@ -79,7 +79,8 @@ void alloc_storage(const at::Tensor& t, size_t nbytes) {
 }  // namespace
 
 FSDP::FSDP(std::vector<ModelUnit> units, std::shared_ptr<Comm> shard,
-           std::shared_ptr<Comm> replicate, FSDPOptions options)
+           std::shared_ptr<Comm> replicate, FSDPOptions options,
+           const std::function<void(size_t unit)>& init_unit)
     : shard_(std::move(shard)), replicate_(std::move(replicate)), opt_(std::move(options)) {
   TORCH_CHECK(shard_, "[fsdp] a shard group is required");
   if (opt_.reshard_after_forward != "default" && opt_.reshard_after_forward != "always" &&
@@ -94,6 +95,17 @@ FSDP::FSDP(std::vector<ModelUnit> units, std::shared_ptr<Comm> shard,
     const bool last = ui + 1 == units.size();
     u->reshard_after_forward = opt_.reshard_after_forward == "always" ||
                                (opt_.reshard_after_forward == "default" && !last);
+    // Deferred parameters (no storage yet): give them storage now, one unit at a time.
+    bool deferred = false;
+    for (auto& [fqn, t] : units[ui].params) deferred = deferred || (t.numel() > 0 && t.storage().nbytes() == 0);
+    if (deferred && init_unit) {
+      for (auto& [fqn, t] : units[ui].params) {
+        TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "[fsdp] deferred ", fqn,
+                    " must be a contiguous float32 tensor");
+        if (t.storage().nbytes() == 0) alloc_storage(t, static_cast<size_t>(t.numel()) * sizeof(float));
+      }
+      init_unit(ui);
+    }
     for (auto& [fqn, t] : units[ui].params) {
       TORCH_CHECK(t.dim() >= 1 && t.is_contiguous(), "[fsdp] ", fqn, " must be a contiguous tensor of rank >= 1");
       Param p;
@@ -111,11 +123,14 @@ FSDP::FSDP(std::vector<ModelUnit> units, std::shared_ptr<Comm> shard,
       std::vector<int64_t> shard_shape = p.shape;
       shard_shape[0] = p.chunk_rows;
       p.shard = at::zeros(shard_shape, t.options().dtype(at::kFloat));
-      if (p.end > p.begin) p.shard.narrow(0, 0, p.end - p.begin).copy_(t.narrow(0, p.begin, p.end - p.begin));
+      if (p.end > p.begin && !(deferred && !init_unit))
+        p.shard.narrow(0, 0, p.end - p.begin).copy_(t.narrow(0, p.begin, p.end - p.begin));
       p.shard.requires_grad_(true);
-      // The model's tensor becomes the unsharded parameter in the compute dtype, storage freed.
-      t.set_data(at::empty(p.shape, t.options().dtype(opt_.param_dtype)));
+      // The model's tensor becomes the unsharded parameter in the compute dtype, storage freed
+      // (the full values first, so a deferred unit's fp32 and compute copies never coexist).
       free_storage(t);
+      t.set_data(at::empty({0}, t.options().dtype(opt_.param_dtype)));
+      t.unsafeGetTensorImpl()->set_sizes_contiguous(p.shape);
       fqns_.push_back(fqn);
       u->params.push_back(std::move(p));
     }

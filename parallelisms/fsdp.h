@@ -20,6 +20,7 @@
 //              into the shards' .grad (gradient accumulation adds micro-batches).
 #pragma once
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -51,10 +52,17 @@ class FSDP {
  public:
   // units: the model's units in forward order. shard: the shard group (size N).
   // replicate: the HSDP replicate group (nullptr or size 1: plain FSDP).
-  // Every rank must hold the same full values in the units' parameters (same seed):
-  // each keeps its own rows and the full tensors are freed.
+  // Parameters with values: every rank must hold the same full values (same seed); each
+  // keeps its own rows and the full tensors are freed.
+  // Parameters without storage (built under models/init.h's DeferredParameters): one unit
+  // at a time, in order, FSDP gives the unit's parameters fp32 storage, calls
+  // init_unit(unit index) to fill them, keeps this rank's rows and frees the rest, so the
+  // full model never exists on a rank (peak: the shards plus one unit). With the same
+  // generator state the rows are bitwise those of a full init when init_unit(0, 1, …)
+  // draws what the full init draws, in that order. Without init_unit the shards start as
+  // zeros: the values come later (a checkpoint load) and nothing random is drawn.
   FSDP(std::vector<ModelUnit> units, std::shared_ptr<Comm> shard, std::shared_ptr<Comm> replicate,
-       FSDPOptions options);
+       FSDPOptions options, const std::function<void(size_t unit)>& init_unit = {});
   ~FSDP();
   FSDP(const FSDP&) = delete;
   FSDP& operator=(const FSDP&) = delete;

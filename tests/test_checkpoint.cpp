@@ -999,6 +999,8 @@ TEST_F(CheckpointE2E, WeightsOnlyLoadsOnOtherDegrees) {
   const std::string src = (root_ / "weights").string();
   auto s = ranks(2, args(src, 3));
   ASSERT_TRUE(ctitan::testing::all_ok(s));
+  // A fresh run draws its initial weights (per unit, FSDP keeping each rank's rows)...
+  EXPECT_NE(s[0].output.find("model init: 8 of 8 units randomly initialised"), std::string::npos) << s[0].output;
   const std::string saved = src + "/checkpoint/step-3";
   ASSERT_TRUE(CheckpointReader(saved).meta().model_only);
   for (int n : {1, 3}) {
@@ -1007,6 +1009,11 @@ TEST_F(CheckpointE2E, WeightsOnlyLoadsOnOtherDegrees) {
     ASSERT_TRUE(ctitan::testing::all_ok(rs));
     EXPECT_NE(rs[0].output.find("checkpoint: loaded step 3 from " + saved), std::string::npos) << rs[0].output;
     EXPECT_NE(rs[0].output.find("now " + std::to_string(n) + " ranks): model"), std::string::npos) << rs[0].output;
+    // ...a run that loads weights draws none (with FSDP on 3 ranks, and on 1 process without).
+    EXPECT_NE(rs[0].output.find("model init: 0 of 8 units randomly initialised on this rank (the weights come from "
+                                "the checkpoint)"),
+              std::string::npos)
+        << rs[0].output;
     EXPECT_EQ(jsonl_losses(dst + "/metrics.jsonl").size(), 2u) << "steps 1 and 2 of a fresh run";
   }
   auto again = sh(kTrain + args(src, 5));

@@ -7,9 +7,13 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <iostream>
+#include <optional>
 
 #include "components/optimizer.h"
+#include "models/init.h"
 #include "models/llama/model.h"
+#include "models/mixtral/model.h"
 #include "parallelisms/comm.h"
 #include "parallelisms/fsdp.h"
 #include "parallelisms/parallel_dims.h"
@@ -231,5 +235,75 @@ CTITAN_CHILD(shard_layout) {
 }
 
 TEST(FSDP, ShardsAreDim0SlicesPaddedWhenUneven) { EXPECT_TRUE(all_ok(spawn_ranks("shard_layout", 3))); }
+
+// Per-rank initialisation: a model built without storage, each unit initialised by FSDP in
+// turn, holds bitwise the rows a full initialisation gives (same seed), for both families;
+// the generator ends in the same state (the same draws were made); the model's parameters
+// never hold more than one unit at a time.
+template <typename Model, typename Args>
+int per_unit_init_matches_full_init(const Args& args, Comm& world) {
+  std::shared_ptr<Comm> shard(&world, [](Comm*) {});
+  torch::manual_seed(11);
+  Model full(args);
+  full->init_weights();
+  const auto rng_after_full = at::detail::getDefaultCPUGenerator().get_state();
+  std::map<std::string, torch::Tensor> want;
+  for (auto& kv : full->named_parameters()) want[kv.key()] = kv.value().detach().clone();
+
+  torch::manual_seed(11);
+  std::optional<DeferredParameters> deferred;
+  deferred.emplace();
+  Model model(args);
+  deferred.reset();
+  for (auto& kv : model->named_parameters())
+    if (kv.value().storage().nbytes() != 0) return 10;  // built without storage
+  int64_t most_bytes = 0;
+  const auto units = model->units();
+  FSDP fsdp(units, shard, nullptr, fsdp_options("default", "float32", "float32"), [&](size_t i) {
+    int64_t bytes = 0;
+    for (auto& kv : model->named_parameters()) bytes += static_cast<int64_t>(kv.value().storage().nbytes());
+    most_bytes = std::max(most_bytes, bytes);
+    model->init_unit(i);
+  });
+  int64_t largest_unit = 0;
+  for (const auto& u : units) {
+    int64_t b = 0;
+    for (const auto& [n, t] : u.params) b += t.numel() * 4;
+    largest_unit = std::max(largest_unit, b);
+  }
+  if (most_bytes > largest_unit) return 11;  // never more than the unit being initialised
+  if (!torch::equal(at::detail::getDefaultCPUGenerator().get_state(), rng_after_full)) return 12;
+  for (const auto& fqn : fsdp.fqns()) {
+    auto [b, e] = fsdp.local_rows(fqn);
+    auto sh = fsdp.local_shard(fqn);
+    if (e > b && !torch::equal(sh.narrow(0, 0, e - b), want.at(fqn).narrow(0, b, e - b))) {
+      std::cerr << "rank " << world.rank() << ": " << fqn << " rows [" << b << ", " << e << ") differ\n";
+      return 13;
+    }
+    if (sh.size(0) > e - b && !torch::equal(sh.narrow(0, e - b, sh.size(0) - (e - b)),
+                                            torch::zeros_like(sh.narrow(0, e - b, sh.size(0) - (e - b)))))
+      return 14;  // padding rows stay zero
+  }
+  return 0;
+}
+
+CTITAN_CHILD(per_unit_init) {
+  auto env = detect_launch_env(environment_map());
+  auto d = init_distributed(env, std::chrono::seconds(60));
+  if (int rc = per_unit_init_matches_full_init<llama::Transformer>(tiny_args(), *d->world)) return rc;
+  auto m = mixtral::mixtral_flavor("debugmodel");
+  m.max_seq_len = kSeq;
+  if (int rc = per_unit_init_matches_full_init<mixtral::Transformer>(m, *d->world)) return 20 + rc;
+  d->world->barrier("done");
+  return 0;
+}
+
+class PerUnitInit : public ::testing::TestWithParam<int> {};
+TEST_P(PerUnitInit, RowsEqualFullInitLlamaAndMixtral) {
+  auto rs = spawn_ranks("per_unit_init", GetParam());
+  for (size_t r = 0; r < rs.size(); ++r)
+    EXPECT_EQ(rs[r].exit_code, 0) << "rank " << r << ": " << rs[r].output;
+}
+INSTANTIATE_TEST_SUITE_P(Ranks, PerUnitInit, ::testing::Values(1, 2, 3));
 
 CTITAN_MULTIPROCESS_MAIN()

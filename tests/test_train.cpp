@@ -84,6 +84,54 @@ TEST_F(TrainE2E, TwentyStepsLossFalls) {
   EXPECT_NE(ss.str().find("seq_len = 64"), std::string::npos);
 }
 
+// Start at any size: the 150M flavor on 4 ranks. Each rank builds the model without storage
+// and initialises it one unit at a time, so its peak RSS before step 1 grows over what it held
+// before the model by at most its shard plus one unit (+10%), where it used to hold the whole
+// fp32 model (604 MiB) first.
+TEST_F(TrainE2E, StartUpPeakIsShardPlusOneUnitOn4Ranks) {
+  const std::string dump = (root_ / "start150m").string();
+  auto r = sh("NPROC=4 CTITAN_BUILD_DIR=" + fs::path(kTrain).parent_path().string() + " " + kSrc +
+              "/scripts/run_train.sh" + args(dump, 1) +
+              " --model.flavor 150M --training.seq_len 32 --training.local_batch_size 1 2>&1");
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (int rank = 0; rank < 4; ++rank) {
+    std::ifstream log(dump + "/logs/rank" + std::to_string(rank) + ".log");
+    std::string line, found;
+    while (std::getline(log, line))
+      if (line.find("start-up memory:") != std::string::npos) found = line;
+    double before = 0, peak = 0, growth = 0, shard = 0, unit = 0;
+    const size_t at = found.find("start-up memory:");
+    ASSERT_NE(at, std::string::npos) << "rank " << rank;
+    ASSERT_EQ(std::sscanf(found.c_str() + at,
+                          "start-up memory: RSS before the model %lf MiB, peak before step 1 %lf MiB (+%lf MiB; "
+                          "this rank's fp32 parameters %lf MiB, largest unit %lf MiB fp32)",
+                          &before, &peak, &growth, &shard, &unit),
+              5)
+        << found;
+    EXPECT_NEAR(shard, 158.361e6 * 4 / 4 / (1 << 20), 2.0) << "a quarter of the model (plus padding rows)";
+    EXPECT_GT(growth, shard) << found;
+    EXPECT_LE(growth, 1.1 * (shard + unit)) << found;
+  }
+  EXPECT_NE(r.out.find("model init: 14 of 14 units randomly initialised on this rank (one unit at a time"),
+            std::string::npos)
+      << r.out;
+}
+
+// Know the memory before spending it: an 8B model on one rank and an absurd seq_len each end
+// at start-up with the one-line estimate and exit 2 (they used to end in std::bad_alloc).
+TEST_F(TrainE2E, StartsThatCannotFitExitTwoWithTheEstimate) {
+  for (const std::string extra : {" --model.flavor 8B", " --training.seq_len 100000000"}) {
+    const std::string dump = (root_ / "nofit").string();
+    auto r = sh(kTrain + args(dump, 2) + extra + " 2>&1");
+    EXPECT_EQ(r.code, 2) << extra << ": " << r.out;
+    EXPECT_EQ(r.out.find("bad_alloc"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("needs an estimated"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("but a rank can have"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("would fit: "), std::string::npos) << r.out;
+    EXPECT_FALSE(fs::exists(dump + "/metrics.jsonl"));
+  }
+}
+
 TEST_F(TrainE2E, SameSeedGivesBitwiseEqualLosses) {
   std::vector<std::vector<std::string>> runs;
   for (int i = 0; i < 2; ++i) {

@@ -84,13 +84,26 @@ void TransformerImpl::init_weights() {
   torch::NoGradGuard no_grad;
   freqs_cis_.copy_(precompute_freqs_cis(args_.head_dim(), args_.max_seq_len, args_.rope_theta,
                                         args_.rope_scaling));
-  normal_(tok_embeddings->weight, 0.0, 1.0);
-  for (auto& blk : blocks_) blk->init_weights();
-  norm->reset_parameters();
-  const double final_out_std = std::pow(static_cast<double>(args_.dim), -0.5);
-  const double cutoff_factor = 3.0;
-  trunc_normal_(output->weight, 0.0, final_out_std, -cutoff_factor * final_out_std,
-                cutoff_factor * final_out_std);
+  for (size_t i = 0; i < blocks_.size() + 2; ++i) init_unit(i);
+}
+
+// Unit i of units(): what init_weights() draws for it, in the same order. Called for
+// i = 0, 1, … it consumes the generator exactly as the whole init does, which is what lets
+// FSDP initialise one unit at a time and keep its rows (parallelisms/fsdp.h).
+void TransformerImpl::init_unit(size_t i) {
+  torch::NoGradGuard no_grad;
+  if (i == 0) {
+    normal_(tok_embeddings->weight, 0.0, 1.0);
+  } else if (i <= blocks_.size()) {
+    blocks_[i - 1]->init_weights();
+  } else {
+    TORCH_CHECK(i == blocks_.size() + 1, "[models] init_unit: unit ", i, " of ", blocks_.size() + 2);
+    norm->reset_parameters();
+    const double final_out_std = std::pow(static_cast<double>(args_.dim), -0.5);
+    const double cutoff_factor = 3.0;
+    trunc_normal_(output->weight, 0.0, final_out_std, -cutoff_factor * final_out_std,
+                  cutoff_factor * final_out_std);
+  }
 }
 
 }  // namespace ctitan::llama

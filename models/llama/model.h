@@ -72,6 +72,9 @@ class TransformerImpl : public torch::nn::Module {
   // The units in forward order with their parameters (names as named_parameters()):
   // tok_embeddings, layers.0 … layers.{L-1}, output (norm + output projection).
   std::vector<ModelUnit> units() const;
+  // Initialises unit i of units() alone (its parameters need storage): init_weights() is
+  // the RoPE table and init_unit(0 … units().size() - 1) in order.
+  void init_unit(size_t i);
 
   Embedding tok_embeddings{nullptr};
   RMSNorm norm{nullptr};

@@ -36,9 +36,9 @@ RouterImpl::RouterImpl(int64_t dim, int64_t num_experts) {
 }
 
 GroupedExpertsImpl::GroupedExpertsImpl(int64_t dim, int64_t hidden, int64_t E) {
-  w1 = register_parameter("w1", torch::empty({E, hidden, dim}));
-  w2 = register_parameter("w2", torch::empty({E, dim, hidden}));
-  w3 = register_parameter("w3", torch::empty({E, hidden, dim}));
+  w1 = register_parameter("w1", new_parameter({E, hidden, dim}));
+  w2 = register_parameter("w2", new_parameter({E, dim, hidden}));
+  w3 = register_parameter("w3", new_parameter({E, hidden, dim}));
 }
 
 torch::Tensor GroupedExpertsImpl::forward(const torch::Tensor& x, const std::vector<int64_t>& counts) {
@@ -213,11 +213,24 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens) {
 void TransformerImpl::init_weights() {
   torch::NoGradGuard no_grad;
   freqs_cis_.copy_(precompute_freqs_cis(args_.head_dim(), args_.max_seq_len, args_.rope_theta));
-  normal_(tok_embeddings->weight, 0.0, 1.0);
-  for (auto& blk : blocks_) blk->init_weights();
-  norm->reset_parameters();
-  const double std_out = std::pow(static_cast<double>(args_.dim), -0.5);
-  trunc_normal_(output->weight, 0.0, std_out, -3.0 * std_out, 3.0 * std_out);
+  for (size_t i = 0; i < blocks_.size() + 2; ++i) init_unit(i);
+}
+
+// Unit i of units(): what init_weights() draws for it, in the same order. Called for
+// i = 0, 1, … it consumes the generator exactly as the whole init does, which is what lets
+// FSDP initialise one unit at a time and keep its rows (parallelisms/fsdp.h).
+void TransformerImpl::init_unit(size_t i) {
+  torch::NoGradGuard no_grad;
+  if (i == 0) {
+    normal_(tok_embeddings->weight, 0.0, 1.0);
+  } else if (i <= blocks_.size()) {
+    blocks_[i - 1]->init_weights();
+  } else {
+    TORCH_CHECK(i == blocks_.size() + 1, "[models] init_unit: unit ", i, " of ", blocks_.size() + 2);
+    norm->reset_parameters();
+    const double std_out = std::pow(static_cast<double>(args_.dim), -0.5);
+    trunc_normal_(output->weight, 0.0, std_out, -3.0 * std_out, 3.0 * std_out);
+  }
 }
 
 std::vector<ModelUnit> TransformerImpl::units() const {

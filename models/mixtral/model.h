@@ -125,6 +125,9 @@ class TransformerImpl : public torch::nn::Module {
   void set_unit_wrapper(UnitWrapper wrapper) { unit_wrapper_ = std::move(wrapper); }
   // tok_embeddings, layers.0 … layers.{L-1} (experts included), output (norm + output).
   std::vector<ModelUnit> units() const;
+  // Initialises unit i of units() alone (its parameters need storage): init_weights() is
+  // the RoPE table and init_unit(0 … units().size() - 1) in order.
+  void init_unit(size_t i);
 
   // Σ over blocks of the last forward's aux (unscaled).
   double load_balance_loss() const;

@@ -1,0 +1,82 @@
+#include "components/memory_estimate.h"
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+namespace ctitan {
+
+MemoryEstimate estimate_memory(const MemoryModel& m, const MemoryRun& r, double base_bytes) {
+  MemoryEstimate e;
+  const double P = static_cast<double>(m.params), U = static_cast<double>(m.largest_unit);
+  const double N = static_cast<double>(r.fsdp ? r.dp : 1), eb = static_cast<double>(r.compute_bytes);
+  const double BT = static_cast<double>(r.batch) * static_cast<double>(r.seq);
+  const double D = static_cast<double>(m.dim), Dkv = static_cast<double>(m.kv_dim), F = static_cast<double>(m.ffn);
+  const double L = static_cast<double>(m.n_layers), V = static_cast<double>(m.vocab);
+  e.base = base_bytes;
+  e.params = 4 * P / N;
+  e.grads = 4 * P / N;
+  e.optimizer = 8 * P / N;
+  if (r.fsdp) e.gathered = 2 * eb * U + (r.dp > 1 ? 2 * 4 * U : 0);
+  // What one block keeps for backward, per token: its input and the two norms' outputs (3D),
+  // q, k, v (D + 2·Dkv), the attention output (D), the FFN's w1, w3 and SwiGLU outputs (3F),
+  // in e bytes; the residual sum (D) too. Full AC keeps each block's input only, plus one
+  // block's activations while it is recomputed; selective keeps the matmul outputs of the
+  // blocks it covers, about half.
+  const double per_layer = BT * eb * (6 * D + 2 * Dkv + 3 * F);
+  if (r.ac_mode == "full")
+    e.activations = L * BT * eb * D + per_layer;
+  else if (r.ac_mode == "selective")
+    e.activations = 0.5 * L * per_layer + per_layer;
+  else
+    e.activations = L * per_layer;
+  // The RoPE table (T·hd fp32) and the batch (two [B, T+1] int64) belong here too.
+  e.activations += static_cast<double>(r.seq) * static_cast<double>(m.head_dim) * 4 + 2 * 8 * BT;
+  e.logits = BT * V * (eb + 4);
+  if (r.checkpoint) e.staging = 12 * P / N;
+  return e;
+}
+
+static double meminfo_bytes(const char* key) {
+  std::ifstream f("/proc/meminfo");
+  std::string line;
+  const std::string k = std::string(key) + ":";
+  while (std::getline(f, line))
+    if (line.rfind(k, 0) == 0) return std::stod(line.substr(k.size())) * 1024.0;
+  return 0;
+}
+
+double memory_available_per_rank(int64_t local_world_size, std::string* how) {
+  const double ranks = static_cast<double>(local_world_size > 0 ? local_world_size : 1);
+  double avail = meminfo_bytes("MemAvailable") / ranks;
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "MemAvailable %.1f GiB / %lld rank(s) on this node",
+                avail * ranks / (1 << 30), static_cast<long long>(ranks));
+  std::string h = buf;
+  std::ifstream cg("/sys/fs/cgroup/memory.max");
+  std::string v;
+  if (cg >> v && v != "max") {
+    const double limit = std::stod(v) / ranks;
+    if (limit < avail) {
+      avail = limit;
+      std::snprintf(buf, sizeof buf, "cgroup memory.max %.1f GiB / %lld rank(s)", limit * ranks / (1 << 30),
+                    static_cast<long long>(ranks));
+      h = buf;
+    }
+  }
+  if (how) *how = h;
+  return avail;
+}
+
+std::string describe(const MemoryEstimate& e) {
+  const double G = 1024.0 * 1024.0 * 1024.0;
+  char buf[400];
+  std::snprintf(buf, sizeof buf,
+                "%.2f GiB (process %.2f + params %.2f + grads %.2f + AdamW %.2f + gathered units %.2f + activations "
+                "%.2f + logits %.2f + checkpoint staging %.2f)",
+                e.total() / G, e.base / G, e.params / G, e.grads / G, e.optimizer / G, e.gathered / G,
+                e.activations / G, e.logits / G, e.staging / G);
+  return buf;
+}
+
+}  // namespace ctitan
