@@ -452,6 +452,10 @@ bool is_hf_step(const std::string& step_path) {
 std::string incomplete_reason(const std::string& step_path, int64_t step) {
   const fs::path p(step_path);
   std::error_code ec;
+  // A DCP folder PyTorch (torchtitan) wrote: its own commit is .metadata, written last (through a
+  // temporary name). ctitan's DCP saves write .metadata inside step-<N>.partial, so a step folder
+  // with .metadata and no marker is never a half-finished ctitan save.
+  if (!fs::exists(p / "COMPLETE", ec) && fs::exists(p / ".metadata", ec) && !fs::exists(p / "metadata", ec)) return "";
   if (!fs::exists(p / "COMPLETE", ec)) return "no COMPLETE marker (the save did not finish)";
   if (is_hf_step(step_path)) {
     const fs::path index = p / "model.safetensors.index.json";

@@ -547,8 +547,8 @@ TEST(CheckpointFaults, ARankRaisingDuringSaveFailsEveryRankAndKeepsThePrevious) 
 }
 
 // checkpoint.format = "dcp" keeps the save's atomicity: a rank failing mid-write leaves the
-// previous checkpoint the newest complete one, and a DCP step folder counts as complete only
-// with its COMPLETE marker matching .metadata.
+// previous checkpoint the newest complete one, and a ctitan DCP step folder's COMPLETE marker
+// must match its .metadata.
 TEST(CheckpointFaults, DcpSavesAreCompleteOnlyWithTheirMarker) {
   const auto dir = temp_dir("dcp_atomic");
   auto o = options_for(dir);
@@ -573,7 +573,12 @@ TEST(CheckpointFaults, DcpSavesAreCompleteOnlyWithTheirMarker) {
   ckpt::write_file_durable(step1 + "/.metadata", md + "x");
   EXPECT_NE(ckpt::incomplete_reason(step1, 1).find("does not match the COMPLETE marker"), std::string::npos);
   ckpt::write_file_durable(step1 + "/.metadata", md);
+  // Without its marker the folder reads as PyTorch's own DCP folder (committed by .metadata,
+  // which ctitan writes only inside step-<N>.partial): complete, but not ctitan's.
   fs::remove(step1 + "/COMPLETE");
+  EXPECT_EQ(ckpt::incomplete_reason(step1, 1), "");
+  EXPECT_TRUE(CheckpointReader(step1).is_foreign_dcp());
+  fs::remove(step1 + "/.metadata");
   EXPECT_NE(ckpt::incomplete_reason(step1, 1).find("no COMPLETE marker"), std::string::npos);
   EXPECT_TRUE(ckpt::scan_folder(o.folder).complete.empty());
   fs::remove_all(dir);

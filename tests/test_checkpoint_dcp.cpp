@@ -66,12 +66,23 @@ class DcpE2E : public ::testing::Test {
     auto r = sh(kSrc + "/scripts/train_tokenizer.sh " + corpus_ + " " + tokenizer_ + " 300");
     ASSERT_EQ(r.code, 0) << r.out;
     ASSERT_TRUE(fs::exists(venv_python())) << venv_python() << " is missing: scripts/install_deps.sh makes the venv";
-    // torchtitan's layout, written by PyTorch's own DCP on 2 Gloo ranks after 3 AdamW steps.
-    tt_ = (root_ / "torchtitan" / "step-3").string();
-    fs::create_directories(root_ / "torchtitan");
-    auto s = sh(script() + "save --out " + tt_ + " --ranks 2 --steps 3 --total-steps 5 --seq 32 --batch 2");
-    ASSERT_EQ(s.code, 0) << s.out;
-    ref_ = (root_ / "torchtitan" / "reference.pt").string();
+  }
+  // torchtitan's layout, written by PyTorch's own DCP on `ranks` Gloo ranks after 3 AdamW
+  // steps, once per test process (ctest runs each test in its own): <root>/torchtitan<ranks>/
+  // step-3 and reference.pt beside it (every tensor whole, torch.save).
+  static std::string torchtitan_checkpoint(int ranks) {
+    const fs::path dir = root_ / ("torchtitan" + std::to_string(ranks));
+    const std::string out = (dir / "step-3").string();
+    if (!fs::exists(dir / "reference.pt")) {
+      fs::create_directories(dir);
+      auto s = sh(script() + "save --out " + out + " --ranks " + std::to_string(ranks) +
+                  " --steps 3 --total-steps 5 --seq 32 --batch 2");
+      EXPECT_EQ(s.code, 0) << s.out;
+    }
+    return out;
+  }
+  static std::string reference_of(const std::string& ckpt) {
+    return (fs::path(ckpt).parent_path() / "reference.pt").string();
   }
   static void TearDownTestSuite() {
     if (!std::getenv("CTITAN_KEEP_TEST_OUTPUT")) fs::remove_all(root_);
@@ -91,102 +102,125 @@ class DcpE2E : public ::testing::Test {
   }
   // The torchtitan checkpoint resumed: the schedule of the PyTorch run (5 steps, warmup 2,
   // linear decay over 3 steps, min 0.1), full training state, torchtitan's data state left out.
-  static std::string resume_args() {
-    return "--checkpoint.initial_load_path " + tt_ +
+  static std::string resume_args(const std::string& src) {
+    return "--checkpoint.initial_load_path " + src +
            " --checkpoint.initial_load_model_only false --training.steps 5 --lr_scheduler.warmup_steps 2"
            " --lr_scheduler.decay_ratio 0.6 --lr_scheduler.min_lr_factor 0.1 --optimizer.lr 8e-4"
            " --training.mixed_precision_param float32";
   }
 
+  // Resumes `src` (reference tensors in `ref`) on n ranks and checks tensors, step, LR and
+  // the losses of steps 4 and 5 against PyTorch's; see the test below.
+  static void check_resume(const std::string& src, const std::string& ref_path, int n, const std::string& tag);
+
   static fs::path root_;
-  static std::string corpus_, tokenizer_, tt_, ref_;
+  static std::string corpus_, tokenizer_;
 };
 fs::path DcpE2E::root_;
-std::string DcpE2E::corpus_, DcpE2E::tokenizer_, DcpE2E::tt_, DcpE2E::ref_;
+std::string DcpE2E::corpus_, DcpE2E::tokenizer_;
 
 // Criterion 1: on 1, 2 and 3 ranks, every model and optimizer tensor ctitan holds after the
 // load equals PyTorch's (the job's state written back out by the CTITAN_CHECKPOINT_DUMP_LOADED
 // hook, compared with the full tensors PyTorch saved beside the checkpoint); step and LR
 // continue; the losses of steps 4 and 5 equal PyTorch's own steps 4 and 5 (the checkpoint
 // loaded by dcp.load into one process) on the batches ctitan traced, within 1e-5 relative.
-TEST_F(DcpE2E, TorchtitanCheckpointResumesOnOneTwoAndThreeRanks) {
-  const auto ref = load_pt(ref_);
+void DcpE2E::check_resume(const std::string& src, const std::string& ref_path, int n, const std::string& tag) {
+  SCOPED_TRACE(tag + ", ranks " + std::to_string(n));
+  const auto ref = load_pt(ref_path);
   ASSERT_GT(ref.size(), 100u);
-  for (int n : {1, 2, 3}) {
-    SCOPED_TRACE("ranks " + std::to_string(n));
-    const fs::path dir = root_ / ("resume" + std::to_string(n));
-    const std::string dump = (dir / "loaded").string(), win = (dir / "windows").string();
-    auto rs = train(n, dir.string(), resume_args() + " --checkpoint.exclude_from_loading dataloader",
-                    {{"CTITAN_CHECKPOINT_DUMP_LOADED", dump}, {"CTITAN_TRACE_WINDOWS", win}});
-    ASSERT_TRUE(ctitan::testing::all_ok(rs));
-    EXPECT_NE(rs[0].output.find("loaded step 3 from " + tt_), std::string::npos) << rs[0].output;
+  const fs::path dir = root_ / ("resume_" + tag + "_" + std::to_string(n));
+  const std::string dump = (dir / "loaded").string(), win = (dir / "windows").string();
+  auto rs = train(n, dir.string(), resume_args(src) + " --checkpoint.exclude_from_loading dataloader",
+                  {{"CTITAN_CHECKPOINT_DUMP_LOADED", dump}, {"CTITAN_TRACE_WINDOWS", win}});
+  ASSERT_TRUE(ctitan::testing::all_ok(rs));
+  EXPECT_NE(rs[0].output.find("loaded step 3 from " + src), std::string::npos) << rs[0].output;
 
-    // Every tensor as PyTorch saved it.
-    CheckpointReader loaded(ckpt::step_dir(dump, 3));
-    size_t model = 0, moments = 0, steps = 0;
-    for (const auto& [key, want] : ref) {
-      if (key == "lr" || key == "lr_scheduler.last_epoch") continue;
-      ASSERT_TRUE(loaded.has(key)) << key;
-      const torch::Tensor got = loaded.read_tensor(key);
-      if (key.size() > 5 && key.compare(key.size() - 5, 5, ".step") == 0) {
-        EXPECT_EQ(got.item<int64_t>(), static_cast<int64_t>(want.item<float>())) << key;
-        ++steps;
-        continue;
-      }
-      EXPECT_TRUE(torch::equal(got, want)) << key;
-      (key.rfind("optimizer.", 0) == 0 ? moments : model) += 1;
+  // Every tensor as PyTorch saved it.
+  CheckpointReader loaded(ckpt::step_dir(dump, 3));
+  size_t model = 0, moments = 0, steps = 0;
+  for (const auto& [key, want] : ref) {
+    if (key == "lr" || key == "lr_scheduler.last_epoch") continue;
+    ASSERT_TRUE(loaded.has(key)) << key;
+    const torch::Tensor got = loaded.read_tensor(key);
+    if (key.size() > 5 && key.compare(key.size() - 5, 5, ".step") == 0) {
+      EXPECT_EQ(got.item<int64_t>(), static_cast<int64_t>(want.item<float>())) << key;
+      ++steps;
+      continue;
     }
-    EXPECT_EQ(model, 57u);
-    EXPECT_EQ(moments, 2 * 57u);
-    EXPECT_EQ(steps, 57u);
-    EXPECT_EQ(loaded.read_int("lr_scheduler.last_step"), ref.at("lr_scheduler.last_epoch").item<int64_t>());
-    EXPECT_EQ(loaded.read_int("train_state.step"), 3);
-
-    // PyTorch's own steps 4 and 5 on ctitan's batches.
-    auto py = sh(script() + "continue --ckpt " + tt_ + " --windows " + win +
-                 " --total-steps 5 --warmup 2 --decay-ratio 0.6 --min-lr 0.1 --seq 32");
-    ASSERT_EQ(py.code, 0) << py.out;
-    std::smatch m;
-    std::vector<double> py_loss, py_lr;
-    const std::string json = line_with(py.out, "\"losses\"");
-    const std::regex loss_re("\"loss\": ([-0-9.e]+)");
-    for (auto it = std::sregex_iterator(json.begin(), json.end(), loss_re);
-         it != std::sregex_iterator(); ++it)
-      py_loss.push_back(std::stod((*it)[1]));
-    ASSERT_TRUE(std::regex_search(json, m, std::regex("\"lrs\": \\[([^\\]]*)\\]"))) << py.out;
-    std::istringstream lrs(m[1].str());
-    for (std::string x; std::getline(lrs, x, ',');) py_lr.push_back(std::stod(x));
-    const auto steps_logged = ctitan::testing::jsonl_field((dir / "metrics.jsonl").string(), "step");
-    const auto loss = ctitan::testing::jsonl_field((dir / "metrics.jsonl").string(), "loss");
-    const auto lr = ctitan::testing::jsonl_field((dir / "metrics.jsonl").string(), "lr");
-    ASSERT_EQ(steps_logged, (std::vector<std::string>{"4", "5"}));
-    ASSERT_EQ(py_loss.size(), 2u) << py.out;
-    ASSERT_EQ(py_lr.size(), 2u) << py.out;
-    for (size_t i = 0; i < 2; ++i) {
-      const double rel = std::abs(std::stod(loss[i]) - py_loss[i]) / std::abs(py_loss[i]);
-      EXPECT_LT(rel, 1e-5) << "step " << 4 + i << ": ctitan " << loss[i] << ", PyTorch " << py_loss[i];
-      EXPECT_NEAR(std::stod(lr[i]), py_lr[i], 1e-12 + 1e-9 * py_lr[i]) << "step " << 4 + i;
-      std::printf("[ranks %d] step %zu: loss ctitan %s PyTorch %.9g (rel %.2e); lr ctitan %s PyTorch %.9g\n", n,
-                  4 + i, loss[i].c_str(), py_loss[i], rel, lr[i].c_str(), py_lr[i]);
-    }
+    EXPECT_TRUE(torch::equal(got, want)) << key;
+    (key.rfind("optimizer.", 0) == 0 ? moments : model) += 1;
   }
+  EXPECT_EQ(model, 57u);
+  EXPECT_EQ(moments, 2 * 57u);
+  EXPECT_EQ(steps, 57u);
+  EXPECT_EQ(loaded.read_int("lr_scheduler.last_step"), ref.at("lr_scheduler.last_epoch").item<int64_t>());
+  EXPECT_EQ(loaded.read_int("train_state.step"), 3);
+
+  // PyTorch's own steps 4 and 5 on ctitan's batches.
+  auto py = sh(script() + "continue --ckpt " + src + " --windows " + win +
+               " --total-steps 5 --warmup 2 --decay-ratio 0.6 --min-lr 0.1 --seq 32");
+  ASSERT_EQ(py.code, 0) << py.out;
+  std::smatch m;
+  std::vector<double> py_loss, py_lr;
+  const std::string json = line_with(py.out, "\"losses\"");
+  const std::regex loss_re("\"loss\": ([-0-9.e]+)");
+  for (auto it = std::sregex_iterator(json.begin(), json.end(), loss_re); it != std::sregex_iterator(); ++it)
+    py_loss.push_back(std::stod((*it)[1]));
+  ASSERT_TRUE(std::regex_search(json, m, std::regex("\"lrs\": \\[([^\\]]*)\\]"))) << py.out;
+  std::istringstream lrs(m[1].str());
+  for (std::string x; std::getline(lrs, x, ',');) py_lr.push_back(std::stod(x));
+  const auto steps_logged = ctitan::testing::jsonl_field((dir / "metrics.jsonl").string(), "step");
+  const auto loss = ctitan::testing::jsonl_field((dir / "metrics.jsonl").string(), "loss");
+  const auto lr = ctitan::testing::jsonl_field((dir / "metrics.jsonl").string(), "lr");
+  ASSERT_EQ(steps_logged, (std::vector<std::string>{"4", "5"}));
+  ASSERT_EQ(py_loss.size(), 2u) << py.out;
+  ASSERT_EQ(py_lr.size(), 2u) << py.out;
+  for (size_t i = 0; i < 2; ++i) {
+    const double rel = std::abs(std::stod(loss[i]) - py_loss[i]) / std::abs(py_loss[i]);
+    EXPECT_LT(rel, 1e-5) << "step " << 4 + i << ": ctitan " << loss[i] << ", PyTorch " << py_loss[i];
+    EXPECT_NEAR(std::stod(lr[i]), py_lr[i], 1e-12 + 1e-9 * py_lr[i]) << "step " << 4 + i;
+    std::printf("[%s, ranks %d] step %zu: loss ctitan %s PyTorch %.9g (rel %.2e); lr ctitan %s PyTorch %.9g\n",
+                tag.c_str(), n, 4 + i, loss[i].c_str(), py_loss[i], rel, lr[i].c_str(), py_lr[i]);
+  }
+}
+
+TEST_F(DcpE2E, TorchtitanCheckpointResumesOnOneTwoAndThreeRanks) {
+  const std::string tt = torchtitan_checkpoint(2), tt3 = torchtitan_checkpoint(3);
+  for (int n : {1, 2, 3}) check_resume(tt, reference_of(tt), n, "saved_on_2");
+  // Uneven shards the other way: saved on 3 ranks, resumed on 2.
+  check_resume(tt3, reference_of(tt3), 2, "saved_on_3");
 }
 
 // torchtitan's dataloader state is a pickled Python object: loading it is refused before
 // anything is loaded, with the setting that makes the load go ahead.
 TEST_F(DcpE2E, TorchtitanDataloaderStateNeedsToBeExcluded) {
-  auto rs = train(1, (root_ / "no_exclude").string(), resume_args());
+  auto rs = train(1, (root_ / "no_exclude").string(), resume_args(torchtitan_checkpoint(2)));
   ASSERT_EQ(rs.size(), 1u);
   EXPECT_EQ(rs[0].exit_code, 2) << rs[0].output;
   const std::string l = line_with(rs[0].output, "not transferable");
   EXPECT_NE(l.find("checkpoint.exclude_from_loading = [\"dataloader\"]"), std::string::npos) << rs[0].output;
 }
 
+// torchtitan's own checkpoint folder as checkpoint.folder: its step-<N> (no ctitan marker;
+// DCP commits with .metadata) is the newest complete checkpoint, and the run resumes from it.
+TEST_F(DcpE2E, TorchtitanCheckpointFolderResumesInPlace) {
+  const fs::path dump = root_ / "in_place";
+  fs::create_directories(dump / "checkpoint");
+  fs::copy(torchtitan_checkpoint(2), dump / "checkpoint" / "step-3", fs::copy_options::recursive);
+  EXPECT_EQ(ckpt::scan_folder((dump / "checkpoint").string()).complete, (std::vector<int64_t>{3}));
+  auto rs = train(1, dump.string(), "--training.steps 4 --checkpoint.exclude_from_loading dataloader");
+  ASSERT_TRUE(ctitan::testing::all_ok(rs));
+  EXPECT_NE(rs[0].output.find("loaded step 3 from " + (dump / "checkpoint" / "step-3").string()), std::string::npos)
+      << rs[0].output;
+  EXPECT_EQ(ctitan::testing::jsonl_field((dump / "metrics.jsonl").string(), "step"), (std::vector<std::string>{"4"}));
+}
+
 // checkpoint_tool lists a torchtitan DCP folder and --verify reads every item through its
 // archive's CRC-32s.
 TEST_F(DcpE2E, ToolInspectsAndVerifiesATorchtitanFolder) {
+  const std::string tt = torchtitan_checkpoint(2);
   const std::string tool = (fs::path(ctitan::testing::kTrain).parent_path() / "checkpoint_tool").string();
-  auto r = sh(tool + " inspect " + tt_ + " --verify");
+  auto r = sh(tool + " inspect " + tt + " --verify");
   ASSERT_EQ(r.code, 0) << r.out;
   for (const char* s : {"torch.distributed.checkpoint folder written by PyTorch (torchtitan?), complete", "step 3\n",
                         "saved by 2 ranks", "file __0_0.distcp", "tok_embeddings.weight  sharded  float32 [2048, 256]  2 chunks",
@@ -194,10 +228,10 @@ TEST_F(DcpE2E, ToolInspectsAndVerifiesATorchtitanFolder) {
     EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
   // convert: the model, matched from its shapes, as a .pt whose tensors are PyTorch's.
   const std::string pt = (root_ / "tool_tt.pt").string();
-  auto c = sh(tool + " convert " + tt_ + " " + pt);
+  auto c = sh(tool + " convert " + tt + " " + pt);
   ASSERT_EQ(c.code, 0) << c.out;
   EXPECT_NE(c.out.find("llama3 \"debugmodel\" (57 tensors, float32)"), std::string::npos) << c.out;
-  const auto ref = load_pt(ref_), got = load_pt(pt);
+  const auto ref = load_pt(reference_of(tt)), got = load_pt(pt);
   EXPECT_EQ(got.size(), 57u);
   for (const auto& [k, t] : got) EXPECT_TRUE(ref.count(k) && torch::equal(t, ref.at(k))) << k;
 }
@@ -309,10 +343,11 @@ TEST_F(DcpE2E, DcpSaveResumesInPyTorchWithTorchtitansLayout) {
 // .distcp: each is one line naming the file and the problem, a non-zero exit, and the
 // command in the pickle never ran.
 TEST_F(DcpE2E, HostileAndDamagedFoldersAreOneLineErrors) {
+  const std::string tt = torchtitan_checkpoint(2);
   auto copy = [&](const std::string& name) {
     const fs::path d = root_ / "bad" / name / "step-3";
     fs::create_directories(d.parent_path());
-    fs::copy(tt_, d, fs::copy_options::recursive);
+    fs::copy(tt, d, fs::copy_options::recursive);
     return d.string();
   };
   auto run = [&](const std::string& path) {
