@@ -318,6 +318,17 @@ void write_dcp_metadata(const std::vector<std::string>& statuses, const std::str
   ckpt::write_file_durable((fs::path(stage) / "COMPLETE").string(), ckpt::dcp_complete_marker_text(step, md));
 }
 
+// Moves a finished staging folder to its final name. An older folder of the same step
+// (load_step rewound the run) is set aside first and removed only once the new one is in place.
+void publish_stage(const std::string& stage, const std::string& final_dir, const std::string& folder) {
+  const std::string old = final_dir + ".replaced";
+  fs::remove_all(old);
+  if (fs::exists(final_dir)) fs::rename(final_dir, old);
+  fs::rename(stage, final_dir);
+  ckpt::fsync_dir(folder);
+  fs::remove_all(old);
+}
+
 }  // namespace
 
 bool is_model_key(const std::string& k) {
@@ -1139,12 +1150,7 @@ void CheckpointManager::complete_save() {
   if (comm_.rank == 0 && p.dcp) {
     try {
       write_dcp_metadata(all, p.stage, p.step);
-      const std::string old = p.final_dir + ".replaced";
-      fs::remove_all(old);
-      if (fs::exists(p.final_dir)) fs::rename(p.final_dir, old);
-      fs::rename(p.stage, p.final_dir);
-      ckpt::fsync_dir(p.folder);
-      fs::remove_all(old);
+      publish_stage(p.stage, p.final_dir, p.folder);
     } catch (const std::exception& e) {
       commit = "error " + one_line(e.what());
     }
@@ -1197,12 +1203,7 @@ void CheckpointManager::complete_save() {
         ckpt::write_file_durable((fs::path(p.stage) / "COMPLETE").string(), ckpt::hf_complete_marker_text(p.step, index));
       }
       // An older checkpoint of the same step (load_step rewound the run) is replaced only now.
-      const std::string old = p.final_dir + ".replaced";
-      fs::remove_all(old);
-      if (fs::exists(p.final_dir)) fs::rename(p.final_dir, old);
-      fs::rename(p.stage, p.final_dir);
-      ckpt::fsync_dir(p.folder);
-      fs::remove_all(old);
+      publish_stage(p.stage, p.final_dir, p.folder);
     } catch (const std::exception& e) {
       commit = "error " + one_line(e.what());
     }
