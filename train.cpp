@@ -15,6 +15,8 @@
 #include <optional>
 #include <iostream>
 #include <random>
+#include <sstream>
+#include <iterator>
 #include <thread>
 
 #include <spdlog/sinks/basic_file_sink.h>
@@ -321,6 +323,32 @@ void maybe_inject_fault(int64_t rank, int64_t step, double& loss, const std::vec
   throw RuntimeFailure("injected fault (CTITAN_FAULT=" + std::string(f) + ")");
 }
 
+// Seconds since this process started (/proc/self/stat's start time against /proc/uptime;
+// 10 ms resolution): start-up as the user waits for it, loading of shared libraries included.
+double process_age_s() {
+  std::ifstream stat("/proc/self/stat"), up("/proc/uptime");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const auto paren = text.rfind(')');
+  if (paren == std::string::npos) return 0;
+  std::istringstream fields(text.substr(paren + 2));
+  std::string f;
+  for (int i = 3; i <= 22 && fields >> f; ++i) {
+  }
+  double uptime = 0;
+  up >> uptime;
+  return uptime - std::stod(f) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// Bytes this process has read through read(2) and friends (/proc/self/io rchar), 0 if unknown.
+int64_t process_rchar() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  int64_t v = 0;
+  while (io >> key >> v)
+    if (key == "rchar:") return v;
+  return 0;
+}
+
 // Test hook: CTITAN_TRACE_WINDOWS=<prefix> appends every window this rank trains on to
 // <prefix>.rank<r>, one line "<step> <token ids...>", so tests can check which data a run saw.
 void maybe_trace_batch(const Batch& b, int64_t rank, int64_t step) {
@@ -542,14 +570,10 @@ std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const P
   c->train_state = std::make_unique<ScalarsState>(
       "train_state", std::vector<std::pair<std::string, int64_t*>>{{"step", &ts.step}, {"ntokens_seen", &ts.ntokens_seen}});
   DataLoader* loader = data.loader.get();
-  const Tokenizer* tok = data.tokenizer.get();
-  const std::string source = data.source;
   c->dataloader = std::make_unique<DataLoaderState>(
       [loader] { return loader->state_dict(); }, [loader](const std::string& s) { loader->load_state_dict(s); },
       par.dp_rank, par.dims.dp(), cfg.checkpoint.dataloader_reshard,
-      [tok, source](const std::vector<std::string>& saved, int64_t r, int64_t w) {
-        return redistribute_loader_states(saved, r, w, *tok, source);
-      });
+      [loader](const std::vector<std::string>& saved, int64_t, int64_t) { return loader->redistributed_state(saved); });
   c->rng = std::make_unique<RngState>(par.env.rank, seed);
   std::vector<std::string> fqns;
   for (const auto& p : sp) fqns.push_back(p.fqn);
@@ -947,6 +971,8 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
     for (int64_t micro = 0; micro < accum; ++micro) {
       const auto t_data = Clock::now();
       Batch batch = data.loader->next();
+      if (step == first_step && micro == 0)
+        spdlog::info("first batch ready {:.2f} s after the process started", process_age_s());
       maybe_trace_batch(batch, launch.rank, step);
       auto inputs = torch::from_blob(batch.inputs.data(), {B, T}, torch::kInt64).clone();  // [B, T]
       auto labels = torch::from_blob(batch.labels.data(), {B, T}, torch::kInt64).clone();  // [B, T]
@@ -1090,6 +1116,10 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   }
   spdlog::info("training done: {} steps in {}", cfg.training.steps,
                format_duration(seconds_since(train_start)));
+  spdlog::info("data: dp rank {} read {} bytes of the corpus ({} documents parsed); the process read {} bytes "
+               "(rchar), peak RSS {:.0f} MiB",
+               par.dp_rank, data.loader->bytes_read(), data.loader->documents_parsed(), process_rchar(),
+               peak_rss_gib() * 1024);
   spdlog::default_logger()->flush();
   return 0;
 }
