@@ -6,7 +6,9 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 
 #include <chrono>
@@ -303,6 +305,7 @@ void maybe_inject_fault(int64_t rank, int64_t step, double& loss, const std::vec
   long r = -1, s = -1;
   if (std::sscanf(f, "%15[^:]:%ld:%ld", kind, &r, &s) != 3 || r != rank || s != step) return;
   const std::string k = kind;
+  if (k == "oom") return;  // maybe_inject_oom's
   if (k == "kill") raise(SIGKILL);
   if (k == "hang") std::this_thread::sleep_for(std::chrono::hours(1));
   if (k == "term" || k == "int" || k == "usr1") {
@@ -347,6 +350,68 @@ int64_t process_rchar() {
   while (io >> key >> v)
     if (key == "rchar:") return v;
   return 0;
+}
+
+// Where a run is, for the line an allocation failure ends with: the step (0 before the
+// first) and the phase, plus what the start-up estimate said.
+struct RunProgress {
+  int64_t step = 0;
+  std::string phase = "start-up";
+  int64_t rank = 0;
+  double estimate_bytes = 0;
+};
+
+// Test hook: CTITAN_FAULT=oom:<rank>:<step>:<phase> makes that rank ask LibTorch for 1 PiB
+// (more than any address space) when it enters that phase of that step (phase as
+// RunProgress names it, e.g. "backward", "optimizer", "checkpoint save"; step 0 with a
+// start-up phase such as "optimizer"), so tests see a real allocation failure reported.
+void maybe_inject_oom(const RunProgress& at) {
+  static const char* f = std::getenv("CTITAN_FAULT");
+  if (!f || std::strncmp(f, "oom:", 4) != 0) return;
+  long r = -1, s = -1;
+  char phase[64] = {0};
+  if (std::sscanf(f + 4, "%ld:%ld:%63[^\n]", &r, &s, phase) != 3) return;
+  if (r != at.rank || s != at.step || at.phase != phase) return;
+  (void)torch::empty({int64_t{1} << 48}, torch::kFloat);  // 2^48 floats = 1 PiB
+}
+
+// Is this LibTorch error an allocation that failed? c10's OutOfMemoryError (ctitan's caching
+// CPU allocator throws it), or LibTorch's default CPU allocator's "can't allocate memory".
+bool is_out_of_memory(const c10::Error& e) {
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&e)) return true;
+  const std::string m = e.what_without_backtrace();
+  return m.find("can't allocate memory") != std::string::npos || m.find("not enough memory") != std::string::npos ||
+         m.find("out of memory") != std::string::npos;
+}
+
+// One line: where (rank, step, phase), how much was asked for (when the allocator says: the
+// number before " bytes"), what the rank held and what the estimate said, and what helps.
+std::string allocation_failure_line(const RunProgress& at, const std::string& what) {
+  const double G = 1024.0 * 1024.0 * 1024.0;
+  std::string asked = "an allocation failed (the allocator gave no size)";
+  const size_t b = what.find(" bytes");
+  if (b != std::string::npos) {
+    size_t a = b;
+    while (a > 0 && std::isdigit(static_cast<unsigned char>(what[a - 1]))) --a;
+    if (a < b) {
+      double v = std::stod(what.substr(a, b - a));
+      const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+      int u = 0;
+      for (; v >= 1024 && u < 6; ++u) v /= 1024;
+      char buf[96];
+      std::snprintf(buf, sizeof buf, "asked for %.3g %s (%s bytes)", v, units[u], what.substr(a, b - a).c_str());
+      asked = buf;
+    }
+  }
+  char held[160];
+  std::snprintf(held, sizeof held, "this rank's RSS %.3f GiB (peak %.3f GiB), start-up estimate %.3f GiB",
+                current_rss_gib(), peak_rss_gib(), at.estimate_bytes / G);
+  const std::string where = at.step > 0 ? "at step " + std::to_string(at.step) + " (" + at.phase + ")"
+                                        : "at start-up (" + at.phase + ")";
+  const size_t nl = what.find('\n');
+  return "error: out of memory on rank " + std::to_string(at.rank) + " " + where + ": " + asked + "; " + held +
+         " (HINT: activation_checkpoint.mode = \"full\", a smaller training.local_batch_size or seq_len, or more "
+         "ranks) [" + what.substr(0, nl) + "]";
 }
 
 // Test hook: CTITAN_TRACE_WINDOWS=<prefix> appends every window this rank trains on to
@@ -782,7 +847,7 @@ int validate_only(const JobConfig& cfg, std::ostream& out) {
   return 0;
 }
 
-int run(const std::vector<std::string>& argv, std::ostream& out) {
+int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at) {
   // ---- config -----------------------------------------------------------------------
   ConfigLoadResult loaded = load_job_config(argv);
   if (loaded.help_requested) {
@@ -805,6 +870,13 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
 
   // ---- distributed environment and process groups ----------------------------------------
   const LaunchEnv launch = detect_launch_env(environment_map());
+  at.rank = launch.rank;
+  // Enters a phase of a step (0: start-up); an allocation failure names the last one entered.
+  const auto phase = [&at](int64_t step, std::string name) {
+    at.step = step;
+    at.phase = std::move(name);
+    maybe_inject_oom(at);
+  };
   init_logging(!cfg.metrics.disable_color_printing && isatty(STDERR_FILENO), launch.rank);
   exit_when_agent_dies(launch);
   Parallelism par = build_parallelism(cfg);
@@ -819,6 +891,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   const std::unique_ptr<Validator> validator = maybe_build_validator(cfg, *data.tokenizer, par.dp_rank, dp_world);
   const bool sharded = fsdp_applies(cfg, par);
   const MemoryEstimate mem_estimate = check_memory_fits(cfg, margs, launch, dp_world, sharded);
+  at.estimate_bytes = mem_estimate.total();
 
   // ---- everything validated: from here on the run writes its outputs --------------------
   add_log_file(cfg.job.dump_folder, launch.rank);
@@ -848,6 +921,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   reset_peak_rss();
   const double rss_before_model = current_rss_gib();
   torch::manual_seed(seed);
+  phase(0, "model build");
   TrainModel model = build_model(margs, cfg.training.seq_len,
                                  sharded ? ModelInit::Deferred : loads_weights ? ModelInit::None : ModelInit::Full);
   const double flops_per_tok = model.flops_per_token;  // MoE: active experts only
@@ -866,6 +940,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
       model.init_unit(i);
       ++units_initialised;
     };
+  phase(0, sharded ? "sharding and initialisation" : "initialisation");
   std::shared_ptr<FSDP> fsdp = maybe_apply_fsdp(model, cfg, par, sharded, init_unit);
   spdlog::info("model init: {} of {} units randomly initialised on this rank ({})", units_initialised, n_units,
                loads_weights ? "the weights come from the checkpoint"
@@ -877,6 +952,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
   std::shared_ptr<ActivationCheckpoint> ac = maybe_apply_ac(model, cfg, fsdp.get());
 
   // ---- optimizer and LR schedule (on the local shards with FSDP) ---------------------
+  phase(0, "optimizer");
   std::vector<torch::Tensor> params = fsdp ? fsdp->sharded_parameters() : model.module->parameters();
   auto optimizer = build_optimizer(params, optimizer_spec(cfg));
   LRScheduler lr_sched(cfg.optimizer.lr, lr_spec(cfg));
@@ -893,6 +969,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
 
   // ---- checkpoint: resume from the latest complete checkpoint (or initial_load_path) ----
   TrainState train_state;
+  phase(0, "checkpoint load");
   std::unique_ptr<Checkpointing> ckpt =
       build_checkpointing(cfg, par, model, fsdp.get(), *optimizer, lr_sched, data, train_state, seed);
   if (cfg.checkpoint.create_seed_checkpoint) {
@@ -968,7 +1045,13 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
     set_learning_rate(*optimizer, lr_sched.current_lr());
     optimizer->zero_grad();
     double loss_sum = 0.0, lb_sum = 0.0;
+    // " (micro-batch m of n)" in the phase names when there are several.
+    const auto of_micro = [accum](int64_t micro) {
+      return accum > 1 ? " (micro-batch " + std::to_string(micro + 1) + " of " + std::to_string(accum) + ")"
+                       : std::string();
+    };
     for (int64_t micro = 0; micro < accum; ++micro) {
+      phase(step, "data" + of_micro(micro));
       const auto t_data = Clock::now();
       Batch batch = data.loader->next();
       if (step == first_step && micro == 0)
@@ -979,12 +1062,14 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
       data_s += seconds_since(t_data);
 
       const double heap_before = heap_in_use_gib();
+      phase(step, "forward" + of_micro(micro));
       // Token-sum cross-entropy / local_tokens, on float32 row statistics of the logits in
       // their compute dtype (models/fused_ops.h: no float32 copy of [B·T, V]).
       auto logits = model.forward(inputs);  // [B, T, V]
       auto loss = fused_cross_entropy(logits.view({B * T, -1}), labels.view({B * T}), 1.0 / local_tokens);
       // What the forward left alive for backward (activations, logits): the heap growth.
       activation_gib = std::max(activation_gib, heap_in_use_gib() - heap_before);
+      phase(step, "backward" + of_micro(micro));
       loss.backward();
       if (fsdp) fsdp->finish_backward();
       loss_sum += loss.item<double>();
@@ -997,6 +1082,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
     maybe_inject_fault(launch.rank, step, loss_sum, params);
     // Both values are the same on every rank (a world mean; a norm all-reduced over the
     // shards, whose replicas hold equal gradients), so every rank takes the same branch.
+    phase(step, "optimizer");
     const double loss_mean = world_mean(par, loss_sum, "loss");
     const double grad_norm = clip_grad_norm(params, cfg.training.max_norm, grad_sq_all_reduce);
     const double lr = lr_sched.current_lr();
@@ -1031,6 +1117,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
                    sb.params / double(1 << 20), sb.grads / double(1 << 20), sb.optimizer / double(1 << 20));
     }
 
+    phase(step, "metrics");
     if (step == 1 || step % cfg.metrics.log_freq == 0 || step == cfg.training.steps) {
       const double dt = seconds_since(window_start);
       const double comm_s = fsdp ? fsdp->stats().comm_wait_s - comm_mark : 0.0;
@@ -1087,8 +1174,10 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
     }
     train_state.step = step;
     train_state.ntokens_seen += B * T * accum * dp_world;
+    phase(step, "checkpoint save");
     maybe_save(*ckpt->manager, step, step == cfg.training.steps, cfg.checkpoint.on_save_failure);
     if (validator && validator->should_validate(step)) {
+      phase(step, "validation");
       // Validation time and communication are not the training window's.
       const auto t_val = Clock::now();
       const double comm_before = fsdp ? fsdp->stats().comm_wait_s : 0.0;
@@ -1105,8 +1194,13 @@ int run(const std::vector<std::string>& argv, std::ostream& out) {
       break;
     }
   }
+  phase(last_step, "checkpoint finalize");
   ckpt->manager->finalize();
   if (par.dist) par.dist->world->barrier("end of training");
+  // The measured counterpart of the start-up estimate (bench/memory_estimate.sh reads it).
+  spdlog::info("peak RSS: {:.3f} GiB on this rank since the model was built (start-up estimate {:.3f} GiB: {:+.1f}%)",
+               peak_rss_gib(), at.estimate_bytes / (1 << 30),
+               100.0 * (at.estimate_bytes / (1 << 30) - peak_rss_gib()) / peak_rss_gib());
   if (stop.signal) {
     spdlog::info("stopped after step {} of {} ({} on rank {}) in {}{}", last_step, cfg.training.steps,
                  stop_signal_name(stop.signal), stop.rank, format_duration(seconds_since(train_start)),
@@ -1134,8 +1228,9 @@ int train_main(const std::vector<std::string>& args, std::ostream& out, std::ost
     maybe_write_torchelastic_error(line, /*consequence=*/code == 3);
     return code;
   };
+  RunProgress at;
   try {
-    return run(args, out);
+    return run(args, out, at);
   } catch (const UserError& e) {
     return fail(2, printable_line(e.what()));
   } catch (const CollectiveFailure& e) {
@@ -1143,7 +1238,12 @@ int train_main(const std::vector<std::string>& args, std::ostream& out, std::ost
   } catch (const RuntimeFailure& e) {
     return fail(1, "error: " + printable_line(e.what()));
   } catch (const c10::Error& e) {
+    // An allocation that failed is a failure of the run (exit 1), not of the input: the
+    // start-up estimate said it would fit, or the machine's memory went to someone else.
+    if (is_out_of_memory(e)) return fail(1, printable_line(allocation_failure_line(at, e.what_without_backtrace())));
     return fail(1, "error: " + printable_line(e.what_without_backtrace()));
+  } catch (const std::bad_alloc& e) {
+    return fail(1, printable_line(allocation_failure_line(at, e.what())));
   } catch (const std::exception& e) {
     return fail(1, "error: " + printable_line(e.what()));
   }

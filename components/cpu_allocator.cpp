@@ -12,6 +12,7 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
 
 namespace ctitan {
 namespace {
@@ -19,9 +20,23 @@ namespace {
 constexpr size_t kAlignment = 64;      // c10's CPU alignment (AVX-512 loads)
 constexpr size_t kGranule = 4096;      // large requests are rounded up to whole pages
 
-void* system_alloc(size_t n) {
+// nullptr when the system has no memory to give.
+void* try_system_alloc(size_t n) {
   void* p = nullptr;
-  if (posix_memalign(&p, kAlignment, std::max<size_t>(n, 1)) != 0) throw std::bad_alloc();
+  return posix_memalign(&p, kAlignment, std::max<size_t>(n, 1)) == 0 ? p : nullptr;
+}
+
+// What LibTorch's own CPU allocator would throw, with the size asked for in bytes (the
+// training loop's failure line quotes it: "... N bytes").
+[[noreturn]] void out_of_memory(size_t n, int64_t released) {
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "CPU allocator: out of memory: tried to allocate ", n, " bytes",
+                   released > 0 ? " after releasing " + std::to_string(released >> 20) + " MiB of cached blocks"
+                                : std::string());
+}
+
+void* system_alloc(size_t n) {
+  void* p = try_system_alloc(n);
+  if (!p) out_of_memory(n, 0);
   return p;
 }
 
@@ -95,7 +110,15 @@ class CachingCpuAllocator final : public c10::Allocator {
     }
     // A miss: new memory from the system, outside the lock. Blocks of sizes no longer
     // requested stay cached until the bound pushes them out (see trim_locked / give_back).
-    void* p = system_alloc(size);
+    // When the system has none, the cache's blocks go back first and the request is tried
+    // once more (as the CUDA caching allocator does before it reports out of memory).
+    void* p = try_system_alloc(size);
+    if (!p) {
+      const int64_t released = stats().cached_bytes;
+      release();
+      p = try_system_alloc(size);
+      if (!p) out_of_memory(size, released);
+    }
     std::lock_guard<std::mutex> g(mu_);
     ++stats_.misses;
     live_[p] = size;

@@ -132,6 +132,38 @@ TEST_F(TrainE2E, StartsThatCannotFitExitTwoWithTheEstimate) {
   }
 }
 
+// An allocation that fails mid-run names the rank, the step, the phase and the size asked
+// for, and exits 1 (not std::bad_alloc's bare text). The failure is real: a rank asks LibTorch
+// for 1 PiB (CTITAN_FAULT=oom:<rank>:<step>:<phase>), through ctitan's caching allocator and
+// through LibTorch's own (CTITAN_CPU_ALLOCATOR=system), whose messages differ.
+TEST_F(TrainE2E, AllocationFailureNamesStepPhaseAndSize) {
+  struct Case {
+    std::string env, expect;
+    size_t steps_logged;  // before the failure
+  };
+  const std::vector<Case> cases = {
+      {"CTITAN_FAULT='oom:0:2:backward'",
+       "error: out of memory on rank 0 at step 2 (backward): asked for 1 PiB (1125899906842624 bytes); this rank's "
+       "RSS ",
+       1},
+      {"CTITAN_CPU_ALLOCATOR=system CTITAN_FAULT='oom:0:2:checkpoint save'",
+       "error: out of memory on rank 0 at step 2 (checkpoint save): asked for 1 PiB (1125899906842624 bytes); ", 2},
+      {"CTITAN_FAULT='oom:0:0:optimizer'", "error: out of memory on rank 0 at start-up (optimizer): asked for 1 PiB",
+       0},
+  };
+  for (const auto& c : cases) {
+    const std::string dump = (root_ / "oom").string();
+    fs::remove_all(dump);
+    auto r = sh(c.env + " " + kTrain + args(dump, 3) + " --checkpoint.enable 2>&1");
+    EXPECT_EQ(r.code, 1) << c.env << ": " << r.out;
+    std::string last = r.out.substr(0, r.out.find_last_not_of('\n') + 1);
+    last = last.substr(last.rfind('\n') + 1);
+    EXPECT_EQ(last.rfind(c.expect, 0), 0u) << c.env << ": " << last;
+    EXPECT_EQ(r.out.find("bad_alloc"), std::string::npos) << r.out;
+    EXPECT_EQ(jsonl_field(dump + "/metrics.jsonl", "loss").size(), c.steps_logged) << c.env;
+  }
+}
+
 TEST_F(TrainE2E, SameSeedGivesBitwiseEqualLosses) {
   std::vector<std::vector<std::string>> runs;
   for (int i = 0; i < 2; ++i) {
