@@ -409,7 +409,7 @@ Reference reference_loss(const std::string& step_dir, const std::string& tokeniz
   for (int r = 0; r < W; ++r)
     for (size_t w = 0; w < n_batches * B; ++w) {
       const auto& win = per_rank[r][w];
-      dump_logits(step_dir, std::vector<int64_t>(win.begin(), win.end() - 1), out);
+      dump_logits(step_dir, {std::vector<int64_t>(win.begin(), win.end() - 1)}, out);
       const auto h = safetensors::read_header(out);
       const auto* info = h.find("logits");
       const int64_t V = info->shape[1];
