@@ -10,7 +10,8 @@
 #    INTERLEAVED_MAX_MB (default 256; it reads 4x the corpus).
 # 2. Training: `train`, debug model, 4 ranks (scripts/run_train.sh), STEPS steps on that
 #    corpus: per rank the time from process start to its first batch, and its peak RSS
-#    (VmHWM from the model's build on, which is before any document is read).
+#    (VmHWM from the model's build on, which is before any document is read); first the same
+#    on Moby-Dick (1.2 MB) as the reference for what start-up costs without a large corpus.
 # The corpora live under ${CTITAN_BENCH_DIR:-/tmp} and are deleted afterwards.
 #
 #   bench/data_sharding.sh          # prints Markdown tables (README: "Data sharding")
@@ -66,7 +67,7 @@ PY
 
 train_table() {  # train_table <corpus>
   local corpus=$1 name
-  name="train_$(basename "$corpus" .jsonl)"
+  name="train_$(basename "$corpus" | tr . _)"
   NPROC=$W "$CTITAN_ROOT/scripts/run_train.sh" --training.steps "$STEPS" --training.dataset_path "$corpus" \
     --metrics.log_freq 1 --job.dump_folder "$OUT/$name" >"$OUT/$name.log" 2>&1 \
     || { echo "bench: train on $corpus failed:" >&2; tail -20 "$OUT/$name.log" >&2; exit 1; }
@@ -85,6 +86,10 @@ PY
 }
 
 echo "machine: $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg) at start"
+echo
+echo "| corpus | start to first batch s (rank 0/1/2/3) | peak RSS MiB | corpus bytes read in $STEPS steps |"
+echo "|---|---|---|---|"
+train_table data/moby_dick/moby_dick.txt
 for mb in $SIZES_MB; do
   corpus="$OUT/corpus_${mb}mb.jsonl"
   make_corpus "$corpus" "$mb"
