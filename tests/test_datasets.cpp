@@ -1275,4 +1275,19 @@ TEST(Sharding, TokenShardsTrainLikeTheTextTheyCameFrom) {
   EXPECT_NE(e.find("x.ctok: not a ctitan token shard"), std::string::npos) << e;
 }
 
+
+// A malformed line inside a range that starts mid-file is named by its line in the file (the
+// reader counts the lines before its range only when a message needs them).
+TEST(Sharding, ErrorsInsideARangeNameTheLineOfTheFile) {
+  std::vector<std::string> docs(paragraphs().begin(), paragraphs().end());
+  std::string lines;
+  for (size_t i = 0; i < docs.size(); ++i) lines += (i == 31 ? std::string("{\"text\": oops}") : "{\"text\": " + json_str(docs[i]) + "}") + "\n";
+  const std::string src = write_file(Env::dir_ / "range_error" / "e.jsonl", lines);
+  DataLoader dl(tok(), src, 16, 1, 1, 2);  // rank 1 of 2: the second half of the bytes
+  const std::string e = user_error_text([&] {
+    for (int i = 0; i < 1000; ++i) dl.next();
+  });
+  EXPECT_NE(e.find("dataset: " + src + ":32: invalid JSON"), std::string::npos) << e;
+}
+
 }  // namespace
