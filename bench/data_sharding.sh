@@ -6,10 +6,12 @@
 #    (dataloader_bench scan, no tokenizing): the corpus bytes each parsed and what the
 #    kernel counted it reading (/proc/self/io rchar), summed over the 4, against the file's
 #    size; beside the same for the interleaved reading of builds before (every rank reads the
-#    whole stream and keeps every 4th document), measured in the same run.
+#    whole stream and keeps every 4th document), measured in the same run for corpora up to
+#    INTERLEAVED_MAX_MB (default 256; it reads 4x the corpus).
 # 2. Training: `train`, debug model, 4 ranks (scripts/run_train.sh), STEPS steps on that
 #    corpus: per rank the time from process start to its first batch, and its peak RSS
-#    (VmHWM from the model's build on, which is before any document is read).
+#    (VmHWM from the model's build on, which is before any document is read); first the same
+#    on Moby-Dick (1.2 MB) as the reference for what start-up costs without a large corpus.
 # The corpora live under ${CTITAN_BENCH_DIR:-/tmp} and are deleted afterwards.
 #
 #   bench/data_sharding.sh          # prints Markdown tables (README: "Data sharding")
@@ -65,13 +67,13 @@ PY
 
 train_table() {  # train_table <corpus>
   local corpus=$1 name
-  name="train_$(basename "$corpus" .jsonl)"
+  name="train_$(basename "$corpus" | tr . _)"
   NPROC=$W "$CTITAN_ROOT/scripts/run_train.sh" --training.steps "$STEPS" --training.dataset_path "$corpus" \
     --metrics.log_freq 1 --job.dump_folder "$OUT/$name" >"$OUT/$name.log" 2>&1 \
     || { echo "bench: train on $corpus failed:" >&2; tail -20 "$OUT/$name.log" >&2; exit 1; }
-  "$CTITAN_PYTHON" - "$corpus" "$OUT/$name.log" <<'PY'
+  "$CTITAN_PYTHON" - "$corpus" "$OUT/$name"/logs/rank*.log <<'PY'
 import os, re, sys
-corpus, log = sys.argv[1], open(sys.argv[2]).read()
+corpus, log = sys.argv[1], "".join(open(f).read() for f in sys.argv[2:])  # every rank's own log file
 first = {int(r): float(s) for r, s in re.findall(r"\[rank(\d+)\].*first batch ready ([0-9.]+) s after the process started", log)}
 data = {int(r): (int(b), float(m)) for r, b, m in
         re.findall(r"\[rank(\d+)\].*data: dp rank \d+ read (\d+) bytes of the corpus .* peak RSS (\d+) MiB", log)}
@@ -84,6 +86,10 @@ PY
 }
 
 echo "machine: $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg) at start"
+echo
+echo "| corpus | start to first batch s (rank 0/1/2/3) | peak RSS MiB | corpus bytes read in $STEPS steps |"
+echo "|---|---|---|---|"
+train_table data/moby_dick/moby_dick.txt
 for mb in $SIZES_MB; do
   corpus="$OUT/corpus_${mb}mb.jsonl"
   make_corpus "$corpus" "$mb"
@@ -94,7 +100,7 @@ for mb in $SIZES_MB; do
   echo "| corpus | reading | bytes parsed per rank | parsed / size | rchar / size | documents | slowest rank s |"
   echo "|---|---|---|---|---|---|---|"
   scan_table "$corpus" ranges
-  [[ -n "${NO_INTERLEAVED:-}" ]] || scan_table "$corpus" interleaved
+  ((mb > ${INTERLEAVED_MAX_MB:-256})) || scan_table "$corpus" interleaved
   echo
   echo "| corpus | start to first batch s (rank 0/1/2/3) | peak RSS MiB | corpus bytes read in $STEPS steps |"
   echo "|---|---|---|---|"

@@ -295,6 +295,10 @@ bool DocumentReader::open_current() {
     gz_ = f;
     open_ = true;
     gzbuffer(f, 1 << 18);
+    // A plain file: have zlib find that out now (it reads the first buffer to look for a gzip
+    // header), so that the seek below is an lseek. Left to gzseek, the look happens after the
+    // seek and zlib reads and drops every byte before the offset instead.
+    if (!is_gzip(files_[pos_.file])) gzdirect(f);
     if (pos_.offset > 0 && gzseek(f, static_cast<z_off_t>(pos_.offset), SEEK_SET) < 0)
       throw RuntimeFailure("dataset: cannot seek to byte " + std::to_string(pos_.offset) + " of " + files_[pos_.file]);
     if (align_) align();

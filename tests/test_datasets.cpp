@@ -1275,4 +1275,54 @@ TEST(Sharding, TokenShardsTrainLikeTheTextTheyCameFrom) {
   EXPECT_NE(e.find("x.ctok: not a ctitan token shard"), std::string::npos) << e;
 }
 
+
+// A malformed line inside a range that starts mid-file is named by its line in the file (the
+// reader counts the lines before its range only when a message needs them).
+TEST(Sharding, ErrorsInsideARangeNameTheLineOfTheFile) {
+  std::vector<std::string> docs(paragraphs().begin(), paragraphs().end());
+  std::string lines;
+  for (size_t i = 0; i < docs.size(); ++i) lines += (i == 31 ? std::string("{\"text\": oops}") : "{\"text\": " + json_str(docs[i]) + "}") + "\n";
+  const std::string src = write_file(Env::dir_ / "range_error" / "e.jsonl", lines);
+  DataLoader dl(tok(), src, 16, 1, 1, 2);  // rank 1 of 2: the second half of the bytes
+  const std::string e = user_error_text([&] {
+    for (int i = 0; i < 1000; ++i) dl.next();
+  });
+  EXPECT_NE(e.find("dataset: " + src + ":32: invalid JSON"), std::string::npos) << e;
+}
+
+
+// Resume on the same number of ranks, each format (the .txt and .json files single, so their
+// ranks hold byte ranges; the .gz file shared by stride; 3 .ctok shards on 2 and 3 ranks,
+// document ranges on 4): the batches after a restore equal the uninterrupted loader's, across
+// the re-loop, and the restored state equals the saved one.
+TEST(Sharding, SameDegreeResumeIsExactInEachFormat) {
+  const auto& p = paragraphs();
+  std::string txt;
+  for (const auto& para : p) txt += para + "\n\n";
+  const std::string jsonl_dir = make_jsonl_files("same_jsonl", 3);
+  const std::string ctok_dir = (Env::dir_ / "same_ctok").string();
+  ctitan::tokenize_corpus(jsonl_dir, tok(), ctok_dir, false);
+  const std::vector<std::string> sources = {
+      write_file(Env::dir_ / "same_txt" / "all.txt", txt), jsonl_dir,
+      write_file(Env::dir_ / "same_json" / "all.json", jsonl_of(p)),
+      write_gz(Env::dir_ / "same_gz" / "all.jsonl.gz", jsonl_of(p)), ctok_dir};
+  for (const std::string& src : sources)
+    for (const int64_t W : {2, 3, 4}) {
+      SCOPED_TRACE(src + " on " + std::to_string(W) + " ranks");
+      for (int64_t r = 0; r < W; ++r) {
+        DataLoader a(tok(), src, 12, 2, r, W);
+        for (int i = 0; i < 3 + r; ++i) a.next();
+        const std::string saved = a.state_dict();
+        std::vector<Batch> continued, resumed;
+        for (int i = 0; i < 80; ++i) continued.push_back(a.next());
+        EXPECT_GE(a.epoch(), 1) << "the run went past the end of its share";
+        DataLoader b(tok(), src, 12, 2, r, W);
+        b.load_state_dict(saved);
+        EXPECT_EQ(b.state_dict(), saved);
+        for (int i = 0; i < 80; ++i) resumed.push_back(b.next());
+        expect_same(continued, resumed);
+      }
+    }
+}
+
 }  // namespace

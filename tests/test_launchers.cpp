@@ -157,7 +157,7 @@ TEST_F(Launchers, TorchrunSummaryNamesTheFailingRankAndItsError) {
   EXPECT_NE(r.code, 0) << r.out;
   EXPECT_LT(s, 30.0) << r.out;
   const std::string line = "training.dataset_path=" + (root_ / "no_such_corpus.txt").string() +
-                           " does not exist (expected a .txt/.jsonl/.json/.jsonl.gz/.json.gz file or a folder of them)";
+                           " does not exist (expected a .txt/.jsonl/.json/.jsonl.gz/.json.gz/.ctok file or a folder of them)";
   const auto root_cause = r.out.find("Root Cause (first observed failure):");
   ASSERT_NE(root_cause, std::string::npos) << r.out;
   const std::string cause = r.out.substr(root_cause);
