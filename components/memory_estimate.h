@@ -28,7 +28,7 @@ struct MemoryRun {  // the run's choices
 
 struct MemoryEstimate {  // bytes
   double base = 0;       // the process before the model (LibTorch, data, tokenizer): measured
-  double workspace = 0;  // what the matmul library and the MFU reference measurement keep
+  double workspace = 0;  // MKL's kept GEMM buffers + the code and thread state training touches
   double params = 0;     // fp32 shard, 4P/N
   double grads = 0;      // fp32, 4P/N
   double optimizer = 0;  // AdamW exp_avg + exp_avg_sq, 8P/N
