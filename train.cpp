@@ -773,9 +773,7 @@ MemoryEstimate check_memory_fits(const JobConfig& cfg, const ModelArgs& margs, c
   const double G = 1 << 30;
   std::vector<std::string> fits;
   for (int64_t n = std::max<int64_t>(2, 2 * dp); n <= (1 << 20); n *= 2) {
-    MemoryRun more = run;
-    more.dp = n;
-    more.fsdp = true;
+    const MemoryRun more = memory_run(cfg, n, /*sharded=*/true);  // FSDP's dtype and reshard policy on n ranks
     if (estimate_memory(mm, more, base).total() <= avail) {
       fits.push_back(std::to_string(n) + " ranks with as much memory each");
       break;
