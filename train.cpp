@@ -685,17 +685,22 @@ bool fsdp_applies(const JobConfig& cfg, const Parallelism& par) {
   return true;
 }
 
+// FSDP's reshard_after_forward as it applies on dp ranks. One process: freeing the bf16
+// copies after forward saves little and costs a second cast in backward, so "default" keeps
+// them (explicit "always" still frees).
+std::string fsdp_reshard_policy(const JobConfig& cfg, int64_t dp) {
+  return dp <= 1 && cfg.parallelism.fsdp_reshard_after_forward == "default"
+             ? "never"
+             : cfg.parallelism.fsdp_reshard_after_forward;
+}
+
 // init_unit: for a model built with ModelInit::Deferred, what fills each unit before FSDP
 // keeps this rank's rows (empty: the shards start as zeros for a checkpoint to fill).
 std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, Parallelism& par, bool sharded,
                                        const std::function<void(size_t)>& init_unit) {
   if (!sharded) return nullptr;
   if (par.dims.dp() <= 1) par.shard = Comm::single("local");
-  // One process: freeing the bf16 copies after forward saves little and costs a second cast
-  // in backward, so "default" keeps them (explicit "always" still frees).
-  const std::string reshard = par.dims.dp() <= 1 && cfg.parallelism.fsdp_reshard_after_forward == "default"
-                                  ? "never"
-                                  : cfg.parallelism.fsdp_reshard_after_forward;
+  const std::string reshard = fsdp_reshard_policy(cfg, par.dims.dp());
   auto opts = fsdp_options(reshard, cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce);
   opts.prefetch = cfg.parallelism.fsdp_prefetch;
   auto fsdp = std::make_shared<FSDP>(model.units(), par.shard, par.replicate, opts, init_unit);
@@ -761,6 +766,7 @@ MemoryModel memory_model(const ModelArgs& a) {
   m.dim = D, m.vocab = V, m.n_layers = L;
   const int64_t block = (total - 2 * V * D - D) / std::max<int64_t>(1, L);
   m.largest_unit = std::max({V * D, V * D + D, block});
+  m.last_unit = V * D + D;  // norm + output
   return m;
 }
 
@@ -769,6 +775,7 @@ MemoryRun memory_run(const JobConfig& cfg, int64_t dp, bool sharded) {
   r.dp = dp;
   r.fsdp = sharded;
   r.compute_bytes = sharded && cfg.training.mixed_precision_param == "bfloat16" ? 2 : 4;
+  r.reshard_after_forward = fsdp_reshard_policy(cfg, dp);
   r.batch = cfg.training.local_batch_size;
   r.seq = cfg.training.seq_len;
   r.ac_mode = cfg.activation_checkpoint.mode;
@@ -790,9 +797,7 @@ MemoryEstimate check_memory_fits(const JobConfig& cfg, const ModelArgs& margs, c
   const double G = 1 << 30;
   std::vector<std::string> fits;
   for (int64_t n = std::max<int64_t>(2, 2 * dp); n <= (1 << 20); n *= 2) {
-    MemoryRun more = run;
-    more.dp = n;
-    more.fsdp = true;
+    const MemoryRun more = memory_run(cfg, n, /*sharded=*/true);  // FSDP's dtype and reshard policy on n ranks
     if (estimate_memory(mm, more, base).total() <= avail) {
       fits.push_back(std::to_string(n) + " ranks with as much memory each");
       break;
@@ -1009,8 +1014,11 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
   // The better of ATen's matmul and the GEMM the model's projections use (models/gemm.h),
   // so MFU is never taken against a slower kernel than the one training runs.
   const auto measure_peak = [&] {
-    return std::max(measure_matmul_peak_flops(peak_dtype),
-                    gemm::peak_flops(peak_dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat));
+    const double f = std::max(measure_matmul_peak_flops(peak_dtype),
+                              gemm::peak_flops(peak_dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat));
+    // Its matrices' sizes are none of training's: the cache would keep them for good.
+    release_cached_cpu_memory();
+    return f;
   };
   double peak_flops = measure_peak();
   int peak_remeasures = 0;  // see the metrics below

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Memory-estimate calibration (not a test: ~10 minutes on 2 cores). For each flavor, rank
-# count and AC mode, trains a few steps and compares the start-up estimate each rank logs
-# ("memory estimate: X GiB ...") with that rank's measured peak RSS (VmHWM, reset just before
-# the model is built, read after the last step: the `memory_gib` metric is its max over ranks;
-# each rank's own value is in its log). Prints a Markdown table (README: "Memory estimate").
+# count and AC mode, trains a few steps and compares each rank's start-up estimate with its
+# measured peak RSS (VmHWM, reset just before the model is built, read after the last step):
+# the line "peak RSS: X GiB on this rank ... (start-up estimate Y GiB ...)" of every rank's
+# log. Prints a Markdown table (README: "Memory estimate").
 #
 #   bench/memory_estimate.sh                  # every cell
 #   CELLS="debugmodel:1:none debugmodel:2:full" bench/memory_estimate.sh
@@ -48,8 +48,8 @@ dump, n = sys.argv[1], int(sys.argv[2])
 worst = None
 for r in range(n):
     text = open(f"{dump}/logs/rank{r}.log").read()
-    est = float(re.search(r"memory estimate: ([0-9.]+) GiB", text).group(1))
-    peak = float(re.findall(r"peak RSS: ([0-9.]+) GiB", text)[-1])
+    m = re.findall(r"peak RSS: ([0-9.]+) GiB on this rank .*start-up estimate ([0-9.]+) GiB", text)[-1]
+    peak, est = float(m[0]), float(m[1])
     err = (est - peak) / peak * 100
     if worst is None or abs(err) > abs(worst[2]): worst = (est, peak, err)
 print("%.3f %.3f %+.1f" % worst)

@@ -6,6 +6,19 @@
 
 namespace ctitan {
 
+// The matmul library's own memory: MKL's allocator keeps the packed operands of the GEMMs it
+// has run (per thread, reused, never returned), and the first and largest of them are the MFU
+// reference's 2048 × 2048 matrices (train.cpp measures the matmul peak before step 1). Their
+// fp32 size, 3 · 2048² · 4 B = 48 MiB, matches what measured: the RSS after the measurement
+// exceeds the RSS before by 44-50 MiB with MKL's allocator and by ~4 MiB with
+// MKL_DISABLE_FAST_MM=1 (debug flavor, 1 and 2 ranks, bf16 and fp32).
+constexpr double kMatmulWorkspaceBytes = 3.0 * 2048 * 2048 * 4;
+// What training touches for the first time outside the heap: the pages of LibTorch's and
+// MKL's code for backward and the optimizer, the worker threads' stacks and state. Measured:
+// the RSS outside malloc's heap and mmapped blocks grows by 17-18 MiB from the model's build
+// to the peak (debug and 150M flavors, one process; mallinfo2 against VmRSS).
+constexpr double kKernelCodeBytes = 18.0 * 1024 * 1024;
+
 MemoryEstimate estimate_memory(const MemoryModel& m, const MemoryRun& r, double base_bytes) {
   MemoryEstimate e;
   const double P = static_cast<double>(m.params), U = static_cast<double>(m.largest_unit);
@@ -14,10 +27,25 @@ MemoryEstimate estimate_memory(const MemoryModel& m, const MemoryRun& r, double 
   const double D = static_cast<double>(m.dim), Dkv = static_cast<double>(m.kv_dim), F = static_cast<double>(m.ffn);
   const double L = static_cast<double>(m.n_layers), V = static_cast<double>(m.vocab);
   e.base = base_bytes;
+  e.workspace = kMatmulWorkspaceBytes + kKernelCodeBytes;
+  // The training state: fp32 master weights, fp32 gradients, AdamW's two fp32 moments, each
+  // this rank's 1/N of the rows. (zero_grad frees the gradients; backward makes them again
+  // while the activations are being freed: counting both at once errs on the safe side.)
   e.params = 4 * P / N;
   e.grads = 4 * P / N;
   e.optimizer = 8 * P / N;
-  if (r.fsdp) e.gathered = 2 * eb * U + (r.dp > 1 ? 2 * 4 * U : 0);
+  if (r.fsdp) {
+    // Unsharded parameters in e bytes. A unit not resharded after forward keeps its copy
+    // until its backward: "never" (one process's default) holds the whole model, "default"
+    // the last unit (norm + output); besides those, the unit running and the one prefetched.
+    const double kept = r.reshard_after_forward == "never"     ? P
+                        : r.reshard_after_forward == "default" ? static_cast<double>(m.last_unit)
+                                                               : 0.0;
+    e.gathered = eb * kept + (r.reshard_after_forward == "never" ? 0.0 : 2 * eb * U);
+    // Gradient reduction, per unit: its unsharded gradients (e·U), and on N > 1 ranks the
+    // send buffer [N, S] and the received shard in fp32 (4U + 4U/N), two reductions in flight.
+    e.gathered += eb * U + (r.dp > 1 ? 2 * (4 * U + 4 * U / N) : 0.0);
+  }
   // What one block keeps for backward, per token: its input and the two norms' outputs (3D),
   // q, k, v (D + 2·Dkv), the attention output (D), the FFN's w1, w3 and SwiGLU outputs (3F),
   // in e bytes; the residual sum (D) too. Full AC keeps each block's input only, plus one
@@ -72,9 +100,9 @@ std::string describe(const MemoryEstimate& e) {
   const double G = 1024.0 * 1024.0 * 1024.0;
   char buf[400];
   std::snprintf(buf, sizeof buf,
-                "%.2f GiB (process %.2f + params %.2f + grads %.2f + AdamW %.2f + gathered units %.2f + activations "
+                "%.3f GiB (process %.2f + kernels' workspace and code %.2f + params %.2f + grads %.2f + AdamW %.2f + gathered units %.2f + activations "
                 "%.2f + logits %.2f + checkpoint staging %.2f)",
-                e.total() / G, e.base / G, e.params / G, e.grads / G, e.optimizer / G, e.gathered / G,
+                e.total() / G, e.base / G, e.workspace / G, e.params / G, e.grads / G, e.optimizer / G, e.gathered / G,
                 e.activations / G, e.logits / G, e.staging / G);
   return buf;
 }

@@ -272,6 +272,29 @@ TEST(CpuAllocator, SizeToleranceBoundAndRelease) {
   EXPECT_EQ(cpu_allocator_stats().cached_bytes, 0);
 }
 
+// A request the system cannot meet: the cache's blocks go back first, then c10's
+// out-of-memory error names the bytes asked for (train's failure line quotes them).
+TEST(CpuAllocator, OutOfMemoryReleasesTheCacheAndNamesTheSize) {
+  fresh_cache();
+  { auto a = torch::empty({8 << 20}, torch::kUInt8); }
+  ASSERT_EQ(cpu_allocator_stats().cached_bytes, 8 << 20);
+  const int64_t huge = int64_t{1} << 50;  // 1 PiB: more than any address space
+  try {
+    auto t = torch::empty({huge}, torch::kUInt8);
+    FAIL() << "1 PiB was allocated";
+  } catch (const c10::OutOfMemoryError& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace())
+                  .find("CPU allocator: out of memory: tried to allocate " + std::to_string(huge) +
+                        " bytes after releasing 8 MiB of cached blocks"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+  EXPECT_EQ(cpu_allocator_stats().cached_bytes, 0);
+  EXPECT_EQ(cpu_allocator_stats().live_bytes, 0);
+  auto ok = torch::ones({4 << 20}, torch::kUInt8);  // and the allocator still works
+  EXPECT_EQ(ok.sum().item<int64_t>(), 4 << 20);
+}
+
 TEST(CpuAllocator, ConcurrentTensorsNeverShareMemory) {
   fresh_cache();
   const auto s0 = cpu_allocator_stats();

@@ -283,6 +283,29 @@ TEST_F(MetricsE2E, FiftyStepRunTensorBoardEqualsMetricsJsonl) {
     EXPECT_EQ(v, tb.scalars.at("loss_metrics/global_avg_loss").at(s));
 }
 
+// torchtitan's llama3_8b.toml runs on a CPU with a CPU-sized flavor: train_configs/llama3_8b.toml
+// (the same tables, keys and values, TensorBoard on, selective AC "op", profiling every 100
+// steps), with only the data, the tokenizer, the flavor, and — to keep this test seconds
+// long — the steps and seq_len (8192) changed on the command line. Exit 0, and TensorBoard
+// reads the event file under <dump>/tb/<minute>/ with metrics.jsonl's values.
+TEST_F(MetricsE2E, Llama3_8bConfigRunsWithACpuSizedFlavor) {
+  const std::string dump = (root_ / "llama3_8b").string();
+  auto r = sh(kTrain + " --job.config_file " + kSrc + "/train_configs/llama3_8b.toml --model.flavor debugmodel" +
+              " --model.hf_assets_path '' --model.tokenizer_path " + tokenizer_ + " --training.dataset_path " +
+              corpus_ + " --job.dump_folder " + dump + " --training.steps 2 --training.seq_len 128 2>&1");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("activation checkpointing: selective op"), std::string::npos) << r.out;
+  const auto folders = event_folders(fs::path(dump) / "tb");
+  ASSERT_EQ(folders.size(), 1u);
+  const TbRead tb = tb_read(folders[0].string());
+  ASSERT_EQ(tb.code, 0) << tb.out;
+  std::set<int64_t> steps;
+  ASSERT_TRUE(tb.scalars.count("loss_metrics/global_avg_loss")) << tb.out;
+  for (const auto& [s, v] : tb.scalars.at("loss_metrics/global_avg_loss")) steps.insert(s);
+  EXPECT_EQ(steps, (std::set<int64_t>{1, 2})) << "log_freq 10: the first and the last step";
+  expect_tensorboard_equals_jsonl(tb, dump + "/metrics.jsonl");
+}
+
 // Read while the writer still runs: rank 0 stops inside step 12 (CTITAN_FAULT=hang), its
 // event file open; TensorBoard reads steps 1..11, each equal to metrics.jsonl's.
 TEST_F(MetricsE2E, EventFileIsValidWhileTheJobRuns) {

@@ -132,6 +132,25 @@ TEST_F(TrainE2E, StartsThatCannotFitExitTwoWithTheEstimate) {
   }
 }
 
+// The start-up estimate against what the run then measures: the debug flavor on one rank,
+// AC none and full, is within 15% of the rank's peak RSS (VmHWM since the model was built,
+// logged at the end as "peak RSS: X GiB on this rank ... (start-up estimate Y GiB ...").
+// bench/memory_estimate.sh measures the whole table (33M, 150M, 2 ranks, selective).
+TEST_F(TrainE2E, MemoryEstimateWithin15PercentOfPeakRss) {
+  for (const std::string mode : {"none", "full"}) {
+    const std::string dump = (root_ / ("mem_" + mode)).string();
+    auto r = sh(kTrain + args(dump, 2) + " --training.seq_len 256 --activation_checkpoint.mode " + mode + " 2>&1");
+    ASSERT_EQ(r.code, 0) << r.out;
+    const std::regex re("peak RSS: ([0-9.]+) GiB on this rank since the model was built \\(start-up estimate "
+                        "([0-9.]+) GiB");
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.out, m, re)) << r.out;
+    const double peak = std::stod(m[1]), estimate = std::stod(m[2]);
+    EXPECT_GT(peak, 0.1) << "LibTorch alone is more";
+    EXPECT_LE(std::abs(estimate - peak), 0.15 * peak) << mode << ": estimate " << estimate << " GiB, peak " << peak;
+  }
+}
+
 // An allocation that fails mid-run names the rank, the step, the phase and the size asked
 // for, and exits 1 (not std::bad_alloc's bare text). The failure is real: a rank asks LibTorch
 // for 1 PiB (CTITAN_FAULT=oom:<rank>:<step>:<phase>), through ctitan's caching allocator and
