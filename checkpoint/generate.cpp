@@ -112,6 +112,8 @@ const char* const kUsage =
     "                     config's max_position_embeddings, else the flavor's)\n"
     "  --ids-out FILE     also write {\"prompt_ids\", \"generated_ids\", \"stop\", \"tokens_per_s\"} as JSON\n"
     "  --model M, --flavor F  for checkpoints that record neither (DCP, .pt)\n"
+    "  --threads N        intra-op threads (default: LibTorch's, one per core); one token's matmuls of a\n"
+    "                     small model are too short to share, and 1 is faster for the debug models\n"
     "stdout: the prompt and the continuation as it is generated; stderr: the tokens/s line.\n"
     "exit status: 0 done; 2 bad input (missing checkpoint, unknown option, prompt too long); 1 a failure\n";
 
@@ -202,14 +204,14 @@ std::string ids_json(const std::vector<int64_t>& ids) {
 int run(const std::vector<std::string>& args) {
   std::string source, config_file, tokenizer_arg, prompt, prompt_ids, ids_out, model_arg, flavor_arg;
   bool have_prompt = false, have_ids = false, bos = true, ignore_eos = false;
-  int64_t max_new = 64, max_seq_arg = 0;
+  int64_t max_new = 64, max_seq_arg = 0, threads = 0;
   uint64_t seed = 0;
   SamplingOptions so;
   const std::map<std::string, bool> takes_value = {
       {"--config", true},      {"--tokenizer", true},   {"--prompt", true},      {"--prompt-ids", true},
       {"--max-new-tokens", true}, {"--temperature", true}, {"--top-k", true},    {"--top-p", true},
       {"--seed", true},        {"--max-seq-len", true}, {"--ids-out", true},     {"--model", true},
-      {"--flavor", true},      {"--no-bos", false},     {"--ignore-eos", false}};
+      {"--flavor", true},      {"--threads", true},     {"--no-bos", false},     {"--ignore-eos", false}};
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
@@ -243,6 +245,7 @@ int run(const std::vector<std::string>& args) {
     else if (a == "--ids-out") ids_out = v;
     else if (a == "--model") model_arg = v;
     else if (a == "--flavor") flavor_arg = v;
+    else if (a == "--threads") threads = parse_int(a, v);
   }
   if (have_prompt == have_ids) throw UserError("generate: give exactly one of --prompt TEXT and --prompt-ids LIST (see --help)");
   if (max_new < 1) throw UserError("generate: --max-new-tokens must be at least 1, got " + std::to_string(max_new));
@@ -250,6 +253,8 @@ int run(const std::vector<std::string>& args) {
   if (so.top_k < 0) throw UserError("generate: --top-k must be >= 0");
   if (!(so.top_p > 0 && so.top_p <= 1)) throw UserError("generate: --top-p must be in (0, 1]");
   if (max_seq_arg < 0) throw UserError("generate: --max-seq-len must be positive");
+  if (threads < 0) throw UserError("generate: --threads must be positive");
+  if (threads > 0) torch::set_num_threads(static_cast<int>(threads));
 
   // Where the model and the tokenizer come from.
   std::string tok_path;
@@ -308,7 +313,8 @@ int run(const std::vector<std::string>& args) {
 
   const InferenceModel model = load_inference_model(m, std::min(max_seq, P + max_new));
   std::cerr << "generate: " << m.model_name << " " << m.flavor << " from " << source << " (" << m.form
-            << (tok ? ", tokenizer " + tok_path : std::string()) << "); prompt " << P << " tokens; "
+            << (tok ? ", tokenizer " + tok_path : std::string()) << "); " << torch::get_num_threads()
+            << (torch::get_num_threads() == 1 ? " thread" : " threads") << "; prompt " << P << " tokens; "
             << (so.temperature == 0 ? std::string("greedy")
                                     : "temperature " + std::to_string(so.temperature) + ", top-k " +
                                           std::to_string(so.top_k) + ", top-p " + std::to_string(so.top_p) +

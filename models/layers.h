@@ -71,12 +71,13 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v);
 
 // Keys and values of the positions decoded so far, every layer's, for incremental decoding
-// (generation; training's forward keeps none). Layer i's k[i] / v[i] are [B, capacity, KV, hd]
-// (post-RoPE keys), rows [0, pos) filled.
+// (generation; training's forward keeps none). Layer i's k[i] / v[i] are [B, KV, capacity, hd]
+// (post-RoPE keys; head-major, so that attention reads each head's keys in place), positions
+// [0, pos) filled.
 struct KVCache {
   std::vector<torch::Tensor> k, v;
   int64_t pos = 0;  // positions filled: the next token's position
-  int64_t capacity() const { return k.empty() ? 0 : k[0].size(1); }
+  int64_t capacity() const { return k.empty() ? 0 : k[0].size(2); }
   // Zeroed tensors for n_layers layers.
   static KVCache allocate(int64_t n_layers, int64_t batch, int64_t capacity, int64_t n_kv_heads, int64_t head_dim,
                           torch::TensorOptions options);
@@ -91,7 +92,7 @@ class AttentionImpl : public torch::nn::Module {
   // x [B, T, D], freqs_cis [>= T, hd/2, 2] -> [B, T, D]
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& freqs_cis);
   // Incremental decoding: x [B, T, D] holds positions [start, start + T); their keys and
-  // values are written into k_cache / v_cache [B, >= start + T, KV, hd] and the queries
+  // values are written into k_cache / v_cache [B, KV, >= start + T, hd] and the queries
   // attend to cached positions [0, start + T) causally. Plain ATen math (float32 scores and
   // softmax for 16-bit inputs), no autograd use intended; freqs_cis is the whole table.
   torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& freqs_cis, int64_t start,

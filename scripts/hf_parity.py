@@ -142,7 +142,8 @@ def roundtrip(a):
             out = ref_model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=32)[0].tolist()
         want = out[len(prompt_ids):]
         idf = os.path.join(work, "generate.json")
-        g = run([gen, hf_dir, "--prompt", PROMPT, "--max-new-tokens", "32", "--ignore-eos", "--ids-out", idf])
+        g = run([gen, hf_dir, "--prompt", PROMPT, "--max-new-tokens", "32", "--ignore-eos", "--threads", "1",
+                 "--ids-out", idf])
         mine = json.load(open(idf))
         same_prompt = mine["prompt_ids"] == prompt_ids
         first_diff = next((i for i, (x, y) in enumerate(zip(mine["generated_ids"], want)) if x != y), None)
