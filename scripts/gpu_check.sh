@@ -23,6 +23,7 @@
 # outputs/gpu_check/ (git-ignored). Exit 0 only when (a)-(c) pass and (d) ran.
 #   scripts/gpu_check.sh                      # everything
 #   CTITAN_GPU_PARTS="a b" scripts/gpu_check.sh   # some parts
+#   CTITAN_GPU_CONFIGURE_ONLY=1 scripts/gpu_check.sh  # configure the build and stop (no GPU needed)
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -36,7 +37,7 @@ die() { log "$*"; exit 1; }
 
 # ---- the PyTorch on PATH, and a GPU ------------------------------------------------------
 TORCH_ROOT="$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))')" || die "no torch in $PY"
-"$PY" - <<'EOF' >&2 || die "this PyTorch has no CUDA, or no GPU is visible"
+"$PY" - <<'EOF' >&2 || [[ -n "${CTITAN_GPU_CONFIGURE_ONLY:-}" ]] || die "this PyTorch has no CUDA, or no GPU is visible"
 import sys, torch, torch.distributed as dist
 print(f"[gpu_check] torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL available {dist.is_nccl_available()}, "
       f"GPUs {torch.cuda.device_count()}" + (f" ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else ""))
@@ -61,6 +62,7 @@ if [[ ! -f "$BUILD/CMakeCache.txt" ]]; then
     -DSENTENCEPIECE_LIB="$LIBS/libsentencepiece.so" ||
     die "configure failed"
 fi
+[[ -z "${CTITAN_GPU_CONFIGURE_ONLY:-}" ]] || exit 0
 cmake --build "$BUILD" -j"$(nproc)" --target train checkpoint_tool test_gpu_plan || die "build failed"
 TRAIN="$BUILD/train"
 "$BUILD/test_gpu_plan" --gtest_brief=1 || die "test_gpu_plan failed on the GPU machine"

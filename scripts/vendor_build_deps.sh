@@ -33,6 +33,16 @@ for p in "${PACKAGES[@]}"; do
     n=$((n + 1))
   done < <(dpkg -L "$p")
 done
+# cuda_runtime.h's crt/ and cuda_fp16.h's nv/ headers (the nvidia-cuda-crt and -cccl wheels, which
+# PyTorch's CUDA wheel does not depend on): in case the GPU image's PyTorch lacks them too
+# (cmake/torch_cuda.cmake looks in build-deps/cuda/include). From .venv-cuda (scripts/test_cuda.sh).
+CUDA_INC="$(ls -d "$ROOT"/.venv-cuda/lib/python3*/site-packages/nvidia/cu13/include 2>/dev/null | head -1)"
+if [[ -n "$CUDA_INC" && -f "$CUDA_INC/crt/host_config.h" && -d "$CUDA_INC/nv" ]]; then
+  mkdir -p "$OUT/cuda/include"
+  cp -a "$CUDA_INC/crt" "$CUDA_INC/nv" "$OUT/cuda/include/"
+else
+  echo "vendor_build_deps: no crt/ and nv/ headers in .venv-cuda (run scripts/test_cuda.sh first); left out" >&2
+fi
 size_kib=$(du -sk "$OUT" | cut -f1)
 echo "vendor_build_deps: $n files, $((size_kib / 1024)) MiB in $OUT" >&2
 if ((size_kib > 60 * 1024)); then
