@@ -336,6 +336,7 @@ double process_age_s() {
   }
   double uptime = 0;
   up >> uptime;
+  if (f.empty() || f.find_first_not_of("0123456789") != std::string::npos) return 0;
   return uptime - std::stod(f) / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
 
