@@ -10,7 +10,9 @@
 #    INTERLEAVED_MAX_MB (default 256; it reads 4x the corpus).
 # 2. Training: `train`, debug model, 4 ranks (scripts/run_train.sh), STEPS steps on that
 #    corpus: per rank the time from process start to its first batch, and its peak RSS
-#    (VmHWM from the model's build on, which is before any document is read); first the same
+#    (VmHWM from the model's build on, which is before any document is read), and the data's
+#    part of the start-up (loading the tokenizer, opening the corpus, reading the first batch,
+#    as the rank logs them); first the same
 #    on Moby-Dick (1.2 MB) as the reference for what start-up costs without a large corpus.
 # The corpora live under ${CTITAN_BENCH_DIR:-/tmp} and are deleted afterwards.
 #
@@ -75,11 +77,14 @@ train_table() {  # train_table <corpus>
 import os, re, sys
 corpus, log = sys.argv[1], "".join(open(f).read() for f in sys.argv[2:])  # every rank's own log file
 first = {int(r): float(s) for r, s in re.findall(r"\[rank(\d+)\].*first batch ready ([0-9.]+) s after the process started", log)}
+part = {int(r): float(a) + float(b) for r, a, b in
+        re.findall(r"\[rank(\d+)\].*the data's part: ([0-9.]+) s opening the tokenizer and corpus, ([0-9.]+) s reading", log)}
 data = {int(r): (int(b), float(m)) for r, b, m in
         re.findall(r"\[rank(\d+)\].*data: dp rank \d+ read (\d+) bytes of the corpus .* peak RSS (\d+) MiB", log)}
 ranks = sorted(first)
 print(f"| {os.path.getsize(corpus) / 2**20:.0f} MiB | "
       + " / ".join(f"{first[r]:.2f}" for r in ranks) + " | "
+      + " / ".join(f"{part[r]:.3f}" for r in ranks) + " | "
       + " / ".join(f"{data[r][1]:.0f}" for r in ranks) + " | "
       + " / ".join(str(data[r][0]) for r in ranks) + " |")
 PY
@@ -87,8 +92,8 @@ PY
 
 echo "machine: $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg) at start"
 echo
-echo "| corpus | start to first batch s (rank 0/1/2/3) | peak RSS MiB | corpus bytes read in $STEPS steps |"
-echo "|---|---|---|---|"
+echo "| corpus | start to first batch s (rank 0/1/2/3) | of which the data's s | peak RSS MiB | corpus bytes read in $STEPS steps |"
+echo "|---|---|---|---|---|"
 train_table data/moby_dick/moby_dick.txt
 for mb in $SIZES_MB; do
   corpus="$OUT/corpus_${mb}mb.jsonl"
@@ -102,8 +107,8 @@ for mb in $SIZES_MB; do
   scan_table "$corpus" ranges
   ((mb > ${INTERLEAVED_MAX_MB:-256})) || scan_table "$corpus" interleaved
   echo
-  echo "| corpus | start to first batch s (rank 0/1/2/3) | peak RSS MiB | corpus bytes read in $STEPS steps |"
-  echo "|---|---|---|---|"
+  echo "| corpus | start to first batch s (rank 0/1/2/3) | of which the data's s | peak RSS MiB | corpus bytes read in $STEPS steps |"
+  echo "|---|---|---|---|---|"
   train_table "$corpus"
   rm -f "$corpus"
 done

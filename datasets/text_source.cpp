@@ -175,6 +175,7 @@ void DocumentReader::seek(const SourcePosition& pos) {
     if (ok && pos.offset > 0) {
       // A document starts at a line start: the byte before it must be a newline.
       gzFile f = gzopen(path.c_str(), "rb");
+      if (f != nullptr && !is_gzip(path)) gzdirect(f);  // a plain file: seek, not read up to it
       ok = f != nullptr && gzseek(f, static_cast<z_off_t>(pos.offset - 1), SEEK_SET) >= 0 && gzgetc(f) == '\n';
       if (f != nullptr) gzclose(f);
     }

@@ -164,6 +164,17 @@ void TokenShard::document(uint64_t d, std::vector<int32_t>* ids) const {
                      ", not below vocab_size " + std::to_string(h_.vocab_size));
     (*ids)[i] = static_cast<int32_t>(v);
   }
+  constexpr size_t kBehind = size_t{64} << 20;
+  const auto at = static_cast<size_t>(t - base_);
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  if (at < released_) released_ = at / page * page;  // a new pass: count again from here
+  if (at > released_ + 2 * kBehind) {
+    const size_t upto = (at - kBehind) / page * page;
+    if (upto > released_) {
+      ::madvise(const_cast<unsigned char*>(base_) + released_, upto - released_, MADV_DONTNEED);
+      released_ = upto;
+    }
+  }
 }
 
 TokenShardWriter::TokenShardWriter(const std::string& path, const Tokenizer& tok) : path_(path), tmp_(path + ".tmp") {

@@ -48,7 +48,9 @@ class TokenShard {
   const TokenShardHeader& header() const { return h_; }
   const std::string& path() const { return path_; }
   uint64_t documents() const { return h_.documents; }
-  // Document d's ids (d < documents()); UserError when one is not below vocab_size.
+  // Document d's ids (d < documents()); UserError when one is not below vocab_size. Read in
+  // increasing d, the mapped pages more than 64 MiB behind are handed back (MADV_DONTNEED),
+  // so a pass over a large shard does not keep it all counted in the process's RSS.
   void document(uint64_t d, std::vector<int32_t>* ids) const;
 
  private:
@@ -56,6 +58,7 @@ class TokenShard {
   TokenShardHeader h_;
   const unsigned char* base_ = nullptr;
   size_t size_ = 0;
+  mutable size_t released_ = 0;  // bytes from base_ already handed back
 };
 
 // Reads only the header (for the tokenizer check): UserError as TokenShard's.
