@@ -195,6 +195,14 @@ class TextStream {
   std::string printed_;
 };
 
+std::string sampling_text(const SamplingOptions& so, uint64_t seed) {
+  if (so.temperature == 0) return "greedy";
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "temperature %g, top-k %lld, top-p %g, seed %llu", so.temperature,
+                static_cast<long long>(so.top_k), so.top_p, static_cast<unsigned long long>(seed));
+  return buf;
+}
+
 std::string ids_json(const std::vector<int64_t>& ids) {
   std::string s = "[";
   for (size_t i = 0; i < ids.size(); ++i) s += (i ? ", " : "") + std::to_string(ids[i]);
@@ -315,11 +323,7 @@ int run(const std::vector<std::string>& args) {
   std::cerr << "generate: " << m.model_name << " " << m.flavor << " from " << source << " (" << m.form
             << (tok ? ", tokenizer " + tok_path : std::string()) << "); " << torch::get_num_threads()
             << (torch::get_num_threads() == 1 ? " thread" : " threads") << "; prompt " << P << " tokens; "
-            << (so.temperature == 0 ? std::string("greedy")
-                                    : "temperature " + std::to_string(so.temperature) + ", top-k " +
-                                          std::to_string(so.top_k) + ", top-p " + std::to_string(so.top_p) +
-                                          ", seed " + std::to_string(seed))
-            << std::endl;
+            << sampling_text(so, seed) << std::endl;
   std::unique_ptr<TextStream> text;
   if (tok) text = std::make_unique<TextStream>(*tok, std::vector<int32_t>(ids.begin(), ids.end()));
   const int64_t eos = tok && !ignore_eos ? tok->eos_id() : -1;
