@@ -112,8 +112,8 @@ const char* const kUsage =
     "                     config's max_position_embeddings, else the flavor's)\n"
     "  --ids-out FILE     also write {\"prompt_ids\", \"generated_ids\", \"stop\", \"tokens_per_s\"} as JSON\n"
     "  --model M, --flavor F  for checkpoints that record neither (DCP, .pt)\n"
-    "  --threads N        intra-op threads (default: LibTorch's, one per core); one token's matmuls of a\n"
-    "                     small model are too short to share, and 1 is faster for the debug models\n"
+    "  --threads N        intra-op threads (default: LibTorch's, one per core); a small model's per-token\n"
+    "                     matmuls are too short to share (README: 1 thread was faster for the debug model)\n"
     "stdout: the prompt and the continuation as it is generated; stderr: the tokens/s line.\n"
     "exit status: 0 done; 2 bad input (missing checkpoint, unknown option, prompt too long); 1 a failure\n";
 
