@@ -112,8 +112,8 @@ const char* const kUsage =
     "                     config's max_position_embeddings, else the flavor's)\n"
     "  --ids-out FILE     also write {\"prompt_ids\", \"generated_ids\", \"stop\", \"tokens_per_s\"} as JSON\n"
     "  --model M, --flavor F  for checkpoints that record neither (DCP, .pt)\n"
-    "  --threads N        intra-op threads (default: LibTorch's, one per core); one token's matmuls of a\n"
-    "                     small model are too short to share, and 1 is faster for the debug models\n"
+    "  --threads N        intra-op threads (default: LibTorch's, one per core); a small model's per-token\n"
+    "                     matmuls are too short to share (README: 1 thread was faster for the debug model)\n"
     "stdout: the prompt and the continuation as it is generated; stderr: the tokens/s line.\n"
     "exit status: 0 done; 2 bad input (missing checkpoint, unknown option, prompt too long); 1 a failure\n";
 
@@ -194,6 +194,14 @@ class TextStream {
   std::vector<int32_t> ids_;
   std::string printed_;
 };
+
+std::string sampling_text(const SamplingOptions& so, uint64_t seed) {
+  if (so.temperature == 0) return "greedy";
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "temperature %g, top-k %lld, top-p %g, seed %llu", so.temperature,
+                static_cast<long long>(so.top_k), so.top_p, static_cast<unsigned long long>(seed));
+  return buf;
+}
 
 std::string ids_json(const std::vector<int64_t>& ids) {
   std::string s = "[";
@@ -315,11 +323,7 @@ int run(const std::vector<std::string>& args) {
   std::cerr << "generate: " << m.model_name << " " << m.flavor << " from " << source << " (" << m.form
             << (tok ? ", tokenizer " + tok_path : std::string()) << "); " << torch::get_num_threads()
             << (torch::get_num_threads() == 1 ? " thread" : " threads") << "; prompt " << P << " tokens; "
-            << (so.temperature == 0 ? std::string("greedy")
-                                    : "temperature " + std::to_string(so.temperature) + ", top-k " +
-                                          std::to_string(so.top_k) + ", top-p " + std::to_string(so.top_p) +
-                                          ", seed " + std::to_string(seed))
-            << std::endl;
+            << sampling_text(so, seed) << std::endl;
   std::unique_ptr<TextStream> text;
   if (tok) text = std::make_unique<TextStream>(*tok, std::vector<int32_t>(ids.begin(), ids.end()));
   const int64_t eos = tok && !ignore_eos ? tok->eos_id() : -1;

@@ -40,6 +40,7 @@ import torch
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import transformers  # noqa: E402
+transformers.utils.logging.disable_progress_bar()
 from safetensors import safe_open  # noqa: E402
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,  # noqa: E402
                           MixtralConfig, MixtralForCausalLM)
@@ -139,8 +140,12 @@ def roundtrip(a):
         ref_model.generation_config.pad_token_id = 0
         prompt_ids = tok(PROMPT)["input_ids"]
         with torch.no_grad():
-            out = ref_model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=32)[0].tolist()
-        want = out[len(prompt_ids):]
+            res = ref_model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=32,
+                                     output_scores=True, return_dict_in_generate=True)
+        want = res.sequences[0].tolist()[len(prompt_ids):]
+        # How far from a tie each greedy choice was (a gap at rounding level would make the
+        # comparison fragile, not meaningful).
+        gap = min((lambda t: (t[0] - t[1]).item())(s[0].topk(2).values) for s in res.scores)
         idf = os.path.join(work, "generate.json")
         g = run([gen, hf_dir, "--prompt", PROMPT, "--max-new-tokens", "32", "--ignore-eos", "--threads", "1",
                  "--ids-out", idf])
@@ -154,7 +159,8 @@ def roundtrip(a):
         else:
             verdict = f"first difference at {first_diff}: {mine['generated_ids']} vs {want} FAIL"
         print(f"{name}: greedy generate, prompt {len(prompt_ids)} tokens (ctitan's tokenizer "
-              f"{'gives the same ids' if same_prompt else 'DIFFERS'}), 32 new tokens: {verdict}")
+              f"{'gives the same ids' if same_prompt else 'DIFFERS'}), 32 new tokens (smallest top-1/top-2 "
+              f"logit gap on the path {gap:.2e}): {verdict}")
         print(f"{name}:   ctitan: {g.stderr.strip().splitlines()[-1]}")
 
         # 3. ctitan's export read by from_pretrained

@@ -899,7 +899,7 @@ std::vector<int64_t> ids_in(const std::string& text) {
 
 }  // namespace
 
-// The real `generate` binary on a ctitan step folder (converted from a .pt): greedy tokens equal
+// The real `generate` binary on a ctitan step folder (converted from a .pt) and a DCP folder: greedy tokens equal
 // the argmax of the full forward re-run on the growing sequence (no cache), sampling is
 // reproducible by seed, and bad input is one line with exit 2.
 TEST(Generate, GreedyEqualsFullForwardArgmaxAndBadInputExitsTwo) {
@@ -930,10 +930,24 @@ TEST(Generate, GreedyEqualsFullForwardArgmaxAndBadInputExitsTwo) {
   }
   std::string ids;
   for (int64_t t : prompt) ids += (ids.empty() ? "" : ",") + std::to_string(t);
-  // The checkpoint folder (newest complete step) and the step folder itself; one thread (a
-  // token's matmuls are too small to share, see README).
+  // The same weights as a torch.distributed.checkpoint folder (checkpoint.format = "dcp").
+  {
+    std::vector<ShardedParam> params;
+    for (const auto& [fqn, t] : w) params.push_back({fqn, t, t.sizes().vec(), 0, t.size(0)});
+    ModelState ms(params, true);
+    CheckpointOptions o;
+    o.enable = true;
+    o.dcp = true;
+    o.folder = (dir / "dcp").string();
+    CheckpointManager mgr(o, CheckpointComm::single_process());
+    mgr.add("model", &ms);
+    mgr.save_to(o.folder, 5, /*model_only=*/true);
+  }
+  ASSERT_TRUE(fs::exists(dir / "dcp" / "step-5" / ".metadata"));
+  // The checkpoint folder (newest complete step), the step folder itself and the DCP folder;
+  // one thread (a token's matmuls are too small to share, see README).
   const std::string err = (dir / "stderr.txt").string();
-  for (const std::string& src : {(dir / "ckpt").string(), step}) {
+  for (const std::string& src : {(dir / "ckpt").string(), step, (dir / "dcp" / "step-5").string()}) {
     const auto r = ctitan::testing::sh("(" + generate_bin() + " " + src + " --threads 1 --prompt-ids " + ids +
                                        " --max-new-tokens " + std::to_string(n_new) + " 2>" + err + ")");
     ASSERT_EQ(r.code, 0) << r.out;
