@@ -755,7 +755,7 @@ MemoryRun memory_run(const JobConfig& cfg, int64_t dp, bool sharded) {
   r.batch = cfg.training.local_batch_size;
   r.seq = cfg.training.seq_len;
   r.ac_mode = cfg.activation_checkpoint.mode;
-  r.checkpoint = cfg.checkpoint.enable;
+  r.async_checkpoint = cfg.checkpoint.enable && cfg.checkpoint.async_mode != "disabled";
   return r;
 }
 
