@@ -17,6 +17,8 @@
 #include <optional>
 #include <iostream>
 #include <random>
+#include <sstream>
+#include <iterator>
 #include <thread>
 
 #include <spdlog/sinks/basic_file_sink.h>
@@ -29,6 +31,7 @@
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/train_adapters.h"
 #include "components/cpu_allocator.h"
+#include "components/gpu_metrics.h"
 #include "components/lr_scheduler.h"
 #include "components/memory_estimate.h"
 #include "components/metrics.h"
@@ -50,6 +53,7 @@
 #include "models/mixtral/model.h"
 #include "parallelisms/activation_checkpoint.h"
 #include "parallelisms/comm.h"
+#include "parallelisms/device.h"
 #include "parallelisms/fsdp.h"
 #include "parallelisms/launch_env.h"
 #include "parallelisms/parallel_dims.h"
@@ -322,6 +326,32 @@ void maybe_inject_fault(int64_t rank, int64_t step, double& loss, const std::vec
       }
   }
   throw RuntimeFailure("injected fault (CTITAN_FAULT=" + std::string(f) + ")");
+}
+
+// Seconds since this process started (/proc/self/stat's start time against /proc/uptime;
+// 10 ms resolution): start-up as the user waits for it, loading of shared libraries included.
+double process_age_s() {
+  std::ifstream stat("/proc/self/stat"), up("/proc/uptime");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const auto paren = text.rfind(')');
+  if (paren == std::string::npos) return 0;
+  std::istringstream fields(text.substr(paren + 2));
+  std::string f;
+  for (int i = 3; i <= 22 && fields >> f; ++i) {
+  }
+  double uptime = 0;
+  up >> uptime;
+  return uptime - std::stod(f) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// Bytes this process has read through read(2) and friends (/proc/self/io rchar), 0 if unknown.
+int64_t process_rchar() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  int64_t v = 0;
+  while (io >> key >> v)
+    if (key == "rchar:") return v;
+  return 0;
 }
 
 // Where a run is, for the line an allocation failure ends with: the step (0 before the
@@ -607,14 +637,10 @@ std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const P
   c->train_state = std::make_unique<ScalarsState>(
       "train_state", std::vector<std::pair<std::string, int64_t*>>{{"step", &ts.step}, {"ntokens_seen", &ts.ntokens_seen}});
   DataLoader* loader = data.loader.get();
-  const Tokenizer* tok = data.tokenizer.get();
-  const std::string source = data.source;
   c->dataloader = std::make_unique<DataLoaderState>(
       [loader] { return loader->state_dict(); }, [loader](const std::string& s) { loader->load_state_dict(s); },
       par.dp_rank, par.dims.dp(), cfg.checkpoint.dataloader_reshard,
-      [tok, source](const std::vector<std::string>& saved, int64_t r, int64_t w) {
-        return redistribute_loader_states(saved, r, w, *tok, source);
-      });
+      [loader](const std::vector<std::string>& saved, int64_t, int64_t) { return loader->redistributed_state(saved); });
   c->rng = std::make_unique<RngState>(par.env.rank, seed);
   std::vector<std::string> fqns;
   for (const auto& p : sp) fqns.push_back(p.fqn);
@@ -643,15 +669,32 @@ void maybe_save(CheckpointManager& manager, int64_t step, bool last_step, const 
   }
 }
 
+// What the GPU path runs today (issue 17): one rank, float32, no FSDP. Several ranks need
+// FSDP's NCCL collectives and its stream plan executed on the device: until then a GPU run
+// on several ranks stops before writing anything, saying how to run instead. (bf16 on one
+// GPU falls back to float32 in fsdp_applies, as on a CPU without native bf16.)
+void check_device_supports(const DeviceChoice& device, const LaunchEnv& launch) {
+  if (!device.cuda || launch.world_size <= 1) return;
+  throw UserError("device: " + std::to_string(launch.world_size) + " ranks on GPUs (FSDP over NCCL) are not "
+                  "implemented yet (issue 17: one rank on " + device.name() + " is); run one rank, or the CPU "
+                  "(CUDA_VISIBLE_DEVICES=)");
+}
+
 // FSDP over the shard group (HSDP: plus the replicate group) whenever there is more than
 // one data-parallel rank. Applied from outside the model: it wraps the model's units.
-bool fsdp_applies(const JobConfig& cfg, const Parallelism& par) {
+bool fsdp_applies(const JobConfig& cfg, const Parallelism& par, const DeviceChoice& device) {
   if (par.dims.dp() > 1) return true;
   // One process: FSDP's machinery over a group of one gives bf16 mixed precision (bf16
   // compute parameters, fp32 master weights, optimizer state and gradients) with the same
   // code and the same rounding as on N ranks. Only where the CPU has native bf16 matmuls:
   // elsewhere bf16 is emulated and slower than float32.
   if (cfg.training.mixed_precision_param == "float32") return false;
+  if (device.cuda) {
+    spdlog::info("training.mixed_precision_param = {}: bf16 on {} needs FSDP's mixed precision on the GPU, not "
+                 "implemented yet (issue 17), so one process trains in float32",
+                 cfg.training.mixed_precision_param, device.name());
+    return false;
+  }
   if (!cpu_has_native_bf16()) {
     spdlog::info("training.mixed_precision_param = {}: this CPU has no native bf16 matmul (avx512_bf16 / "
                  "amx_bf16), so one process trains in float32",
@@ -859,6 +902,9 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
     maybe_inject_oom(at);
   };
   init_logging(!cfg.metrics.disable_color_printing && isatty(STDERR_FILENO), launch.rank);
+  // cuda:LOCAL_RANK in the CUDA build when a GPU is visible, else the CPU (parallelisms/device.h).
+  const DeviceChoice device = choose_device(device_facts(launch.local_rank, launch.local_world_size));
+  check_device_supports(device, launch);
   exit_when_agent_dies(launch);
   Parallelism par = build_parallelism(cfg);
   const int64_t dp_world = par.dims.dp();
@@ -870,7 +916,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
   DataPipeline data = build_data(cfg, par.dp_rank, dp_world);
   const ModelArgs margs = build_model_args(cfg, *data.tokenizer);
   const std::unique_ptr<Validator> validator = maybe_build_validator(cfg, *data.tokenizer, par.dp_rank, dp_world);
-  const bool sharded = fsdp_applies(cfg, par);
+  const bool sharded = fsdp_applies(cfg, par, device);
   const MemoryEstimate mem_estimate = check_memory_fits(cfg, margs, launch, dp_world, sharded);
   at.estimate_bytes = mem_estimate.total();
 
@@ -889,6 +935,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
                launch.launcher, launch.rank, launch.world_size, launch.local_rank, launch.local_world_size, threads,
                wait_policy ? wait_policy : "libgomp default", gemm::backend_name(matmuls), seed,
                cfg.debug.seed ? "" : " (random: set debug.seed to repeat this run)", TORCH_VERSION);
+  spdlog::info("device: {} ({})", device.name(), device.why);
   if (launch.elastic())
     spdlog::info("torchrun: run {}, restart count {} (at most {}){}", launch.run_id, launch.restart_count,
                  launch.max_restarts, launch.agent_store ? ", ranks join the agent's store" : "");
@@ -930,6 +977,16 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
   // The full-size parameters sharding freed sit in the CPU allocator's cache; they are
   // the memory FSDP exists to give back.
   if (fsdp) release_cached_cpu_memory();
+  // A GPU: the model, initialised on the CPU from the seed (the same values as a CPU run's),
+  // moves there; every forward takes its inputs there (validation's too).
+  const torch::Device compute_device = device.cuda ? torch::Device(torch::kCUDA, device.index) : torch::kCPU;
+  if (device.cuda) {
+    use_device(device);
+    model.module->to(compute_device);
+    model.forward = [forward = model.forward, compute_device](const torch::Tensor& x) {
+      return forward(x.to(compute_device, /*non_blocking=*/true));
+    };
+  }
   std::shared_ptr<ActivationCheckpoint> ac = maybe_apply_ac(model, cfg, fsdp.get());
 
   // ---- optimizer and LR schedule (on the local shards with FSDP) ---------------------
@@ -988,8 +1045,10 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
   // ---- training loop --------------------------------------------------------------------
   const std::string peak_dtype = fsdp && cfg.training.mixed_precision_param == "bfloat16" ? "bfloat16" : "float32";
   // The better of ATen's matmul and the GEMM the model's projections use (models/gemm.h),
-  // so MFU is never taken against a slower kernel than the one training runs.
+  // so MFU is never taken against a slower kernel than the one training runs; on a GPU,
+  // cuBLAS's matmul there (components/gpu_metrics.h).
   const auto measure_peak = [&] {
+    if (device.cuda) return gpu_matmul_peak_flops(peak_dtype, device.index);
     const double f = std::max(measure_matmul_peak_flops(peak_dtype),
                               gemm::peak_flops(peak_dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat));
     // Its matrices' sizes are none of training's: the cache would keep them for good.
@@ -998,8 +1057,9 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
   };
   double peak_flops = measure_peak();
   int peak_remeasures = 0;  // see the metrics below
-  spdlog::info("measured {} matmul peak: {:.1f} GFLOP/s per rank (MFU reference: the better of {} and ATen "
-               "matmul)", peak_dtype, peak_flops / 1e9, gemm::backend_name(matmuls));
+  spdlog::info("measured {} matmul peak: {:.1f} GFLOP/s per rank (MFU reference: {})", peak_dtype, peak_flops / 1e9,
+               device.cuda ? "cuBLAS matmul on " + device.name()
+                           : std::string("the better of ") + gemm::backend_name(matmuls) + " and ATen matmul");
   MetricsLogger metrics(cfg.job.dump_folder, /*write=*/launch.rank == 0, cfg.training.steps);
   maybe_enable_tensorboard(metrics, cfg, par);
   const int64_t B = cfg.training.local_batch_size, T = cfg.training.seq_len;
@@ -1038,9 +1098,15 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
       phase(step, "data" + of_micro(micro));
       const auto t_data = Clock::now();
       Batch batch = data.loader->next();
+      if (step == first_step && micro == 0)
+        spdlog::info("first batch ready {:.2f} s after the process started", process_age_s());
       maybe_trace_batch(batch, launch.rank, step);
       auto inputs = torch::from_blob(batch.inputs.data(), {B, T}, torch::kInt64).clone();  // [B, T]
       auto labels = torch::from_blob(batch.labels.data(), {B, T}, torch::kInt64).clone();  // [B, T]
+      if (device.cuda) {  // from pinned host memory, queued behind nothing the host waits for
+        inputs = inputs.pin_memory().to(compute_device, /*non_blocking=*/true);
+        labels = labels.pin_memory().to(compute_device, /*non_blocking=*/true);
+      }
       data_s += seconds_since(t_data);
 
       const double heap_before = heap_in_use_gib();
@@ -1101,10 +1167,14 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
 
     phase(step, "metrics");
     if (step == 1 || step % cfg.metrics.log_freq == 0 || step == cfg.training.steps) {
+      if (device.cuda) gpu_synchronize(device.index);  // the window ends when the GPU's work does
       const double dt = seconds_since(window_start);
       const double comm_s = fsdp ? fsdp->stats().comm_wait_s - comm_mark : 0.0;
       comm_mark = fsdp ? fsdp->stats().comm_wait_s : 0.0;
-      const auto maxes = world_max(par, {peak_rss_gib(), comm_s, data_s, activation_gib, loss_sum});
+      // memory_gib: the peak RSS; on a GPU, torchtitan's memory/max_reserved(GiB) of the device.
+      const GpuMemory gpu_mem = device.cuda ? gpu_memory(device.index) : GpuMemory{};
+      const auto maxes = world_max(
+          par, {device.cuda ? gpu_mem.peak_reserved_gib : peak_rss_gib(), comm_s, data_s, activation_gib, loss_sum});
       StepMetrics m;
       m.step = step;
       m.loss = loss_mean;
@@ -1128,6 +1198,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
       m.elapsed_s = seconds_since(train_start);
       if (fsdp) m.extra.emplace_back("comm_wait_s", maxes[1]);
       m.extra.emplace_back("state_gib", state_gib);
+      if (device.cuda) m.extra.emplace_back("gpu_peak_allocated_gib", gpu_mem.peak_allocated_gib);
       m.extra.emplace_back("activation_gib", maxes[3]);
       if (skipped_steps) m.extra.emplace_back("skipped_steps", static_cast<double>(skipped_steps));
       if (cfg.training.on_bad_document == "skip") {
@@ -1192,6 +1263,10 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
   }
   spdlog::info("training done: {} steps in {}", cfg.training.steps,
                format_duration(seconds_since(train_start)));
+  spdlog::info("data: dp rank {} read {} bytes of the corpus ({} documents parsed); the process read {} bytes "
+               "(rchar), peak RSS {:.0f} MiB",
+               par.dp_rank, data.loader->bytes_read(), data.loader->documents_parsed(), process_rchar(),
+               peak_rss_gib() * 1024);
   spdlog::default_logger()->flush();
   return 0;
 }

@@ -4,16 +4,76 @@
 //   dataloader_bench <tokenizer.model> <text file or folder> <seq_len> <batch> <seconds>
 //
 // Prints one JSON line: {"tokens_per_s":..., "batches":..., "epochs":...}.
+//
+//   dataloader_bench scan <corpus> <dp_rank> <dp_world> [ranges|interleaved]
+//
+// (bench/data_sharding.sh) reads and parses every document of one rank's share of one pass,
+// without tokenizing: "ranges" as the loader shards (datasets/sharding.h), "interleaved" as
+// builds before it did (the whole stream, keeping documents rank, rank+W, ...). Prints
+// {"rank":..., "documents":..., "bytes_parsed":..., "rchar":..., "seconds":...}; rchar is
+// /proc/self/io's count of bytes this process read.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "datasets/dataloader.h"
+#include "datasets/sharding.h"
+#include "datasets/text_source.h"
 #include "datasets/tokenizer.h"
 
+namespace {
+
+long long rchar() {
+  std::ifstream io("/proc/self/io");
+  std::string k;
+  long long v = 0;
+  while (io >> k >> v)
+    if (k == "rchar:") return v;
+  return -1;
+}
+
+int scan(const std::string& source, int64_t rank, int64_t world, bool interleaved) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const long long r0 = rchar();
+  ctitan::DocumentReader reader(source);
+  std::vector<ctitan::SourceFile> files;
+  for (const auto& path : reader.files()) {
+    ctitan::SourceFile f;
+    f.name = std::filesystem::path(path).filename().string();
+    f.extent = std::filesystem::file_size(path);
+    f.splittable = path.size() < 3 || path.compare(path.size() - 3, 3, ".gz") != 0;
+    files.push_back(f);
+  }
+  std::vector<ctitan::WorkUnit> work;
+  if (interleaved) work.push_back({0, 0, ctitan::WorkUnit::kToEnd, world, rank, 0, true});
+  else work = ctitan::plan_pass(files, rank, world);
+  long long docs = 0;
+  ctitan::Document d;
+  for (auto& u : work) {
+    reader.set_range(u.file, u.begin, u.end, u.chain);
+    while (reader.next(&d)) docs += u.ordinal++ % u.stride == u.phase;
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("{\"rank\": %lld, \"documents\": %lld, \"bytes_parsed\": %llu, \"rchar\": %lld, \"seconds\": %.2f}\n",
+              static_cast<long long>(rank), docs, static_cast<unsigned long long>(reader.bytes_read()), rchar() - r0, s);
+  return 0;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  if (argc >= 5 && std::string(argv[1]) == "scan") {
+    try {
+      return scan(argv[2], std::atoll(argv[3]), std::atoll(argv[4]), argc > 5 && std::string(argv[5]) == "interleaved");
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "dataloader_bench: %s\n", e.what());
+      return 1;
+    }
+  }
   if (argc != 6) {
     std::fprintf(stderr, "usage: %s <tokenizer.model> <text> <seq_len> <batch> <seconds>\n", argv[0]);
     return 2;

@@ -12,6 +12,9 @@ torch.autocast("cpu", torch.bfloat16), and optionally:
   --fsdp      FSDP2: fully_shard on every block, then the root, over Gloo; bf16 as
               MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) instead of autocast,
               as torchtitan does. Start it with torchrun; tokens/s is summed over the ranks.
+  --device cuda  on one GPU (scripts/gpu_check.sh's benchmark): model, batch and fused AdamW
+              there, bf16 through torch.autocast("cuda"); the timed steps end with a device
+              synchronisation (each step's loss.item()), peak CUDA memory reported.
 
 Two modes:
   speed:  random tokens, --warmup steps untimed, then --steps timed; prints one JSON line.
@@ -92,7 +95,7 @@ class Block(nn.Module):
     def __init__(self, a):
         super().__init__()
         self.attention = Attention(a.dim, a.heads, a.kv_heads)
-        self.feed_forward = FeedForward(a.dim, ffn_hidden(a.dim))
+        self.feed_forward = FeedForward(a.dim, a.ffn_hidden or ffn_hidden(a.dim))
         self.attention_norm = RMSNorm(a.dim, a.norm_eps)
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
 
@@ -136,7 +139,7 @@ def train_step(model, opt, inputs, labels, args, lr=None):
         for g in opt.param_groups:
             g["lr"] = lr
     opt.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bf16" and not args.fsdp):
+    with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.dtype == "bf16" and not args.fsdp):
         logits = model(inputs)
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
     loss.backward()
@@ -183,6 +186,8 @@ def main():
     p.add_argument("--lrs", help="comma-separated learning rate of each step: parity mode")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (inductor)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 over Gloo (start with torchrun)")
+    p.add_argument("--ffn-hidden", type=int, default=0, help="FFN width (default: torchtitan's from dim)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -213,10 +218,11 @@ def main():
 
     for prm in model.parameters():  # speed only: torchtitan-like scales
         nn.init.normal_(prm, std=0.02) if prm.dim() > 1 else None
+    model.to(args.device)
     opt = torch.optim.AdamW(model.parameters(), fused=not args.fsdp, **opt_kw)
     g = torch.Generator().manual_seed(1)
     toks = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
-    inputs, labels = toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
+    inputs, labels = toks[:, :-1].contiguous().to(args.device), toks[:, 1:].contiguous().to(args.device)
     for _ in range(args.warmup):
         train_step(model, opt, inputs, labels, args)
     t0 = time.perf_counter()
@@ -225,13 +231,18 @@ def main():
     dt = (time.perf_counter() - t0) / args.steps
     if args.fsdp and int(os.environ["RANK"]) != 0:
         return
-    print(json.dumps({
+    out = {
         "tokens_per_s": world * args.batch * args.seq / dt,
         "step_s": dt,
         "loss": loss,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "threads": torch.get_num_threads(),
-    }))
+    }
+    if args.device == "cuda":
+        out["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        out["peak_gpu_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["torch"] = torch.__version__
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

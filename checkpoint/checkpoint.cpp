@@ -24,6 +24,7 @@
 #include "checkpoint/hf.h"
 #include "config/errors.h"
 #include "config/job_config.h"
+#include "models/device_route.h"
 
 namespace fs = std::filesystem;
 
@@ -614,6 +615,12 @@ void CheckpointReader::read_chunk_into(const EntryMeta& e, const ChunkMeta& c, v
 
 void CheckpointReader::read_rows(const std::string& key, int64_t begin, int64_t end, const at::Tensor& dest) const {
   torch::NoGradGuard no_grad;
+  if (on_gpu(dest)) {  // read on the host, then one copy to the device
+    at::Tensor host = at::empty(dest.sizes(), dest.options().device(at::kCPU));
+    read_rows(key, begin, end, host);
+    dest.copy_(host);
+    return;
+  }
   const EntryMeta& e = entry(key);
   TORCH_CHECK(!e.is_bytes, "[checkpoint] ", key, " is not a tensor");
   TORCH_CHECK(0 <= begin && begin <= end && end <= e.rows(), "[checkpoint] rows [", begin, ", ", end, ") of ", key,
@@ -888,6 +895,7 @@ struct CheckpointManager::Pending {
   bool model_only = false;
   bool hf = false;  // converted to an HF folder when committed (checkpoint.last_save_in_hf)
   bool dcp = false;  // a torch.distributed.checkpoint folder (checkpoint.format = "dcp")
+  bool pinned = false;  // some entries live in the pinned staging buffer until the write ends
   std::vector<StateEntry> entries;
   std::thread thread;
   std::string status;  // "ok\n<fragment>" or "error <message>"
@@ -896,6 +904,27 @@ struct CheckpointManager::Pending {
   double blocked_s = 0;  // time the caller (training) spent inside begin_save + complete_save
   std::chrono::steady_clock::time_point t0;
 };
+
+void CheckpointManager::stage_gpu_tensors(std::vector<StateEntry>& entries, const std::vector<size_t>& on_gpu) {
+  std::vector<int64_t> sizes;
+  for (size_t i : on_gpu) {
+    StateEntry& e = entries[i];
+    e.tensor = e.tensor.contiguous();
+    sizes.push_back(static_cast<int64_t>(e.tensor.numel()) * e.tensor.element_size());
+  }
+  const ckpt::StagingBuffer::Layout layout = pinned_.begin(sizes);  // refused while a writer reads it
+  if (layout.grow) {
+    pinned_buffer_ = at::Tensor();  // the old pinned block goes back before the larger one is pinned
+    pinned_buffer_ = at::empty({pinned_.capacity()}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  }
+  for (size_t j = 0; j < on_gpu.size(); ++j) {
+    StateEntry& e = entries[on_gpu[j]];
+    const auto& slot = layout.slots[j];
+    at::Tensor host = pinned_buffer_.narrow(0, slot.offset, slot.bytes).view(e.tensor.scalar_type()).view(e.tensor.sizes());
+    host.copy_(e.tensor);  // device to pinned host: DMA; blocking, so the writer may read it at once
+    e.tensor = host;
+  }
+}
 
 CheckpointManager::CheckpointManager(CheckpointOptions options, CheckpointComm comm)
     : opt_(std::move(options)), comm_(std::move(comm)) {
@@ -1066,9 +1095,22 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
   // copying into memory already mapped costs a fraction of fresh allocations' page faults
   // (torchtitan keeps a pinned staging copy for the same reason).
   torch::NoGradGuard no_grad;
-  size_t k = 0;
-  for (auto& e : entries) {
+  // GPU tensors: copied to the pinned staging buffer, the copy the writer reads (either mode).
+  std::vector<size_t> gpu;
+  for (size_t i = 0; i < entries.size(); ++i)
+    if (!entries[i].is_bytes && on_gpu(entries[i].tensor)) gpu.push_back(i);
+  if (!gpu.empty()) {
+    stage_gpu_tensors(entries, gpu);
+    p.pinned = true;
+  }
+  size_t k = 0, next_gpu = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    StateEntry& e = entries[i];
     if (e.is_bytes) continue;
+    if (next_gpu < gpu.size() && gpu[next_gpu] == i) {
+      ++next_gpu;
+      continue;  // already a copy of its own
+    }
     if (!async) {
       e.tensor = e.tensor.contiguous();
       continue;
@@ -1092,6 +1134,7 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
     }
     p.write_s = seconds_since(tw);
     p.entries.clear();  // release the copies
+    if (p.pinned) pinned_.finished();
   };
   if (async)
     p.thread = std::thread([work] {

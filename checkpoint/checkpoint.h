@@ -34,6 +34,7 @@
 
 #include "checkpoint/format.h"
 #include "checkpoint/pickle.h"
+#include "checkpoint/staging.h"
 
 namespace torch::optim {
 class Optimizer;
@@ -352,6 +353,11 @@ class CheckpointManager {
   std::vector<std::pair<std::string, Stateful*>> components_;
   std::unique_ptr<Pending> pending_;
   std::vector<at::Tensor> staging_;  // async: this rank's copy of the state, reused save to save
+  // Tensors on a GPU: copied into one pinned host buffer (checkpoint/staging.h), kept from
+  // save to save; pinned_ says where each goes and when the buffer may be reused.
+  void stage_gpu_tensors(std::vector<StateEntry>& entries, const std::vector<size_t>& on_gpu);
+  ckpt::StagingBuffer pinned_;
+  at::Tensor pinned_buffer_;
   std::function<void(StateDict&)> dcp_extras_;
   int64_t last_saved_step_ = -1;
 };

@@ -171,7 +171,18 @@ HFModelConfig HFModelConfig::parse(const std::string& text, const std::string& w
   }
   c.rms_norm_eps = real(root, "rms_norm_eps", 1e-6);
   c.rope_theta = real(root, "rope_theta", 10000);
-  if (const json::Value* rs = get(root, "rope_scaling"); rs && rs->type == json::Value::Type::Object) {
+  // transformers 5 writes RoPE as one object, "rope_parameters": {"rope_theta", "rope_type"
+  // ("default" or "llama3" with its factors)}, instead of rope_theta + rope_scaling.
+  const json::Value* rs = get(root, "rope_scaling");
+  if (const json::Value* rp = get(root, "rope_parameters"); rp && rp->type == json::Value::Type::Object) {
+    c.rope_theta = real(*rp, "rope_theta", c.rope_theta);
+    const json::Value* type = rp->find("rope_type");
+    if (type && type->type == json::Value::Type::String && type->text == "default")
+      rs = nullptr;
+    else
+      rs = rp;
+  }
+  if (rs && rs->type == json::Value::Type::Object) {
     const json::Value* type = rs->find("rope_type");
     if (!type) type = rs->find("type");
     if (!type || type->type != json::Value::Type::String || type->text != "llama3")

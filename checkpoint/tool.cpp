@@ -16,6 +16,7 @@
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/dcp.h"
 #include "checkpoint/hf.h"
+#include "checkpoint/model_source.h"
 #include "checkpoint/torch_save.h"
 #include "config/errors.h"
 #include "models/llama/model.h"
@@ -103,18 +104,6 @@ std::string inspect_checkpoint(const std::string& path, bool verify) {
 
 namespace {
 
-// A checkpoint's model tensors under ctitan's names, whichever form holds them.
-struct ModelTensors {
-  std::string form;  // sharded | hf | consolidated
-  std::string model_name, flavor;
-  int64_t step = 0;
-  ParamList params;  // ctitan names and global shapes, model order
-  std::string dtype;  // dtype of tok_embeddings.weight as stored
-  std::function<at::Tensor(const std::string&)> read;  // full tensor, stored dtype
-  std::function<std::string(const std::string&)> dtype_of;  // that stored dtype, without reading
-  std::optional<HFModelConfig> hf_config;              // the source's own config.json (hf form)
-};
-
 std::string dtype_name_of(at::ScalarType t) {
   if (t == at::kFloat) return "float32";
   if (t == at::kBFloat16) return "bfloat16";
@@ -184,9 +173,91 @@ std::string flavor_from_shapes(const std::string& name, const std::map<std::stri
   throw UserError("checkpoint tool: the tensors of " + what + " match no " + name + " flavor; pass --flavor");
 }
 
+std::string shape_text(const std::vector<int64_t>& s) {
+  std::string o = "[";
+  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+  return o + "]";
+}
+
+// "step-<N>" -> N, else -1.
+int64_t step_of_folder_name(const std::string& path) {
+  static const std::regex re("step-([0-9]+)");
+  std::smatch m;
+  const std::string name = fs::path(path).filename().string();
+  return std::regex_match(name, m, re) ? std::stoll(m[1]) : -1;
+}
+
+// torch.save's format (checkpoint/torch_save.h), one tensor in memory at a time; each tensor
+// in `dtype`, or as stored when "".
+void write_consolidated(const ModelTensors& m, const std::string& out_file, const std::string& dtype) {
+  std::vector<torch_save::TensorSpec> specs;
+  for (const auto& [fqn, shape] : m.params) specs.push_back({fqn, dtype.empty() ? m.dtype_of(fqn) : dtype, shape});
+  torch_save::Writer w(out_file, specs);
+  for (const auto& s : specs) {
+    const at::Tensor t = m.read(s.name).to(scalar_type_named(s.dtype)).contiguous();
+    TORCH_CHECK(t.sizes().vec() == s.shape, "[checkpoint tool] ", s.name, " read with shape ", t.sizes(),
+                ", declared ", shape_text(s.shape));
+    w.write(s.name, t.data_ptr(), t.nbytes());
+  }
+  w.commit();
+}
+
+// Writes into <out>.partial, then renames: <out> appears complete or not at all.
+void write_hf(const ModelTensors& m, const std::string& out, const std::string& dtype) {
+  std::error_code ec;
+  if (fs::exists(out, ec) && !fs::is_empty(out, ec))
+    throw UserError("checkpoint tool: " + out + " exists and is not empty; choose a new folder");
+  const std::string stage = fs::path(out).lexically_normal().string() + ".partial";
+  fs::remove_all(stage);
+  fs::create_directories(stage);
+  const int64_t vocab = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())
+                            .at("tok_embeddings.weight")
+                            .at(0);
+  const HFModelConfig c = m.hf_config ? *m.hf_config : hf_config_for(m.model_name, m.flavor, vocab);
+  write_hf_files(stage, c, m.params, dtype.empty() ? m.dtype : dtype, m.read,
+                 {{"ctitan.model", m.model_name + " " + m.flavor}, {"ctitan.step", std::to_string(m.step)}});
+  fs::remove(out, ec);
+  fs::rename(stage, out);
+  ckpt::fsync_dir(fs::absolute(out).parent_path().string());
+}
+
+// A one-rank, model-only checkpoint at <parent>/step-<N> (the normal save path).
+void write_sharded(const ModelTensors& m, const std::string& out, const std::string& dtype) {
+  const int64_t step = step_of_folder_name(out);
+  if (step < 0)
+    throw UserError("checkpoint tool: a sharded checkpoint is written as a folder named step-<N> (e.g. " +
+                    (fs::path(out).parent_path() / "step-0").string() + "), not " + out);
+  std::error_code ec;
+  if (fs::exists(out, ec)) throw UserError("checkpoint tool: " + out + " exists; choose a new folder");
+  std::vector<ShardedParam> params;
+  for (const auto& [fqn, shape] : m.params) {
+    at::Tensor t = m.read(fqn).contiguous();
+    params.push_back({fqn, t, shape, 0, shape.empty() ? 1 : shape[0]});
+  }
+  ModelState ms(params, true);
+  if (!dtype.empty()) ms.set_export_dtype(dtype);
+  CheckpointOptions o;
+  o.enable = true;
+  o.folder = fs::path(out).parent_path().string();
+  o.model_name = m.model_name;
+  o.model_flavor = m.flavor;
+  CheckpointManager mgr(o, CheckpointComm::single_process());
+  mgr.add("model", &ms);
+  mgr.save_to(o.folder, step, /*model_only=*/true);
+}
+
+}  // namespace
+
+int64_t ModelTensors::vocab_size() const {
+  for (const auto& [fqn, shape] : params)
+    if (fqn == "tok_embeddings.weight") return shape.at(0);
+  throw UserError("checkpoint tool: the model holds no tok_embeddings.weight");
+}
+
 ModelTensors open_model(const std::string& path, const std::string& name_arg, const std::string& flavor_arg) {
   ModelTensors m;
   std::error_code ec;
+  if (!fs::exists(path, ec)) throw UserError("checkpoint tool: " + path + " does not exist");
   if (fs::is_directory(path, ec) && (fs::exists(fs::path(path) / "metadata", ec) || dcp::is_dcp_folder(path))) {
     auto r = std::make_shared<CheckpointReader>(path);
     m.form = "sharded";
@@ -280,81 +351,6 @@ ModelTensors open_model(const std::string& path, const std::string& name_arg, co
                   " is neither a checkpoint step folder, an HF safetensors folder nor a consolidated .pt file");
 }
 
-std::string shape_text(const std::vector<int64_t>& s) {
-  std::string o = "[";
-  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-  return o + "]";
-}
-
-// "step-<N>" -> N, else -1.
-int64_t step_of_folder_name(const std::string& path) {
-  static const std::regex re("step-([0-9]+)");
-  std::smatch m;
-  const std::string name = fs::path(path).filename().string();
-  return std::regex_match(name, m, re) ? std::stoll(m[1]) : -1;
-}
-
-// torch.save's format (checkpoint/torch_save.h), one tensor in memory at a time; each tensor
-// in `dtype`, or as stored when "".
-void write_consolidated(const ModelTensors& m, const std::string& out_file, const std::string& dtype) {
-  std::vector<torch_save::TensorSpec> specs;
-  for (const auto& [fqn, shape] : m.params) specs.push_back({fqn, dtype.empty() ? m.dtype_of(fqn) : dtype, shape});
-  torch_save::Writer w(out_file, specs);
-  for (const auto& s : specs) {
-    const at::Tensor t = m.read(s.name).to(scalar_type_named(s.dtype)).contiguous();
-    TORCH_CHECK(t.sizes().vec() == s.shape, "[checkpoint tool] ", s.name, " read with shape ", t.sizes(),
-                ", declared ", shape_text(s.shape));
-    w.write(s.name, t.data_ptr(), t.nbytes());
-  }
-  w.commit();
-}
-
-// Writes into <out>.partial, then renames: <out> appears complete or not at all.
-void write_hf(const ModelTensors& m, const std::string& out, const std::string& dtype) {
-  std::error_code ec;
-  if (fs::exists(out, ec) && !fs::is_empty(out, ec))
-    throw UserError("checkpoint tool: " + out + " exists and is not empty; choose a new folder");
-  const std::string stage = fs::path(out).lexically_normal().string() + ".partial";
-  fs::remove_all(stage);
-  fs::create_directories(stage);
-  const int64_t vocab = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())
-                            .at("tok_embeddings.weight")
-                            .at(0);
-  const HFModelConfig c = m.hf_config ? *m.hf_config : hf_config_for(m.model_name, m.flavor, vocab);
-  write_hf_files(stage, c, m.params, dtype.empty() ? m.dtype : dtype, m.read,
-                 {{"ctitan.model", m.model_name + " " + m.flavor}, {"ctitan.step", std::to_string(m.step)}});
-  fs::remove(out, ec);
-  fs::rename(stage, out);
-  ckpt::fsync_dir(fs::absolute(out).parent_path().string());
-}
-
-// A one-rank, model-only checkpoint at <parent>/step-<N> (the normal save path).
-void write_sharded(const ModelTensors& m, const std::string& out, const std::string& dtype) {
-  const int64_t step = step_of_folder_name(out);
-  if (step < 0)
-    throw UserError("checkpoint tool: a sharded checkpoint is written as a folder named step-<N> (e.g. " +
-                    (fs::path(out).parent_path() / "step-0").string() + "), not " + out);
-  std::error_code ec;
-  if (fs::exists(out, ec)) throw UserError("checkpoint tool: " + out + " exists; choose a new folder");
-  std::vector<ShardedParam> params;
-  for (const auto& [fqn, shape] : m.params) {
-    at::Tensor t = m.read(fqn).contiguous();
-    params.push_back({fqn, t, shape, 0, shape.empty() ? 1 : shape[0]});
-  }
-  ModelState ms(params, true);
-  if (!dtype.empty()) ms.set_export_dtype(dtype);
-  CheckpointOptions o;
-  o.enable = true;
-  o.folder = fs::path(out).parent_path().string();
-  o.model_name = m.model_name;
-  o.model_flavor = m.flavor;
-  CheckpointManager mgr(o, CheckpointComm::single_process());
-  mgr.add("model", &ms);
-  mgr.save_to(o.folder, step, /*model_only=*/true);
-}
-
-}  // namespace
-
 void export_consolidated(const std::string& step_path, const std::string& out_file, const std::string& dtype) {
   CheckpointReader check(step_path);  // a missing or incomplete step folder is reported as such
   write_consolidated(open_model(step_path, "", ""), out_file, dtype);
@@ -421,40 +417,69 @@ std::string inspect_hf(const std::string& path, bool verify) {
   return out.str();
 }
 
-void dump_logits(const std::string& src, const std::vector<int64_t>& tokens, const std::string& out_file) {
-  if (tokens.empty()) throw UserError("checkpoint tool: logits needs at least one token");
-  const ModelTensors m = open_model(src, "", "");
-  const int64_t vocab = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())
-                            .at("tok_embeddings.weight")
-                            .at(0);
-  for (int64_t t : tokens)
-    if (t < 0 || t >= vocab)
-      throw UserError("checkpoint tool: token " + std::to_string(t) + " is outside the vocabulary [0, " +
-                      std::to_string(vocab) + ")");
-  const int64_t T = static_cast<int64_t>(tokens.size());
-  std::shared_ptr<torch::nn::Module> module;
-  std::function<at::Tensor(const at::Tensor&)> forward;
+InferenceModel load_inference_model(const ModelTensors& m, int64_t max_seq_len) {
+  InferenceModel im;
+  im.name = m.model_name;
+  im.flavor = m.flavor;
+  im.vocab_size = m.vocab_size();
+  im.max_seq_len = max_seq_len;
+  const std::optional<HFModelConfig>& hf = m.hf_config;
   auto build = [&](auto args, auto make) {  // either family: the flavor with this vocabulary
-    args.vocab_size = vocab;
-    args.max_seq_len = T;
+    args.vocab_size = im.vocab_size;
+    args.max_seq_len = max_seq_len;
+    if (hf) {  // what config.json says beyond the structure
+      args.norm_eps = hf->rms_norm_eps;
+      args.rope_theta = hf->rope_theta;
+    }
     auto model = make(args);
-    module = model.ptr();
-    forward = [model](const at::Tensor& x) mutable { return model->forward(x); };
+    im.module = model.ptr();
+    im.forward = [model](const at::Tensor& x) mutable { return model->forward(x); };
+    im.forward_cached = [model](const at::Tensor& x, KVCache& c) mutable { return model->forward_cached(x, c); };
+    im.new_cache = [model](int64_t b, int64_t cap) { return model->new_cache(b, cap, torch::kFloat); };
   };
-  if (m.model_name == "mixtral")
+  if (m.model_name == "mixtral") {
+    if (hf && hf->rope_scaling)
+      throw UserError("checkpoint tool: rope_scaling in a Mixtral config.json is not supported (ctitan's Mixtral has none)");
     build(mixtral::mixtral_flavor(m.flavor), [](const auto& a) { return mixtral::Transformer(a); });
-  else
-    build(llama::llama3_flavor(m.flavor), [](const auto& a) { return llama::Transformer(a); });
-  module->eval();
+  } else {
+    auto args = llama::llama3_flavor(m.flavor);
+    if (hf) args.rope_scaling = hf->rope_scaling;
+    build(args, [](const auto& a) { return llama::Transformer(a); });
+  }
+  im.module->eval();
   torch::NoGradGuard no_grad;
-  for (auto& kv : module->named_parameters()) kv.value().copy_(m.read(kv.key()));
-  auto x = torch::tensor(tokens, torch::kInt64).view({1, T});
-  at::Tensor logits = forward(x).to(torch::kFloat).view({T, vocab}).contiguous();  // [T, V]
-  auto tok = torch::tensor(tokens, torch::kInt64);
-  safetensors::Writer w(out_file, {{"logits", "F32", {T, vocab}}, {"tokens", "I64", {T}}},
+  for (auto& kv : im.module->named_parameters()) kv.value().copy_(m.read(kv.key()));
+  return im;
+}
+
+void dump_logits(const std::string& src, const std::vector<std::vector<int64_t>>& batch, const std::string& out_file) {
+  if (batch.empty() || batch[0].empty()) throw UserError("checkpoint tool: logits needs at least one token");
+  const int64_t B = static_cast<int64_t>(batch.size()), T = static_cast<int64_t>(batch[0].size());
+  for (const auto& seq : batch)
+    if (static_cast<int64_t>(seq.size()) != T)
+      throw UserError("checkpoint tool: the sequences of a logits batch must have the same length (" +
+                      std::to_string(T) + " and " + std::to_string(seq.size()) + " tokens)");
+  const ModelTensors m = open_model(src, "", "");
+  const int64_t vocab = m.vocab_size();
+  std::vector<int64_t> flat;
+  for (const auto& seq : batch)
+    for (int64_t t : seq) {
+      if (t < 0 || t >= vocab)
+        throw UserError("checkpoint tool: token " + std::to_string(t) + " is outside the vocabulary [0, " +
+                        std::to_string(vocab) + ")");
+      flat.push_back(t);
+    }
+  const InferenceModel model = load_inference_model(m, T);
+  torch::NoGradGuard no_grad;
+  auto x = torch::tensor(flat, torch::kInt64).view({B, T});
+  at::Tensor logits = model.forward(x).to(torch::kFloat).contiguous();  // [B, T, V]
+  // One sequence: [T, V] and [T], as before batches were accepted.
+  std::vector<int64_t> lshape = {B, T, vocab}, tshape = {B, T};
+  if (B == 1) lshape = {T, vocab}, tshape = {T};
+  safetensors::Writer w(out_file, {{"logits", "F32", lshape}, {"tokens", "I64", tshape}},
                         {{"source", src}, {"model", m.model_name + " " + m.flavor}});
   for (const auto& spec : w.order()) {
-    const at::Tensor& t = spec.name == "logits" ? logits : tok;
+    const at::Tensor& t = spec.name == "logits" ? logits : x;
     w.write(spec.name, t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
   }
   w.commit();
@@ -467,8 +492,9 @@ int checkpoint_tool_main(const std::vector<std::string>& args) {
       "       checkpoint_tool convert <src> <dst> [--to sharded|consolidated|hf] [--dtype D] [--model M] [--flavor F]\n"
       "           src: a step folder, an HF safetensors folder or a consolidated .pt file; dst form from --to,\n"
       "           else from its name (*.pt: consolidated, step-<N>: sharded, other: HF folder)\n"
-      "       checkpoint_tool logits <src> <token,token,...> <out.safetensors>\n"
+      "       checkpoint_tool logits <src> <token,token,...[;token,...]> <out.safetensors>\n"
       "           runs the model (float32, one process) on the tokens; writes logits [T, V] and tokens [T]\n"
+      "           (a batch of equal-length sequences separated by ';': logits [B, T, V], tokens [B, T])\n"
       "       .pt files are written as torch.save writes a dict of tensors: torch.load(path) reads them with\n"
       "           its default weights_only=True, and with mmap=True (checked with PyTorch 2.13.0+cpu); read are\n"
       "           those, earlier ctitan versions' .pt files and torch.save's of a plain dict (not an OrderedDict)\n"
@@ -506,21 +532,34 @@ int checkpoint_tool_main(const std::vector<std::string>& args) {
       return 0;
     }
     if (args.size() == 4 && args[0] == "logits") {
-      std::vector<int64_t> tokens;
-      std::stringstream ss(args[2]);
-      for (std::string t; std::getline(ss, t, ',');) {
+      std::vector<std::vector<int64_t>> batch(1);
+      std::string cur;
+      auto flush = [&] {
         size_t pos = 0;
         long long v = 0;
         try {
-          v = std::stoll(t, &pos);
+          v = std::stoll(cur, &pos);
         } catch (const std::exception&) {
           pos = std::string::npos;
         }
-        if (pos != t.size()) throw UserError("checkpoint tool: \"" + t + "\" in the token list is not an integer");
-        tokens.push_back(v);
+        if (pos != cur.size()) throw UserError("checkpoint tool: \"" + cur + "\" in the token list is not an integer");
+        batch.back().push_back(v);
+        cur.clear();
+      };
+      for (char c : args[2]) {
+        if (c == ',') {
+          flush();
+        } else if (c == ';') {
+          flush();
+          batch.emplace_back();
+        } else {
+          cur += c;
+        }
       }
-      dump_logits(args[1], tokens, args[3]);
-      std::cout << "wrote " << args[3] << " (logits [" << tokens.size() << ", V] float32)\n";
+      flush();
+      dump_logits(args[1], batch, args[3]);
+      std::cout << "wrote " << args[3] << " (logits [" << (batch.size() > 1 ? std::to_string(batch.size()) + ", " : "")
+                << batch[0].size() << ", V] float32)\n";
       return 0;
     }
     std::cerr << usage;

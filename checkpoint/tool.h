@@ -13,7 +13,7 @@
 //   checkpoint_tool inspect  <step folder | checkpoint folder | HF folder> [--verify]
 //   checkpoint_tool export   <step folder> <out.pt> [--dtype float32|bfloat16|float16]
 //   checkpoint_tool convert  <src> <dst> [--to sharded|consolidated|hf] [--dtype D] [--model M] [--flavor F]
-//   checkpoint_tool logits   <src> <t0,t1,...> <out.safetensors>
+//   checkpoint_tool logits   <src> <t0,t1,...[;t0,t1,...]> <out.safetensors>
 //
 // The executable is a two-line main calling checkpoint_tool_main (see the report / README).
 #pragma once
@@ -46,9 +46,10 @@ std::string convert_checkpoint(const std::string& src, const std::string& dst, s
 // reads every tensor and checks every ctitan parameter is present.
 std::string inspect_hf(const std::string& path, bool verify);
 
-// Runs the model held by `src` (any form) in float32 on one sequence of tokens and writes
-// a safetensors file with "logits" [T, V] (F32) and "tokens" [T] (I64).
-void dump_logits(const std::string& src, const std::vector<int64_t>& tokens, const std::string& out_file);
+// Runs the model held by `src` (any form) in float32 on a batch of equal-length token
+// sequences and writes a safetensors file with "logits" [B, T, V] (F32) and "tokens" [B, T]
+// (I64); for one sequence [T, V] and [T].
+void dump_logits(const std::string& src, const std::vector<std::vector<int64_t>>& batch, const std::string& out_file);
 
 // argv-style entry point of the tool; returns the process exit code: 0 ok; 2 a usage error
 // or a bad input (UserError), a damaged .pt file included (truncated, a bad zip entry, a

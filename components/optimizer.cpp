@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "config/errors.h"
+#include "models/device_route.h"
 #include "models/kernel_math.h"
 
 namespace ctitan {
@@ -51,6 +52,10 @@ class FusedAdamW : public torch::optim::AdamW {
     for (auto& group : param_groups_) {
       const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
       TORCH_CHECK(!o.amsgrad(), "[optimizer] FusedAdamW does not implement amsgrad");
+      if (!group.params().empty() && on_gpu(group.params().front())) {
+        step_on_gpu(group, o);
+        continue;
+      }
       for (auto& p : group.params()) {
         if (!p.grad().defined()) continue;
         TORCH_CHECK(p.scalar_type() == torch::kFloat && p.is_contiguous() && p.grad().is_contiguous() &&
@@ -65,6 +70,25 @@ class FusedAdamW : public torch::optim::AdamW {
   }
 
  private:
+  // Parameters on a GPU: torch's fused AdamW (one multi-tensor kernel over the group; its
+  // formula is the one above), with the same state objects and step counts as on the CPU.
+  void step_on_gpu(torch::optim::OptimizerParamGroup& group, const torch::optim::AdamWOptions& o) {
+    std::vector<torch::Tensor> ps, gs, ms, vs, steps;
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      auto& st = state_for(p);
+      st.step(st.step() + 1);
+      ps.push_back(p);
+      gs.push_back(p.grad());
+      ms.push_back(st.exp_avg());
+      vs.push_back(st.exp_avg_sq());
+      steps.push_back(torch::full({}, static_cast<double>(st.step()), p.options().dtype(torch::kFloat)));
+    }
+    if (ps.empty()) return;
+    at::_fused_adamw_(ps, gs, ms, vs, {}, steps, o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()),
+                      o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
+  }
+
   torch::optim::AdamWParamState& state_for(const torch::Tensor& p) {
     void* const key = p.unsafeGetTensorImpl();  // the key LibTorch files state under
     auto it = state_.find(key);
@@ -108,6 +132,7 @@ CTITAN_KERNEL double sum_of_squares_range(const float* x, int64_t begin, int64_t
 
 // Σ x² of a float32 tensor in float64, one pass: fixed-size chunks summed in index order.
 double sum_of_squares(const torch::Tensor& t) {
+  if (on_gpu(t)) return t.to(torch::kFloat64).pow(2).sum().item<double>();
   const auto c = t.contiguous();
   if (c.scalar_type() != torch::kFloat) return c.to(torch::kFloat64).pow(2).sum().item<double>();
   const float* x = c.data_ptr<float>();

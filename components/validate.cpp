@@ -49,7 +49,7 @@ ValidationMetrics Validator::validate(int64_t step, const Forward& forward, cons
     auto inputs = torch::from_blob(batch.inputs.data(), {B, T}, torch::kInt64);  // [B, T]
     auto labels = torch::from_blob(batch.labels.data(), {B * T}, torch::kInt64);  // [B·T]
     auto logits = forward(inputs);                                                 // [B, T, V]
-    loss_sum += fused_cross_entropy(logits.reshape({B * T, -1}), labels, 1.0).item<double>();
+    loss_sum += fused_cross_entropy(logits.reshape({B * T, -1}), labels.to(logits.device()), 1.0).item<double>();
     ++batches;
   }
   const double local_tokens = static_cast<double>(batches * B * T);

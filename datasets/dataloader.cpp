@@ -1,24 +1,33 @@
 // Packing, per-rank split and exact resume; see dataloader.h.
 #include "datasets/dataloader.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <stdexcept>
 
 #include <spdlog/spdlog.h>
 
 #include "config/errors.h"
-#include "datasets/json_lite.h"
+#include "datasets/token_shard.h"
 
 namespace ctitan {
 namespace {
-
-constexpr const char* kFormat = "ctitan.dataloader";
-constexpr int64_t kVersion = 1;
 
 std::string basename_of(const std::string& path) {
   std::filesystem::path p(path);
   if (!p.has_filename()) p = p.parent_path();  // "dir/" -> "dir"
   return p.filename().string();
+}
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+std::string hex(uint64_t v) {
+  char b[24];
+  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
+  return b;
 }
 
 }  // namespace
@@ -45,21 +54,71 @@ DataLoader::DataLoader(const Tokenizer& tokenizer, std::string source_path, int6
     throw UserError("dataloader: dp rank " + std::to_string(dp_rank) + " is not in [0, " +
                     std::to_string(dp_world) + ")");
   }
+  // What sharding needs of each file: sizes from the file system (.ctok: from its header,
+  // which is also where a shard made with another tokenizer is refused).
+  uint64_t tok_hash = 0;
+  for (const std::string& path : reader_.files()) {
+    SourceFile f;
+    f.name = basename_of(path);
+    std::error_code ec;
+    if (ends_with(path, ".ctok")) {
+      const TokenShardHeader h = read_token_shard_header(path);
+      if (tok_hash == 0) tok_hash = tokenizer_hash(tokenizer);
+      if (h.tokenizer_hash != tok_hash || static_cast<int64_t>(h.vocab_size) != tokenizer.vocab_size())
+        throw UserError("dataset: " + path + " was tokenized with " + h.tokenizer_name + " (hash " +
+                        hex(h.tokenizer_hash) + ", vocab_size " + std::to_string(h.vocab_size) +
+                        ") but this run's tokenizer is " + tokenizer.model_path() + " (hash " + hex(tok_hash) +
+                        ", vocab_size " + std::to_string(tokenizer.vocab_size()) +
+                        "); tokenize the corpus again with this tokenizer, or use the shard's");
+      f.extent = h.documents;
+      f.unit_weight = h.documents ? std::max<uint64_t>(1, h.tokens * 4 / h.documents) : 1;
+    } else {
+      f.extent = std::filesystem::file_size(path, ec);
+      if (ec) throw UserError("dataset: cannot read the size of " + path + ": " + ec.message());
+      f.splittable = !ends_with(path, ".gz");
+    }
+    sources_.push_back(f);
+  }
+  new_pass();
+}
+
+void DataLoader::new_pass() {
+  std::vector<std::string> shared;
+  work_ = plan_pass(sources_, dp_rank_, dp_world_, &shared);
+  cur_ = 0;
+  unit_open_ = false;
+  pass_fresh_ = true;
+  pass_docs_ = 0;
+  static bool said = false;  // once a process
+  if (!shared.empty() && !said) {
+    said = true;
+    spdlog::warn("dataset {}: {} is gzip-compressed and cannot be split by bytes: the ranks sharing it each "
+                 "inflate all of it and keep every k-th document (more files than dp ranks avoid this)",
+                 name_, shared.front());
+  }
+}
+
+void DataLoader::no_documents() const {
+  if (dp_world_ == 1)
+    throw UserError("dataset " + name_ + " holds no documents (its files are empty or only blank lines)");
+  std::string share;
+  for (const WorkUnit& u : plan_pass(sources_, dp_rank_, dp_world_)) {
+    share += (share.empty() ? "" : ", ") + sources_[u.file].name;
+    if (u.begin != 0 || u.end != WorkUnit::kToEnd)
+      share += (ends_with(sources_[u.file].name, ".ctok") ? " documents " : " bytes ") + std::to_string(u.begin) +
+               ".." + std::to_string(u.end);
+    if (u.stride > 1) share += " every " + std::to_string(u.stride) + "th document";
+  }
+  throw UserError("dataset " + name_ + ": dp rank " + std::to_string(dp_rank_) + " of " + std::to_string(dp_world_) +
+                  " gets no documents (its share: " + share + "); too few documents for dp degree " +
+                  std::to_string(dp_world_));
 }
 
 void DataLoader::fill(size_t need) {
   Document doc;
   while (buffer_.size() - head_ < need && !exhausted_) {
-    if (!reader_.next(&doc)) {
-      // End of data. The stream held next_document documents; rank r owns some iff r < N.
-      const int64_t total = reader_.position().next_document;
-      if (total == 0)
-        throw UserError("dataset " + name_ + " holds no documents (its files are empty or only blank lines)");
-      if (total <= dp_rank_) {
-        throw UserError("dataset " + name_ + " has " + std::to_string(total) +
-                        " documents, too few for dp degree " + std::to_string(dp_world_) +
-                        ": dp rank " + std::to_string(dp_rank_) + " gets none");
-      }
+    if (cur_ >= work_.size()) {  // this pass is done
+      if (pass_fresh_ && pass_docs_ == 0) no_documents();
       if (!repeat_) {
         exhausted_ = true;
         return;
@@ -67,10 +126,25 @@ void DataLoader::fill(size_t need) {
       epoch_ += 1;
       spdlog::warn("dataset {} exhausted on dp rank {}, re-looping (epoch {})", name_, dp_rank_,
                    epoch_);
-      reader_.rewind();
+      new_pass();
       continue;
     }
-    if (doc.index % dp_world_ != dp_rank_) continue;
+    WorkUnit& u = work_[cur_];
+    if (!unit_open_) {
+      reader_.set_range(u.file, u.begin, u.end, u.chain);
+      unit_open_ = true;
+    }
+    if (!reader_.next(&doc)) {
+      ++cur_;
+      unit_open_ = false;
+      continue;
+    }
+    const SourcePosition at = reader_.position();
+    u.file = at.file;
+    u.begin = at.offset;
+    ++parsed_;
+    if (u.ordinal++ % u.stride != u.phase) continue;
+    ++pass_docs_;
     if (!doc.error.empty()) {
       const std::string where = reader_.files()[doc.file] + ":" + std::to_string(doc.line);
       if (bad_mode_ == BadDocuments::kStop) {
@@ -84,7 +158,9 @@ void DataLoader::fill(size_t need) {
       }
       continue;
     }
-    const std::vector<int32_t> ids = tokenizer_->encode(doc.text, /*bos=*/true, /*eos=*/true);
+    std::vector<int32_t> encoded;
+    if (doc.ids.empty()) encoded = tokenizer_->encode(doc.text, /*bos=*/true, /*eos=*/true);
+    const std::vector<int32_t>& ids = doc.ids.empty() ? encoded : doc.ids;
     // Drop the consumed prefix now and then so the buffer stays ~one window long.
     if (head_ > 0 && head_ * 2 >= buffer_.size()) {
       buffer_.erase(buffer_.begin(), buffer_.begin() + static_cast<std::ptrdiff_t>(head_));
@@ -128,114 +204,65 @@ Batch DataLoader::next() {
 }
 
 std::string DataLoader::state_dict() const {
-  const SourcePosition pos = reader_.position();
-  const std::string file_name =
-      pos.file < reader_.files().size() ? basename_of(reader_.files()[pos.file]) : "";
-  std::string s;
-  s.reserve(512 + (buffer_.size() - head_) * 6);
-  s += "{\"format\":" + json::quote(kFormat);
-  s += ",\"version\":" + std::to_string(kVersion);
-  s += ",\"dp_rank\":" + std::to_string(dp_rank_);
-  s += ",\"dp_world\":" + std::to_string(dp_world_);
-  s += ",\"seq_len\":" + std::to_string(seq_len_);
-  s += ",\"vocab_size\":" + std::to_string(tokenizer_->vocab_size());
-  s += ",\"epoch\":" + std::to_string(epoch_);
-  s += ",\"windows_produced\":" + std::to_string(windows_);
-  s += ",\"next_document\":" + std::to_string(pos.next_document);
-  s += ",\"file_index\":" + std::to_string(pos.file);
-  s += ",\"file_name\":" + json::quote(file_name);
-  s += ",\"file_offset\":" + std::to_string(pos.offset);
-  s += ",\"file_line\":" + std::to_string(pos.line);
-  s += ",\"skipped_documents\":" + std::to_string(skipped_);
-  s += ",\"buffer\":[";
-  for (size_t i = head_; i < buffer_.size(); ++i) {
-    if (i > head_) s += ',';
-    s += std::to_string(buffer_[i]);
-  }
-  s += "]}";
-  return s;
+  LoaderState s;
+  s.dp_rank = dp_rank_;
+  s.dp_world = dp_world_;
+  s.seq_len = seq_len_;
+  s.vocab_size = tokenizer_->vocab_size();
+  s.epoch = epoch_;
+  s.windows = windows_;
+  s.skipped = skipped_;
+  for (const auto& f : sources_) s.files.push_back(f.name);
+  s.work.assign(work_.begin() + static_cast<std::ptrdiff_t>(std::min(cur_, work_.size())), work_.end());
+  s.buffer.assign(buffer_.begin() + static_cast<std::ptrdiff_t>(head_), buffer_.end());
+  return to_json(s);
 }
 
 void DataLoader::load_state_dict(const std::string& state) {
   const std::string where = "dataloader state for dataset " + name_;
-  json::Value root;
-  std::string err;
-  if (!json::parse(state, &root, &err)) {
-    throw UserError(where + " is corrupt: invalid JSON (" + err + ")");
-  }
-  if (root.type != json::Value::Type::Object) {
-    throw UserError(where + " is corrupt: expected a JSON object");
-  }
-  auto get_int = [&](const char* key, int64_t min) {
-    const json::Value* v = root.find(key);
-    int64_t out = 0;
-    if (v == nullptr) throw UserError(where + " is corrupt: missing \"" + key + "\"");
-    if (!v->as_int64(&out) || out < min) {
-      throw UserError(where + " is corrupt: \"" + key + "\" is not an integer >= " +
-                      std::to_string(min));
-    }
-    return out;
-  };
-  const json::Value* format = root.find("format");
-  if (format == nullptr || format->type != json::Value::Type::String || format->text != kFormat) {
-    throw UserError(where + " is corrupt: \"format\" is not \"" + kFormat + "\"");
-  }
-  const int64_t version = get_int("version", 0);
-  if (version != kVersion) {
-    throw UserError(where + " has version " + std::to_string(version) + "; this build reads " +
-                    std::to_string(kVersion));
-  }
-  const int64_t rank = get_int("dp_rank", 0);
-  const int64_t world = get_int("dp_world", 1);
-  if (rank != dp_rank_ || world != dp_world_) {
-    throw UserError(where + " was saved by dp rank " + std::to_string(rank) + " of " +
-                    std::to_string(world) + ", this is dp rank " + std::to_string(dp_rank_) +
+  LoaderState s = parse_loader_state(state, sources_, tokenizer_->vocab_size(), where);
+  if (s.dp_rank != dp_rank_ || s.dp_world != dp_world_) {
+    throw UserError(where + " was saved by dp rank " + std::to_string(s.dp_rank) + " of " +
+                    std::to_string(s.dp_world) + ", this is dp rank " + std::to_string(dp_rank_) +
                     " of " + std::to_string(dp_world_) +
-                    " (changing the data-parallel degree of the dataloader is not supported)");
+                    " (changing the data-parallel degree needs checkpoint.dataloader_reshard = \"redistribute\")");
   }
-  const int64_t vocab = get_int("vocab_size", 1);
-  if (vocab != tokenizer_->vocab_size()) {
-    throw UserError(where + " was saved with a tokenizer of vocab_size " +
-                    std::to_string(vocab) + ", this tokenizer has " +
-                    std::to_string(tokenizer_->vocab_size()));
+  if (s.version == 1 && !s.work.empty()) {
+    // An older build's position must be a document start, as that build checked it.
+    SourcePosition pos;
+    pos.next_document = s.work.front().ordinal;
+    pos.file = s.work.front().file;
+    pos.offset = s.work.front().begin;
+    reader_.seek(pos);
   }
-  const int64_t epoch = get_int("epoch", 0);
-  const int64_t windows = get_int("windows_produced", 0);
-  SourcePosition pos;
-  pos.next_document = get_int("next_document", 0);
-  pos.file = static_cast<size_t>(get_int("file_index", 0));
-  pos.offset = static_cast<uint64_t>(get_int("file_offset", 0));
-  pos.line = get_int("file_line", 0);
-  const int64_t skipped = root.find("skipped_documents") ? get_int("skipped_documents", 0) : 0;
-  const json::Value* file_name = root.find("file_name");
-  if (file_name == nullptr || file_name->type != json::Value::Type::String) {
-    throw UserError(where + " is corrupt: missing \"file_name\"");
-  }
-  if (pos.file < reader_.files().size() &&
-      file_name->text != basename_of(reader_.files()[pos.file])) {
-    throw UserError(where + " points into " + file_name->text + " but file " +
-                    std::to_string(pos.file) + " of " + reader_.source_path() + " is " +
-                    basename_of(reader_.files()[pos.file]) + " (different corpus?)");
-  }
-  const json::Value* buf = root.find("buffer");
-  if (buf == nullptr || buf->type != json::Value::Type::Array) {
-    throw UserError(where + " is corrupt: missing \"buffer\" array");
-  }
-  std::vector<int64_t> buffer;
-  buffer.reserve(buf->items.size());
-  for (const auto& item : buf->items) {
-    int64_t id = 0;
-    if (!item.as_int64(&id) || id < 0 || id >= vocab) {
-      throw UserError(where + " is corrupt: \"buffer\" holds a value that is not a token id");
-    }
-    buffer.push_back(id);
-  }
-  reader_.seek(pos);  // validates the position against the files; throws before any change
-  epoch_ = epoch;
-  windows_ = windows;
-  skipped_ = skipped;
-  buffer_ = std::move(buffer);
+  epoch_ = s.epoch;
+  windows_ = s.windows;
+  skipped_ = s.skipped;
+  buffer_ = std::move(s.buffer);
   head_ = 0;
+  work_ = std::move(s.work);
+  cur_ = 0;
+  unit_open_ = false;
+  pass_fresh_ = false;
+  pass_docs_ = 0;
+  exhausted_ = false;
+}
+
+std::string DataLoader::redistributed_state(const std::vector<std::string>& saved) const {
+  std::vector<LoaderState> states;
+  uint64_t buffered = 0;
+  for (size_t r = 0; r < saved.size(); ++r) {
+    const std::string where = "checkpoint: dataloader state of saved dp rank " + std::to_string(r);
+    states.push_back(parse_loader_state(saved[r], sources_, tokenizer_->vocab_size(), where));
+    buffered += states.back().buffer.size();
+  }
+  LoaderState mine = redistribute(states, sources_, dp_rank_, dp_world_);
+  mine.seq_len = seq_len_;
+  mine.vocab_size = tokenizer_->vocab_size();
+  spdlog::info("dataloader: redistributed from dp {} to dp {}: this rank takes {} of the saved ranks' remaining "
+               "ranges and {} of their {} buffered tokens (epoch {})",
+               saved.size(), dp_world_, mine.work.size(), mine.buffer.size(), buffered, mine.epoch);
+  return to_json(mine);
 }
 
 }  // namespace ctitan

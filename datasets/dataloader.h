@@ -10,28 +10,23 @@
 //   unless repetition is turned off (set_repeat(false), validation's "until the set is
 //   exhausted"): then has_next_batch() turns false once fewer than a whole batch of windows
 //   remain, and the tokens left over are not used.
-// Per-rank split: rank r of W takes documents r, r+W, r+2W, ... of the global document
-// order (what datasets.split_dataset_by_node does for a stream whose shards don't divide
-// evenly): every rank reads the whole stream but tokenizes only its own documents, so the
-// ranks see disjoint documents and together the whole corpus.
+// Per-rank split and the state: datasets/sharding.h. Each rank reads only its own ranges of
+// the corpus (files, byte ranges, shard document ranges), so ranks do not parse each other's
+// documents; state_dict() is sharding.h's version 2 (what this pass still holds, and the
+// tokens read but not yet emitted), and load_state_dict() also reads version 1 states of
+// older builds. redistributed_state() builds this rank's state from the states of a run with
+// another dp degree.
+//
+// Pre-tokenized shards (.ctok, token_shard.h) give their ids as stored; the loader refuses
+// one made with another tokenizer (hash mismatch), naming both.
 //
 // Documents are read and encoded lazily, one at a time, when the buffer runs short.
-//
-// state_dict() is a small JSON object that pins the exact position:
-//   {"format":"ctitan.dataloader","version":1,"dp_rank":r,"dp_world":W,"seq_len":T,
-//    "vocab_size":V,"epoch":e,"windows_produced":n,"next_document":g,"file_index":k,
-//    "file_name":"<basename>","file_offset":bytes,"file_line":lines,"skipped_documents":n,
-//    "buffer":[ids...]}
-// (skipped_documents may be absent in states of older builds: 0.)
-// next_document is the global index of the next document of the stream (all ranks count
-// the same documents), so a later redistribution to another dp degree can see which
-// documents each rank has consumed: rank r has taken every d < next_document with
-// d % W == r, and "buffer" holds the tokens of those not yet emitted.
 #pragma once
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "datasets/sharding.h"
 #include "datasets/text_source.h"
 #include "datasets/tokenizer.h"
 
@@ -75,7 +70,10 @@ class DataLoader {
   int64_t dp_world() const { return dp_world_; }
   int64_t windows_produced() const { return windows_; }
   int64_t epoch() const { return epoch_; }            // completed passes over the data
-  int64_t next_document() const { return reader_.position().next_document; }
+  // Documents this rank has parsed (taken or passed over inside a shared .gz), all passes.
+  int64_t documents_parsed() const { return parsed_; }
+  // Corpus bytes this rank has read (a .ctok shard: its token bytes), all passes.
+  uint64_t bytes_read() const { return reader_.bytes_read(); }
   int64_t buffered_tokens() const { return static_cast<int64_t>(buffer_.size() - head_); }
   const std::string& name() const { return name_; }
   const std::vector<std::string>& files() const { return reader_.files(); }
@@ -86,9 +84,15 @@ class DataLoader {
   // run. UserError on corruption or mismatch; the loader is unchanged when it throws.
   // seq_len may differ (windows are simply cut at the new length).
   void load_state_dict(const std::string& state);
+  // This rank's state from every saved rank's state_dict() (index = saved dp rank) of a run
+  // over the same corpus with another dp degree (sharding.h: redistribution). UserError on
+  // a corrupt or foreign state.
+  std::string redistributed_state(const std::vector<std::string>& saved) const;
 
  private:
   void fill(size_t need);  // reads documents until `need` tokens are buffered
+  void new_pass();         // this rank's fresh list of ranges
+  [[noreturn]] void no_documents() const;
 
   const Tokenizer* tokenizer_;
   DocumentReader reader_;
@@ -102,6 +106,13 @@ class DataLoader {
   bool exhausted_ = false;  // repeat_ off and the data's end reached
   std::vector<int64_t> buffer_;  // tokens not yet emitted start at head_
   size_t head_ = 0;
+  std::vector<SourceFile> sources_;  // what sharding needs of each file
+  std::vector<WorkUnit> work_;       // this pass's ranges; work_[cur_] is being read
+  size_t cur_ = 0;
+  bool unit_open_ = false;
+  bool pass_fresh_ = true;   // this pass began with a full plan (not a restored remainder)
+  int64_t pass_docs_ = 0;    // documents taken in this pass
+  int64_t parsed_ = 0;
 };
 
 }  // namespace ctitan

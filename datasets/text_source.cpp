@@ -11,6 +11,7 @@
 #include "config/errors.h"
 #include "config/text.h"
 #include "datasets/json_lite.h"
+#include "datasets/token_shard.h"
 
 namespace ctitan {
 namespace fs = std::filesystem;
@@ -25,14 +26,15 @@ bool is_txt(const std::string& path) { return ends_with(path, ".txt"); }
 
 bool is_source_file(const fs::path& p) {
   const std::string n = p.filename().string();
-  for (const char* ext : {".txt", ".jsonl", ".json", ".jsonl.gz", ".json.gz"})
+  for (const char* ext : {".txt", ".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ctok"})
     if (ends_with(n, ext)) return true;
   return false;
 }
 
 bool is_gzip(const std::string& path) { return ends_with(path, ".gz"); }
+bool is_shard(const std::string& path) { return ends_with(path, ".ctok"); }
 
-constexpr const char* kKinds = ".txt/.jsonl/.json/.jsonl.gz/.json.gz";
+constexpr const char* kKinds = ".txt/.jsonl/.json/.jsonl.gz/.json.gz/.ctok";
 
 // "dir/prefix*suffix": the folder and the two halves of the name pattern; false without '*'.
 bool split_pattern(const std::string& path, fs::path* dir, std::string* prefix, std::string* suffix) {
@@ -183,31 +185,128 @@ void DocumentReader::seek(const SourcePosition& pos) {
   }
   close();
   pos_ = pos;
+  end_ = kToEnd;
+  chain_ = true;
+  align_ = false;
+  done_ = false;
+  line_base_ = 0;
+  line_origin_ = pos.offset;
+}
+
+void DocumentReader::set_range(size_t file, uint64_t begin, uint64_t end, bool chain) {
+  if (file >= files_.size())
+    throw UserError("dataset: range in file " + std::to_string(file) + " of " + source_path_ + " (" +
+                    std::to_string(files_.size()) + " files)");
+  close();
+  pos_.file = file;
+  pos_.offset = begin;
+  pos_.line = 0;
+  end_ = end;
+  chain_ = chain;
+  // A saved position inside a .gz file is always a line start; checking would re-inflate.
+  align_ = begin > 0 && !is_shard(files_[file]) && !is_gzip(files_[file]);
+  done_ = false;
+  line_base_ = begin == 0 ? 0 : -1;
+  line_origin_ = begin;
 }
 
 DocumentReader::~DocumentReader() { close(); }
 
+struct DocumentReader::Shard {
+  explicit Shard(const std::string& path) : shard(path) {}
+  TokenShard shard;
+};
+
+int64_t DocumentReader::absolute_line(int64_t line) {
+  if (line_base_ < 0) {
+    // Counted only when a message needs it: reads the file up to where this reader began.
+    gzFile f = gzopen(files_[pos_.file].c_str(), "rb");
+    int64_t n = 0;
+    uint64_t left = line_origin_;
+    char buf[1 << 16];
+    while (f != nullptr && left > 0) {
+      const int got = gzread(f, buf, static_cast<unsigned>(std::min<uint64_t>(left, sizeof buf)));
+      if (got <= 0) break;
+      n += std::count(buf, buf + got, '\n');
+      left -= static_cast<uint64_t>(got);
+    }
+    if (f != nullptr) gzclose(f);
+    line_base_ = n;
+  }
+  return line_base_ + line;
+}
+
+void DocumentReader::align() {
+  align_ = false;
+  const std::string& path = files_[pos_.file];
+  gzFile f = static_cast<gzFile>(gz_);
+  const uint64_t begin = pos_.offset;
+  // The byte before: a newline makes `begin` a line start; else the rest of that line is
+  // the previous reader's.
+  if (gzseek(f, static_cast<z_off_t>(begin - 1), SEEK_SET) < 0) return;
+  const int before = gzgetc(f);
+  if (before == -1) return;  // begin is at or past the end: nothing here
+  if (before != '\n') {
+    std::string rest;
+    read_line(&rest, /*checked=*/false);
+  }
+  if (is_txt(path) && pos_.offset > 0) {
+    // A line right after a non-blank line continues a paragraph that began before: skip to
+    // after the next blank line. Look back from the line end for a non-blank byte.
+    bool prev_blank = true;
+    if (FILE* raw = std::fopen(path.c_str(), "rb")) {
+      for (int64_t i = static_cast<int64_t>(pos_.offset) - 2; i >= 0; --i) {
+        std::fseek(raw, i, SEEK_SET);
+        const int c = std::fgetc(raw);
+        if (c == '\n') break;
+        if (c != ' ' && c != '\t' && c != '\f' && c != '\v' && c != '\r') {
+          prev_blank = false;
+          break;
+        }
+      }
+      std::fclose(raw);
+    }
+    if (!prev_blank) {
+      std::string l;
+      while (read_line(&l, /*checked=*/false) && !blank(l)) {
+      }
+    }
+  }
+  pos_.line = 0;
+  line_base_ = -1;
+  line_origin_ = pos_.offset;
+}
+
 void DocumentReader::close() {
   if (gz_ != nullptr) gzclose(static_cast<gzFile>(gz_));
   gz_ = nullptr;
+  shard_.reset();
   open_ = false;
 }
 
 bool DocumentReader::open_current() {
   if (pos_.file >= files_.size()) return false;
-  if (!open_) {
+  if (!open_ && is_shard(files_[pos_.file])) {
+    shard_ = std::make_unique<Shard>(files_[pos_.file]);
+    open_ = true;
+  } else if (!open_) {
     gzFile f = gzopen(files_[pos_.file].c_str(), "rb");
     if (f == nullptr) throw RuntimeFailure("dataset: cannot open " + files_[pos_.file]);
     gz_ = f;
     open_ = true;
     gzbuffer(f, 1 << 18);
+    // A plain file: have zlib find that out now (it reads the first buffer to look for a gzip
+    // header), so that the seek below is an lseek. Left to gzseek, the look happens after the
+    // seek and zlib reads and drops every byte before the offset instead.
+    if (!is_gzip(files_[pos_.file])) gzdirect(f);
     if (pos_.offset > 0 && gzseek(f, static_cast<z_off_t>(pos_.offset), SEEK_SET) < 0)
       throw RuntimeFailure("dataset: cannot seek to byte " + std::to_string(pos_.offset) + " of " + files_[pos_.file]);
+    if (align_) align();
   }
   return true;
 }
 
-bool DocumentReader::read_line(std::string* line) {
+bool DocumentReader::read_line(std::string* line, bool checked) {
   const bool at_start = pos_.offset == 0;
   // gzgets: up to sizeof buf - 1 bytes, up to and with the newline; NUL bytes are kept
   // (the byte count comes from the offset, not from strlen).
@@ -232,7 +331,9 @@ bool DocumentReader::read_line(std::string* line) {
     throw RuntimeFailure("dataset: read error in " + files_[pos_.file] + ": " + msg + " (a damaged .gz file?)");
   if (line->empty() && !newline) return false;
   pos_.offset += line->size() + (newline ? 1 : 0);
+  bytes_read_ += line->size() + (newline ? 1 : 0);
   pos_.line += 1;
+  if (!checked) return true;
   if (at_start && line->compare(0, 3, "\xEF\xBB\xBF") == 0) line->erase(0, 3);
   if (!line->empty() && line->back() == '\r') line->pop_back();
   // Text only: a binary or wrongly encoded file is named, not tokenized into noise.
@@ -251,22 +352,37 @@ void DocumentReader::bad_line(const std::string& what) {
   if (!report_bad_) fail_line(what);
   if (pending_error_.empty()) {
     pending_error_ = what;
-    pending_line_ = pos_.line;
+    pending_line_ = absolute_line(pos_.line);
   }
 }
 
-void DocumentReader::fail_line(const std::string& what) const {
-  throw UserError("dataset: " + files_[pos_.file] + ":" + std::to_string(pos_.line) + ": " +
+void DocumentReader::fail_line(const std::string& what) {
+  throw UserError("dataset: " + files_[pos_.file] + ":" + std::to_string(absolute_line(pos_.line)) + ": " +
                   what);
 }
 
 bool DocumentReader::next_in_file(Document* doc) {
+  doc->ids.clear();
+  if (shard_) {
+    const uint64_t n = shard_->shard.documents();
+    if (pos_.offset >= std::min(n, end_)) return false;
+    doc->offset = pos_.offset;
+    doc->line = 0;
+    doc->text.clear();
+    shard_->shard.document(pos_.offset, &doc->ids);
+    pos_.offset += 1;
+    bytes_read_ += doc->ids.size() * shard_->shard.header().token_bytes;
+    return true;
+  }
   const bool jsonl = !is_txt(files_[pos_.file]);
   std::string line;
   if (jsonl) {
-    while (read_line(&line)) {
+    for (;;) {
+      const uint64_t start = pos_.offset;
+      if (start >= end_ || !read_line(&line)) return false;
       if (blank(line)) continue;
-      doc->line = pos_.line;
+      doc->offset = start;
+      doc->line = line_base_ < 0 ? 0 : line_base_ + pos_.line;
       if (!pending_error_.empty()) return true;  // bad bytes: not worth parsing
       json::Value v;
       std::string err;
@@ -285,19 +401,22 @@ bool DocumentReader::next_in_file(Document* doc) {
       doc->text = text->text;
       return true;
     }
-    return false;
   }
   // Plain text: skip blank lines, then take lines up to the next blank line or EOF.
   doc->text.clear();
   bool in_paragraph = false;
-  while (read_line(&line)) {
+  for (;;) {
+    const uint64_t start = pos_.offset;
+    if (!in_paragraph && start >= end_) return false;
+    if (!read_line(&line)) break;
     if (blank(line)) {
       if (in_paragraph) return true;
       continue;
     }
     if (!in_paragraph) {
       in_paragraph = true;
-      doc->line = pos_.line;
+      doc->offset = start;
+      doc->line = line_base_ < 0 ? 0 : line_base_ + pos_.line;
     } else {
       doc->text.push_back('\n');
     }
@@ -307,7 +426,7 @@ bool DocumentReader::next_in_file(Document* doc) {
 }
 
 bool DocumentReader::next(Document* doc) {
-  while (open_current()) {
+  while (!done_ && open_current()) {
     const int64_t index = pos_.next_document;
     const size_t file = pos_.file;
     pending_error_.clear();
@@ -321,9 +440,15 @@ bool DocumentReader::next(Document* doc) {
       return true;
     }
     close();
+    if (!chain_) {
+      done_ = true;  // this range is done
+      return false;
+    }
     pos_.file += 1;
     pos_.offset = 0;
     pos_.line = 0;
+    line_base_ = 0;
+    line_origin_ = 0;
   }
   return false;
 }

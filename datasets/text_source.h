@@ -18,10 +18,22 @@
 // Line endings are normalised on read (CRLF counts as LF), and a UTF-8 byte-order mark
 // at the start of a file is dropped.
 //
+//   .ctok   pre-tokenized shards (datasets/token_shard.h): each document is its token ids,
+//           memory-mapped; positions and ranges count documents, not bytes.
 // Documents are read lazily; only the file list is built up front. A SourcePosition
 // (file, byte offset, document index) lets a reader resume exactly where another stopped.
+//
+// Ranges (set_range), so that data-parallel ranks never parse each other's documents: a
+// reader given [begin, end) of a text file takes exactly the documents whose first byte lies
+// in it. It seeks to `begin`; when that is not a line start it skips to the next one, and in
+// a .txt file it also skips the rest of a paragraph that started before `begin` (a line is a
+// continuation when the line before it is not blank); it reads past `end` only to finish its
+// last document. Two readers given adjacent ranges thus take every document once. A .gz file
+// cannot be entered in the middle (only by inflating everything before): ranges inside it are
+// not offered (whole files only, see datasets/sharding.h).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -53,7 +65,10 @@ struct Document {
   std::string text;
   int64_t index = 0;  // global position in the corpus order (0-based)
   size_t file = 0;    // index into DocumentReader::files()
-  int64_t line = 0;   // 1-based line of the file where the document starts
+  int64_t line = 0;   // 1-based line of the file where the document starts; 0 when not known
+                      // (a range read from the middle of a file counts lines only for errors)
+  uint64_t offset = 0;  // byte offset of its first line (text) or its index (.ctok): its identity
+  std::vector<int32_t> ids;  // .ctok: the document's tokens as stored (with BOS/EOS); text empty
   // Why the document is malformed ("" when it is fine): bad JSON, not a JSON object, no
   // string "text", a NUL byte, invalid UTF-8. Set only with report_bad_documents(true);
   // otherwise a malformed document is a UserError naming file:line. For a malformed
@@ -88,16 +103,26 @@ class DocumentReader {
   // line start).
   void seek(const SourcePosition& pos);
   void rewind() { seek(SourcePosition{}); }
+  // Reads only the documents of file `file` whose first byte (.ctok: index) lies in
+  // [begin, end); kToEnd = to the file's end. chain: then go on into the following files,
+  // to their ends. Unlike seek(), begin may be any byte: see the opening comment.
+  static constexpr uint64_t kToEnd = ~uint64_t{0};
+  void set_range(size_t file, uint64_t begin, uint64_t end, bool chain);
+  // Bytes taken from corpus files (uncompressed, with the line ends) since construction.
+  uint64_t bytes_read() const { return bytes_read_; }
   // true: malformed documents are returned with Document::error set (text undefined) and
   // reading goes on after them; false (the default): they are a UserError.
   void report_bad_documents(bool on) { report_bad_ = on; }
 
  private:
   bool open_current();  // opens files_[pos_.file] at pos_.offset; false past the last file
-  bool read_line(std::string* line);  // one line of the current file, '\n'/'\r' stripped
+  // One line of the current file, '\n'/'\r' stripped; checked: NUL bytes and UTF-8 looked at.
+  bool read_line(std::string* line, bool checked = true);
+  void align();          // at a range's begin: to the first document starting at or after it
+  int64_t absolute_line(int64_t line);  // a line counted from where reading began -> 1-based
   void close();
   bool next_in_file(Document* doc);   // false when the current file has no more documents
-  [[noreturn]] void fail_line(const std::string& what) const;
+  [[noreturn]] void fail_line(const std::string& what);
   void bad_line(const std::string& what);  // fail_line, or remembered when reporting
 
   std::string source_path_;
@@ -108,6 +133,15 @@ class DocumentReader {
   bool report_bad_ = false;
   std::string pending_error_;  // first problem of the document being read
   int64_t pending_line_ = 0;   // and its line
+  uint64_t end_ = kToEnd;      // documents starting at or after this are another reader's
+  bool chain_ = true;          // go on into the next file at the end of this one
+  bool done_ = false;          // a range without chain has ended
+  bool align_ = false;         // the range's begin may be inside a line or a paragraph
+  int64_t line_base_ = 0;      // lines before where pos_.line started counting; -1: not known
+  uint64_t line_origin_ = 0;   // the byte offset where it started
+  uint64_t bytes_read_ = 0;
+  struct Shard;                // an open .ctok file (token_shard.h)
+  std::unique_ptr<Shard> shard_;
 };
 
 }  // namespace ctitan

@@ -1,4 +1,5 @@
 #include "models/flash_attention.h"
+#include "models/device_route.h"
 #include "models/gemm.h"
 #include "models/kernel_math.h"
 
@@ -270,6 +271,12 @@ torch::Tensor flash_causal_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(blocks.q > 0 && blocks.k > 0, "[models] flash_causal_attention: block sizes must be positive");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "[models] flash_causal_attention: q, k and v must share a dtype");
+  if (on_gpu(q)) {
+    // ATen picks flash / cuDNN / memory-efficient; GQA without a repeat_kv copy, scale 1/√hd.
+    return at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), {}, 0.0,
+                                            /*is_causal=*/true, std::nullopt, /*enable_gqa=*/H != KV)
+        .transpose(1, 2);  // [B, T, H, hd]
+  }
   return FlashAttentionFn::apply(q.contiguous(), k.contiguous(), v.contiguous(), blocks.q, blocks.k);
 }
 

@@ -1,4 +1,5 @@
 #include "models/fused_ops.h"
+#include "models/device_route.h"
 #include "models/kernel_math.h"
 
 #include <ATen/Dispatch.h>
@@ -323,6 +324,7 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
 torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1),
               "[models] fused_rms_norm: weight ", weight.sizes(), " does not fit x ", x.sizes());
+  if (on_gpu(x)) return at::rms_norm(x, {x.size(-1)}, weight, eps);
   return RMSNormFn::apply(x, weight, eps);
 }
 
@@ -332,12 +334,22 @@ torch::Tensor fused_rotary_emb(const torch::Tensor& x, const torch::Tensor& freq
   TORCH_CHECK(freqs_cis.dim() == 3 && freqs_cis.size(0) >= T && freqs_cis.size(1) * 2 == hd &&
                   freqs_cis.size(2) == 2,
               "[models] freqs_cis ", freqs_cis.sizes(), " does not fit x ", x.sizes());
+  if (on_gpu(x)) {
+    // The same rotation in ATen ops: float32 pairs (a, b) → (a cos − b sin, a sin + b cos).
+    const int64_t B = x.size(0), h = x.size(2);
+    const auto xf = x.to(at::kFloat).reshape({B, T, h, hd / 2, 2});
+    const auto a = xf.select(-1, 0), b = xf.select(-1, 1);
+    const auto f = freqs_cis.narrow(0, 0, T).to(x.device()).view({1, T, 1, hd / 2, 2});
+    const auto c = f.select(-1, 0), s = f.select(-1, 1);
+    return at::stack({a * c - b * s, a * s + b * c}, -1).flatten(3).to(x.scalar_type());
+  }
   return RotaryFn::apply(x, freqs_cis);
 }
 
 torch::Tensor fused_swiglu(const torch::Tensor& a, const torch::Tensor& b) {
   TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(),
               "[models] fused_swiglu: a ", a.sizes(), " and b ", b.sizes(), " differ in shape or dtype");
+  if (on_gpu(a)) return at::silu(a) * b;
   return SwiGLUFn::apply(a, b);
 }
 
@@ -345,6 +357,8 @@ torch::Tensor fused_cross_entropy(const torch::Tensor& logits, const torch::Tens
   TORCH_CHECK(logits.dim() == 2 && labels.dim() == 1 && labels.size(0) == logits.size(0),
               "[models] cross-entropy expects logits [N, V] and labels [N], got ", logits.sizes(), " and ",
               labels.sizes());
+  if (on_gpu(logits))  // torchtitan's loss: cross-entropy of the float32-cast logits, summed
+    return at::cross_entropy_loss(logits.to(at::kFloat), labels, {}, at::Reduction::Sum) * scale;
   return CrossEntropyFn::apply(logits, labels, scale);
 }
 

@@ -112,6 +112,16 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
 }
 
 // ---------------------------------------------------------------------------------------
+KVCache KVCache::allocate(int64_t n_layers, int64_t batch, int64_t capacity, int64_t n_kv_heads, int64_t head_dim,
+                          torch::TensorOptions options) {
+  KVCache c;
+  for (int64_t i = 0; i < n_layers; ++i) {
+    c.k.push_back(torch::zeros({batch, n_kv_heads, capacity, head_dim}, options));
+    c.v.push_back(torch::zeros({batch, n_kv_heads, capacity, head_dim}, options));
+  }
+  return c;
+}
+
 AttentionImpl::AttentionImpl(int64_t dim, int64_t n_heads_, int64_t n_kv_heads_)
     : n_heads(n_heads_), n_kv_heads(n_kv_heads_), head_dim(dim / n_heads_) {
   TORCH_CHECK(dim % n_heads == 0 && n_heads % n_kv_heads == 0,
@@ -133,6 +143,37 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   // Fused block-wise causal attention; GQA reads each kv head once (no repeat_kv copy).
   const auto out = flash_causal_attention(xq, xk, xv);  // [B, T, H, hd]
   return wo(out.reshape({B, T, -1}));
+}
+
+torch::Tensor AttentionImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& freqs_cis, int64_t start,
+                                            torch::Tensor& k_cache, torch::Tensor& v_cache) {
+  const int64_t B = x.size(0), T = x.size(1), S = start + T;
+  TORCH_CHECK(k_cache.defined() && k_cache.size(0) == B && k_cache.size(2) >= S && freqs_cis.size(0) >= S,
+              "[models] KV cache holds ", k_cache.defined() ? k_cache.size(2) : 0, " positions, RoPE table ",
+              freqs_cis.size(0), "; ", S, " needed");
+  auto xq = wq(x).view({B, T, -1, head_dim});  // [B, T, H, hd]
+  auto xk = wk(x).view({B, T, -1, head_dim});  // [B, T, KV, hd]
+  auto xv = wv(x).view({B, T, -1, head_dim});
+  const auto freqs = freqs_cis.narrow(0, start, T);  // the rows of positions start .. S-1
+  xq = apply_rotary_emb(xq, freqs);
+  xk = apply_rotary_emb(xk, freqs);
+  k_cache.narrow(2, start, T).copy_(xk.transpose(1, 2));
+  v_cache.narrow(2, start, T).copy_(xv.transpose(1, 2));
+  const int64_t H = xq.size(2), KV = k_cache.size(1), rep = H / KV;
+  const auto cdt = compute_dtype(x);
+  // Query head h reads kv head h / rep: the rep query heads of a kv head and their T positions
+  // are one [rep·T, hd] matrix against that head's [S, hd] keys (no copy of the cache).
+  const auto q = xq.view({B, T, KV, rep, head_dim}).permute({0, 2, 3, 1, 4}).reshape({B, KV, rep * T, head_dim}).to(cdt);
+  const auto k = k_cache.narrow(2, 0, S).to(cdt);  // [B, KV, S, hd]
+  const auto v = v_cache.narrow(2, 0, S).to(cdt);
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(head_dim)));
+  // Query t sits at position start + t and sees keys 0 .. start + t.
+  const auto key_pos = torch::arange(S, torch::TensorOptions().dtype(torch::kLong).device(x.device()));
+  const auto query_pos = torch::arange(start, S, torch::TensorOptions().dtype(torch::kLong).device(x.device()));
+  const auto future = key_pos.unsqueeze(0) > query_pos.unsqueeze(1);  // [T, S]
+  scores = scores.view({B, KV, rep, T, S}).masked_fill(future, -std::numeric_limits<double>::infinity());
+  const auto out = torch::matmul(torch::softmax(scores, -1).view({B, KV, rep * T, S}), v);  // [B, KV, rep·T, hd]
+  return wo(out.view({B, KV, rep, T, head_dim}).permute({0, 3, 1, 2, 4}).reshape({B, T, -1}).to(x.scalar_type()));
 }
 
 void AttentionImpl::init_weights(double init_std) {

@@ -10,6 +10,7 @@
 // sharded before its (RNG-ordered) init_weights() runs.
 #pragma once
 #include <optional>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -69,6 +70,19 @@ torch::Tensor repeat_kv(const torch::Tensor& x, int64_t n_rep);
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v);
 
+// Keys and values of the positions decoded so far, every layer's, for incremental decoding
+// (generation; training's forward keeps none). Layer i's k[i] / v[i] are [B, KV, capacity, hd]
+// (post-RoPE keys; head-major, so that attention reads each head's keys in place), positions
+// [0, pos) filled.
+struct KVCache {
+  std::vector<torch::Tensor> k, v;
+  int64_t pos = 0;  // positions filled: the next token's position
+  int64_t capacity() const { return k.empty() ? 0 : k[0].size(2); }
+  // Zeroed tensors for n_layers layers.
+  static KVCache allocate(int64_t n_layers, int64_t batch, int64_t capacity, int64_t n_kv_heads, int64_t head_dim,
+                          torch::TensorOptions options);
+};
+
 // Grouped-query self-attention with RoPE; the attention itself is flash_causal_attention
 // (models/flash_attention.h), numerically the formula of causal_attention above. Parameters: wq [H*hd, D], wk/wv [KV*hd, D],
 // wo [D, H*hd].
@@ -77,6 +91,12 @@ class AttentionImpl : public torch::nn::Module {
   AttentionImpl(int64_t dim, int64_t n_heads, int64_t n_kv_heads);
   // x [B, T, D], freqs_cis [>= T, hd/2, 2] -> [B, T, D]
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& freqs_cis);
+  // Incremental decoding: x [B, T, D] holds positions [start, start + T); their keys and
+  // values are written into k_cache / v_cache [B, KV, >= start + T, hd] and the queries
+  // attend to cached positions [0, start + T) causally. Plain ATen math (float32 scores and
+  // softmax for 16-bit inputs), no autograd use intended; freqs_cis is the whole table.
+  torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& freqs_cis, int64_t start,
+                               torch::Tensor& k_cache, torch::Tensor& v_cache);
   // torchtitan: wq, wk, wv ~ trunc_normal(0.02); wo ~ trunc_normal(init_std) (in that order).
   void init_weights(double init_std);
   int64_t n_heads, n_kv_heads, head_dim;

@@ -1,159 +1,180 @@
-#!/usr/bin/python3
-"""HF parity: an independent Hugging Face-convention forward of a ctitan HF export.
+#!/usr/bin/env python3
+"""HF parity: ctitan against Hugging Face transformers' own LlamaForCausalLM / MixtralForCausalLM.
 
-Reads the export (model.safetensors + config.json) with its own safetensors reader, runs
-the model the way HF's LlamaForCausalLM / MixtralForCausalLM compute it (rotate_half RoPE
-on the exported, permuted q/k weights, llama3 RoPE scaling, grouped-query attention,
-RMSNorm in float32, SwiGLU, Mixtral's top-k router), and compares the logits with the ones
-ctitan computed on the same tokens (`checkpoint_tool logits`). Optionally checks that a
-consolidated .pt export, read with torch.load, holds the same tensors under ctitan's names
-(q/k in ctitan's rotary order).
+Two modes, both in the venv of scripts/install_deps.sh (PyTorch 2.13, transformers, tokenizers):
 
-Uses PyTorch only (the venv's 2.13; no transformers). Run by scripts/hf_parity.sh.
+  hf_parity.py roundtrip --bin BUILD_DIR --tokenizer DIR --out WORK [--models llama3,mixtral] [--tol 1e-4]
+      For each model: transformers builds a random model of a ctitan debug flavor's shapes
+      (Llama: debugmodel_gqa, 16 query / 8 kv heads, llama3 RoPE scaling; Mixtral: debugmodel,
+      8 experts, top-2), with the vocabulary of the Hugging Face tokenizer in DIR (a
+      tokenizer.json folder, scripts/make_hf_tokenizers.py's llama3/), and save_pretrained()s it
+      in bfloat16, sharded (max_shard_size 2MB, with model.safetensors.index.json), with that
+      tokenizer. Then:
+        1. logits: ctitan (`checkpoint_tool logits`, a batch of 2 sequences of Moby-Dick text)
+           against the model from_pretrained() in float32 (both upcast the same bf16 weights):
+           max |Δ| <= tol;
+        2. greedy: ctitan `generate --prompt TEXT --max-new-tokens 32` (its own tokenizer, its KV
+           cache) against transformers' generate(do_sample=False, max_new_tokens=32) on the
+           prompt its tokenizer encodes: the prompt ids and all 32 new ids equal;
+        3. export: ctitan converts the HF folder to its own step folder and that back to an HF
+           folder (`checkpoint_tool convert`, ctitan's writer); from_pretrained() of the export
+           gives logits equal to the original's (max |Δ| <= tol) and bitwise-equal weights.
+  hf_parity.py compare --hf DIR --logits FILE [--pt MODEL.pt] [--tol 1e-5]
+      An HF folder ctitan exported (a training run's last_save_in_hf): from_pretrained() in
+      float32 against ctitan's logits of the same tokens (`checkpoint_tool logits`); with --pt,
+      that a consolidated .pt export read by torch.load holds the same tensors (q/k rows in
+      ctitan's rotary order). Run by scripts/hf_parity.sh.
 
-  /usr/bin/python3 scripts/hf_parity.py --hf DIR --logits LOGITS.safetensors [--pt MODEL.pt] [--tol 1e-5]
+Exit 0 when every check passes, 1 otherwise; one line per check.
 """
 import argparse
 import json
-import math
 import os
 import re
-import struct
+import subprocess
 import sys
+import time
 
 import torch
 
-DTYPES = {"F32": (torch.float32, 4), "F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2),
-          "F64": (torch.float64, 8), "I64": (torch.int64, 8), "I32": (torch.int32, 4)}
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import transformers  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,  # noqa: E402
+                          MixtralConfig, MixtralForCausalLM)
+
+PROMPT = "Call me Ishmael. Some years ago, never mind how long precisely, having little or no money"
+BATCH = ["Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my purse,",
+         "It is a way I have of driving off the spleen and regulating the circulation. Whenever I find myself"]
 
 
-def read_safetensors(path):
-    """{name: tensor} and __metadata__ of a safetensors file, with the format's checks."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    if len(raw) < 8:
-        raise ValueError(f"{path}: shorter than 8 bytes")
-    (n,) = struct.unpack("<Q", raw[:8])
-    if 8 + n > len(raw):
-        raise ValueError(f"{path}: header length {n} runs past the end of the file")
-    header = json.loads(raw[8:8 + n].decode("utf-8"))
-    data = raw[8 + n:]
-    meta = header.pop("__metadata__", {})
-    out, spans = {}, []
-    for name, e in header.items():
-        if set(e) != {"dtype", "shape", "data_offsets"}:
-            raise ValueError(f"{path}: {name}: fields {sorted(e)}")
-        dtype, size = DTYPES[e["dtype"]]
-        b, t = e["data_offsets"]
-        if t - b != size * math.prod(e["shape"]):
-            raise ValueError(f"{path}: {name}: {t - b} bytes for shape {e['shape']} {e['dtype']}")
-        spans.append((b, t))
-        buf = bytearray(data[b:t])  # a writable copy: frombuffer warns on read-only memory
-        out[name] = torch.frombuffer(buf, dtype=dtype).reshape(e["shape"]) if t > b else \
-            torch.empty(e["shape"], dtype=dtype)
-    spans.sort()
-    pos = 0
-    for b, t in spans:
-        if b != pos:
-            raise ValueError(f"{path}: offsets not contiguous at byte {b}")
-        pos = t
-    if pos != len(data):
-        raise ValueError(f"{path}: {len(data) - pos} bytes belong to no tensor")
-    return out, meta
+def run(cmd):
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout}{p.stderr}")
+    return p
 
 
-# ---- the HF-convention model ------------------------------------------------------------------
-
-def rms_norm(x, weight, eps):
-    # HF LlamaRMSNorm: statistics in float32, weight applied in the input dtype.
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+def read_logits(path):
+    with safe_open(path, "pt") as f:
+        return f.get_tensor("logits"), f.get_tensor("tokens")
 
 
-def inverse_frequencies(cfg, head_dim):
-    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rs = cfg.get("rope_scaling")
-    if rs:  # HF's "llama3" rope type
-        assert rs.get("rope_type", rs.get("type")) == "llama3", rs
-        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-        old = rs["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
-        inv = torch.where(medium, blended, scaled)
-    return inv
+def hf_logits(folder, ids):
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model, model(torch.tensor(ids)).logits
 
 
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+# ---- roundtrip -------------------------------------------------------------------------------
+
+def make_model(name, vocab, seed):
+    """A random transformers model of the ctitan flavor's shapes, weights spread enough that
+    logits differ by units (greedy paths do not hinge on rounding-level ties)."""
+    torch.manual_seed(seed)
+    common = dict(hidden_size=256, num_attention_heads=16, num_hidden_layers=6, vocab_size=vocab,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072,
+                  initializer_range=0.02)
+    if name == "llama3":
+        # ctitan's llama3 debugmodel_gqa: FFN 768, 8 kv heads, RoPE theta 5e5 with llama3 scaling.
+        cfg = LlamaConfig(intermediate_size=768, num_key_value_heads=8,
+                          rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 8192}, **common)
+        model = LlamaForCausalLM(cfg)
+    else:
+        # ctitan's mixtral debugmodel: 8 experts of FFN 768, top-2, 16 kv heads, theta 1e6.
+        cfg = MixtralConfig(intermediate_size=768, num_key_value_heads=16, num_local_experts=8,
+                            num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                            **common)
+        model = MixtralForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))   # norms that matter
+            elif "embed_tokens" in n:
+                p.normal_(0, 1.0)
+            else:
+                p.normal_(0, 1.5 / p.shape[-1] ** 0.5)  # unit-scale activations through each layer
+    return model.eval()
 
 
-def attention(x, w, prefix, cfg, cos, sin):
-    T = x.shape[0]
-    H, KV = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    hd = cfg["hidden_size"] // H
-    q = (x @ w[prefix + "q_proj.weight"].T).view(T, H, hd).transpose(0, 1)   # [H, T, hd]
-    k = (x @ w[prefix + "k_proj.weight"].T).view(T, KV, hd).transpose(0, 1)  # [KV, T, hd]
-    v = (x @ w[prefix + "v_proj.weight"].T).view(T, KV, hd).transpose(0, 1)
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
-    k = k.repeat_interleave(H // KV, dim=0)  # head h uses kv head h // (H / KV)
-    v = v.repeat_interleave(H // KV, dim=0)
-    scores = (q @ k.transpose(1, 2)) / math.sqrt(hd)
-    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-    probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
-    out = (probs @ v).transpose(0, 1).reshape(T, H * hd)
-    return out @ w[prefix + "o_proj.weight"].T
+def roundtrip(a):
+    status = 0
+    tok = AutoTokenizer.from_pretrained(a.tokenizer)
+    vocab = len(tok)
+    print(f"hf_parity: transformers {transformers.__version__}, torch {torch.__version__}, "
+          f"tokenizer {a.tokenizer} ({vocab} ids)")
+    tool, gen = os.path.join(a.bin, "checkpoint_tool"), os.path.join(a.bin, "generate")
+    for name in a.models.split(","):
+        t0 = time.time()
+        work = os.path.join(a.out, name)
+        hf_dir = os.path.join(work, "hf")
+        os.makedirs(work, exist_ok=True)
+        make_model(name, vocab, seed=1234).to(torch.bfloat16).save_pretrained(hf_dir, max_shard_size="2MB")
+        tok.save_pretrained(hf_dir)
+        files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+        print(f"{name}: save_pretrained: {len(files)} bf16 safetensors shards + index, tokenizer.json")
 
+        # 1. logits on a batch
+        enc = [tok(t)["input_ids"] for t in BATCH]
+        T = min(len(e) for e in enc)
+        ids = [e[:T] for e in enc]
+        ref_model, ref = hf_logits(hf_dir, ids)
+        lf = os.path.join(work, "logits.safetensors")
+        run([tool, "logits", hf_dir, ";".join(",".join(map(str, e)) for e in ids), lf])
+        got, got_tokens = read_logits(lf)
+        d = (got - ref).abs().max().item()
+        ok = d <= a.tol and got_tokens.tolist() == ids
+        status |= not ok
+        print(f"{name}: logits [{len(ids)}, {T}, {vocab}] float32: max |ctitan - transformers| = {d:.2e} "
+              f"(max |logit| {ref.abs().max().item():.1f}, argmax agreement "
+              f"{(got.argmax(-1) == ref.argmax(-1)).float().mean().item() * 100:.0f}%) "
+              f"{'PASS' if ok else 'FAIL'} (tol {a.tol:g})")
 
-def swiglu(x, gate, up, down):
-    return (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ down.T
-
-
-def moe(x, w, prefix, cfg):
-    E, k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
-    probs = torch.softmax((x @ w[prefix + "gate.weight"].T).to(torch.float32), dim=-1)
-    top, idx = torch.topk(probs, k, dim=-1)
-    top = (top / top.sum(-1, keepdim=True)).to(x.dtype)
-    out = torch.zeros_like(x)
-    for e in range(E):
-        rows, slot = torch.nonzero(idx == e, as_tuple=True)
-        if rows.numel() == 0:
-            continue
-        p = f"{prefix}experts.{e}."
-        y = swiglu(x[rows], w[p + "w1.weight"], w[p + "w3.weight"], w[p + "w2.weight"])
-        out.index_add_(0, rows, y * top[rows, slot].unsqueeze(-1))
-    return out
-
-
-def forward(w, cfg, tokens, dtype):
-    w = {k: v.to(dtype) for k, v in w.items()}
-    T, H = len(tokens), cfg["num_attention_heads"]
-    hd = cfg["hidden_size"] // H
-    eps = cfg["rms_norm_eps"]
-    # As HF: float32 inverse frequencies; angles in the forward's dtype.
-    ang = torch.outer(torch.arange(T, dtype=dtype), inverse_frequencies(cfg, hd).to(dtype))
-    emb = torch.cat((ang, ang), dim=-1)  # HF: frequency i drives dimensions i and i + hd/2
-    cos, sin = emb.cos(), emb.sin()
-    x = w["model.embed_tokens.weight"][torch.tensor(tokens)]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        x = x + attention(rms_norm(x, w[p + "input_layernorm.weight"], eps), w, p + "self_attn.", cfg, cos, sin)
-        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
-        if cfg["architectures"][0] == "MixtralForCausalLM":
-            x = x + moe(h, w, p + "block_sparse_moe.", cfg)
+        # 2. 32 greedy tokens
+        ref_model.generation_config.eos_token_id = None  # 32 tokens, EOS or not (ctitan: --ignore-eos)
+        ref_model.generation_config.pad_token_id = 0
+        prompt_ids = tok(PROMPT)["input_ids"]
+        with torch.no_grad():
+            out = ref_model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=32)[0].tolist()
+        want = out[len(prompt_ids):]
+        idf = os.path.join(work, "generate.json")
+        g = run([gen, hf_dir, "--prompt", PROMPT, "--max-new-tokens", "32", "--ignore-eos", "--threads", "1",
+                 "--ids-out", idf])
+        mine = json.load(open(idf))
+        same_prompt = mine["prompt_ids"] == prompt_ids
+        first_diff = next((i for i, (x, y) in enumerate(zip(mine["generated_ids"], want)) if x != y), None)
+        ok = same_prompt and mine["generated_ids"] == want and len(want) == 32
+        status |= not ok
+        if ok:
+            verdict = "all equal PASS"
         else:
-            x = x + swiglu(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"])
-    x = rms_norm(x, w["model.norm.weight"], eps)
-    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-    return x @ head.T  # [T, V]
+            verdict = f"first difference at {first_diff}: {mine['generated_ids']} vs {want} FAIL"
+        print(f"{name}: greedy generate, prompt {len(prompt_ids)} tokens (ctitan's tokenizer "
+              f"{'gives the same ids' if same_prompt else 'DIFFERS'}), 32 new tokens: {verdict}")
+        print(f"{name}:   ctitan: {g.stderr.strip().splitlines()[-1]}")
+
+        # 3. ctitan's export read by from_pretrained
+        step = os.path.join(work, "ckpt", "step-1")
+        export = os.path.join(work, "export")
+        run([tool, "convert", hf_dir, step])
+        run([tool, "convert", step, export, "--to", "hf"])
+        exp_model, exp = hf_logits(export, ids)
+        d2 = (exp - ref).abs().max().item()
+        same_w = all(torch.equal(p, q) for p, q in zip(ref_model.state_dict().values(), exp_model.state_dict().values()))
+        ok = d2 <= a.tol and same_w
+        status |= not ok
+        print(f"{name}: ctitan export (HF -> step folder -> HF) from_pretrained: weights "
+              f"{'bitwise equal' if same_w else 'DIFFER'}, max |Δ logits| vs the original = {d2:.2e} "
+              f"{'PASS' if ok else 'FAIL'}")
+        print(f"{name}: {time.time() - t0:.1f} s")
+    return status
 
 
-# ---- consolidated .pt ----------------------------------------------------------------------
+# ---- compare (an export of a trained run) ------------------------------------------------------
 
 def to_hf_name(fqn):
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", fqn)
@@ -181,6 +202,16 @@ def hf_rotary_order(w, heads):
     return w.reshape(heads, rows // heads // 2, 2, cols).permute(0, 2, 1, 3).reshape(rows, cols)
 
 
+def read_hf_tensors(folder):
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), "pt") as f:
+                for k in f.keys():
+                    out[k] = f.get_tensor(k)
+    return out
+
+
 def check_pt(pt_path, hf, cfg):
     sd = torch.load(pt_path)
     H, KV = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
@@ -205,47 +236,46 @@ def check_pt(pt_path, hf, cfg):
     return len(sd), bad, missing
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hf", required=True, help="folder with model.safetensors and config.json")
-    ap.add_argument("--logits", required=True, help="ctitan's logits (checkpoint_tool logits)")
-    ap.add_argument("--pt", help="consolidated .pt export of the same model, checked against the HF tensors")
-    ap.add_argument("--tol", type=float, default=1e-5, help="max |Δ logit| allowed in float32")
-    a = ap.parse_args()
-
+def compare(a):
     cfg = json.load(open(os.path.join(a.hf, "config.json")))
-    weights = {}
-    for name in sorted(os.listdir(a.hf)):
-        if name.endswith(".safetensors"):
-            t, _ = read_safetensors(os.path.join(a.hf, name))
-            weights.update(t)
-    got, meta = read_safetensors(a.logits)
-    tokens = got["tokens"].tolist()
-    ctitan = got["logits"].to(torch.float32)
-
-    with torch.no_grad():
-        ref32 = forward(weights, cfg, tokens, torch.float32)
-        ref64 = forward(weights, cfg, tokens, torch.float64)
-    d32 = (ctitan - ref32).abs().max().item()
-    d64 = (ctitan.double() - ref64).abs().max().item()
-    ref_err = (ref32.double() - ref64).abs().max().item()
-    agree = (ctitan.argmax(-1) == ref32.argmax(-1)).float().mean().item()
-    arch = cfg["architectures"][0]
-    print(f"hf_parity: {arch} {meta.get('model', '')}, {len(weights)} tensors, {len(tokens)} tokens, "
-          f"vocab {ctitan.shape[-1]}")
-    print(f"  max |ctitan - HF forward (float32)|   = {d32:.3e}")
-    print(f"  max |ctitan - HF forward (float64)|   = {d64:.3e}")
-    print(f"  max |HF float32 - HF float64|         = {ref_err:.3e}  (float32 rounding of the reference itself)")
-    print(f"  max |logit| = {ref64.abs().max().item():.3f}; argmax agreement {agree * 100:.1f}%")
-    ok = d32 <= a.tol
+    got, tokens = read_logits(a.logits)
+    ids = tokens.reshape(-1, tokens.shape[-1]).tolist()
+    _, ref = hf_logits(a.hf, ids)
+    ref = ref.reshape(got.shape)
+    d = (got - ref).abs().max().item()
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"hf_parity: {cfg['architectures'][0]} from_pretrained({a.hf}) in float32, transformers "
+          f"{transformers.__version__}, torch {torch.__version__}; {tokens.numel()} tokens")
+    print(f"  max |ctitan - transformers| = {d:.3e}; max |logit| = {ref.abs().max().item():.3f}; "
+          f"argmax agreement {agree * 100:.1f}%")
+    ok = d <= a.tol
     if a.pt:
-        n, bad, missing = check_pt(a.pt, weights, cfg)
+        n, bad, missing = check_pt(a.pt, read_hf_tensors(a.hf), cfg)
         print(f"  consolidated {os.path.basename(a.pt)} (torch.load): {n} tensors; "
               f"{'all equal the HF export (q/k permuted)' if not bad else 'MISMATCH: ' + ', '.join(bad[:5])}"
               f"{'' if not missing else '; HF tensors not in the .pt: ' + ', '.join(missing[:5])}")
         ok = ok and not bad and not missing
     print(f"  {'PASS' if ok else 'FAIL'} (tolerance {a.tol:g})")
     return 0 if ok else 1
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="mode", required=True)
+    r = sub.add_parser("roundtrip")
+    r.add_argument("--bin", required=True, help="build folder with checkpoint_tool and generate")
+    r.add_argument("--tokenizer", required=True, help="folder with tokenizer.json + tokenizer_config.json")
+    r.add_argument("--out", required=True)
+    r.add_argument("--models", default="llama3,mixtral")
+    r.add_argument("--tol", type=float, default=1e-4)
+    c = sub.add_parser("compare")
+    c.add_argument("--hf", required=True)
+    c.add_argument("--logits", required=True)
+    c.add_argument("--pt")
+    c.add_argument("--tol", type=float, default=1e-5)
+    a = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("CTITAN_PARITY_THREADS", "2")))
+    return roundtrip(a) if a.mode == "roundtrip" else compare(a)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# HF parity check (not a unit test): train briefly on 2 FSDP ranks with
+# HF parity check of trained exports (not a unit test): train briefly on 2 FSDP ranks with
 # checkpoint.last_save_in_hf, then compare ctitan's logits on a sentence of Moby-Dick with
-# an independent HF-convention forward in Python over the exported safetensors
-# (scripts/hf_parity.py, the venv's PyTorch 2.13), and check that the consolidated .pt
+# those of Hugging Face transformers' from_pretrained() of the export (scripts/hf_parity.py
+# compare, the venv's transformers on PyTorch 2.13), and check that the consolidated .pt
 # export, read by torch.load, holds the same tensors. Llama debug model, then Mixtral's.
+# (Models saved by transformers itself, greedy generate and the export back:
+# scripts/hf_parity.py roundtrip, run by test_checkpoint_hf's HFParity test.)
 #
 #   scripts/hf_parity.sh                # both models; exit 0 when every check passes
 #   MODELS=llama3 scripts/hf_parity.sh  # one of them
@@ -33,7 +35,7 @@ for model in ${MODELS:-llama3 mixtral}; do
   hf="$dump/checkpoint/step-20"
   "$TOOL" logits "$hf" "$TOKENS" "$OUT/$model.logits.safetensors" >/dev/null
   "$TOOL" convert "$hf" "$OUT/$model.pt" >/dev/null
-  "$CTITAN_PYTHON" "$CTITAN_ROOT/scripts/hf_parity.py" --hf "$hf" --logits "$OUT/$model.logits.safetensors" \
+  "$CTITAN_PYTHON" "$CTITAN_ROOT/scripts/hf_parity.py" compare --hf "$hf" --logits "$OUT/$model.logits.safetensors" \
     --pt "$OUT/$model.pt" || status=1
 done
 exit $status

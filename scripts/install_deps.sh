@@ -8,7 +8,8 @@
 #     $CTITAN_VENV (default <repo>/.venv). The same venv's torch is the reference that the
 #     parity scripts and benchmarks compare with, and whose torchrun the launcher tests run;
 #     TensorBoard's Python package beside it, whose event-file reader the TensorBoard tests
-#     read ctitan's event files with (scripts/tb_read.py).
+#     read ctitan's event files with (scripts/tb_read.py); Hugging Face transformers, the
+#     reference of the HF parity checks (scripts/hf_parity.py).
 #   scripts/install_deps.sh            # build + run + test dependencies
 #   scripts/install_deps.sh --check    # exit 0 when nothing is missing, 1 otherwise
 #   scripts/install_deps.sh --venv-only  # only the virtual environment
@@ -20,6 +21,10 @@ TORCH_VERSION="${CTITAN_TORCH_VERSION:-2.13.0}"
 TOKENIZERS_VERSION="0.23.3"
 # TensorBoard: its event-file reader checks the files ctitan writes.
 TENSORBOARD_VERSION="2.21.0"
+# Hugging Face transformers (and its safetensors): LlamaForCausalLM / MixtralForCausalLM are the
+# reference scripts/hf_parity.py compares ctitan's loading, logits, generate and export with.
+TRANSFORMERS_VERSION="5.24.0"
+SAFETENSORS_VERSION="0.8.0"
 
 PACKAGES=(
   build-essential cmake ccache pkg-config
@@ -56,13 +61,14 @@ venv_ok() {
   [[ -x "$CTITAN_VENV/bin/python" ]] &&
     "$CTITAN_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null &&
     "$CTITAN_VENV/bin/python" -c "import tokenizers, sys; sys.exit(tokenizers.__version__ != '$TOKENIZERS_VERSION')" 2>/dev/null &&
-    "$CTITAN_VENV/bin/python" -c "import tensorboard, sys; sys.exit(tensorboard.__version__ != '$TENSORBOARD_VERSION')" 2>/dev/null
+    "$CTITAN_VENV/bin/python" -c "import tensorboard, sys; sys.exit(tensorboard.__version__ != '$TENSORBOARD_VERSION')" 2>/dev/null &&
+    "$CTITAN_VENV/bin/python" -c "from importlib.metadata import version as v; import sys; sys.exit(v('transformers') != '$TRANSFORMERS_VERSION' or v('safetensors') != '$SAFETENSORS_VERSION')" 2>/dev/null
 }
 
 if [[ "${1:-}" == "--check" ]]; then
   status=0
   if ((${#missing[@]})); then echo "missing: ${missing[*]}"; status=1; fi
-  if ! venv_ok; then echo "missing: torch==$TORCH_VERSION, tokenizers==$TOKENIZERS_VERSION or tensorboard==$TENSORBOARD_VERSION in $CTITAN_VENV"; status=1; fi
+  if ! venv_ok; then echo "missing: torch==$TORCH_VERSION, tokenizers==$TOKENIZERS_VERSION, tensorboard==$TENSORBOARD_VERSION, transformers==$TRANSFORMERS_VERSION or safetensors==$SAFETENSORS_VERSION in $CTITAN_VENV"; status=1; fi
   exit $status
 fi
 
@@ -76,9 +82,10 @@ if [[ "${1:-}" != "--venv-only" ]] && ((${#missing[@]})); then
 fi
 
 if ! venv_ok; then
-  echo "install_deps: PyTorch $TORCH_VERSION (its LibTorch), tokenizers $TOKENIZERS_VERSION, TensorBoard $TENSORBOARD_VERSION into $CTITAN_VENV"
+  echo "install_deps: PyTorch $TORCH_VERSION (its LibTorch), tokenizers $TOKENIZERS_VERSION, TensorBoard $TENSORBOARD_VERSION, transformers $TRANSFORMERS_VERSION into $CTITAN_VENV"
   [[ -x "$CTITAN_VENV/bin/python" ]] || python3 -m venv "$CTITAN_VENV"
   "$CTITAN_VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" numpy \
-    "tokenizers==$TOKENIZERS_VERSION" "tensorboard==$TENSORBOARD_VERSION"
+    "tokenizers==$TOKENIZERS_VERSION" "tensorboard==$TENSORBOARD_VERSION" \
+    "transformers==$TRANSFORMERS_VERSION" "safetensors==$SAFETENSORS_VERSION"
 fi
 echo "install_deps: all dependencies present"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The README's test command: installs what is missing, builds everything, runs every test.
+# The README's test command: installs what is missing, builds everything, runs every test,
+# then the CUDA build's part (scripts/test_cuda.sh: compiled, linked and CPU-tested without a
+# GPU; CTITAN_CUDA=0 skips it, CTITAN_CUDA=1 runs it after a selection of CPU tests too).
 #   ./scripts/test.sh                 # all tests
-#   ./scripts/test.sh -R config       # extra arguments go to ctest
+#   ./scripts/test.sh -R config       # extra arguments go to ctest (of the CPU build; no CUDA part)
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 ctitan_ensure_deps
@@ -14,4 +16,10 @@ ctitan_log "build took $(( $(date +%s) - start )) s"
 cd "$CTITAN_BUILD_DIR"
 # Tests run nproc at a time, at least two: many of them wait on
 # process start-up, sockets and sleeps, and the whole suite must fit CI's 30 minutes.
-ctest --output-on-failure --timeout 900 --parallel "$(( $(nproc) < 2 ? 2 : $(nproc) ))" "$@"
+cuda="${CTITAN_CUDA:-$(( $# == 0 ))}"
+status=0
+ctest --output-on-failure --timeout 900 --parallel "$(( $(nproc) < 2 ? 2 : $(nproc) ))" "$@" || status=$?
+if [[ "$cuda" != 0 ]]; then
+  "$CTITAN_ROOT/scripts/test_cuda.sh" || status=$?
+fi
+exit $status

@@ -22,6 +22,7 @@
 #include "config/errors.h"
 #include "config/job_config.h"
 #include "tests/e2e.h"
+#include "tests/loader_state.h"
 #include "tests/multiprocess.h"
 
 namespace fs = std::filesystem;
@@ -1081,11 +1082,10 @@ TEST_F(CheckpointE2E, DamagedCheckpoints) {
 
 // checkpoint.dataloader_reshard = "redistribute", 4 → 2 and 2 → 3 ranks. Every token the
 // two jobs trained on (traced windows) plus what the resumed loaders still buffer at the end
-// must be, as a multiset, exactly the tokens of the documents the rule says were read: every
-// document below the furthest saved position P*, then from P* each new rank's own documents
-// up to where it stopped. Document encodings come from Debian's spm_encode, independently of
-// ctitan's tokenizer code. Duplicates (tokens seen more often than their documents hold) and
-// gaps (fewer) are counted; the stated bound on both is 0.
+// must be, as a multiset, exactly the tokens of the documents read: every document the final
+// states do not hold as unread (their "work", datasets/sharding.h). Document encodings come
+// from Debian's spm_encode, independently of ctitan's tokenizer code. Duplicates (tokens seen
+// more often than their documents hold) and gaps (fewer) are counted; the bound on both is 0.
 TEST_F(CheckpointE2E, RedistributeSeesEveryDocumentOnce) {
   // Documents of the corpus, in order (one line each), encoded by spm_encode.
   std::vector<std::vector<int64_t>> docs;
@@ -1112,16 +1112,6 @@ TEST_F(CheckpointE2E, RedistributeSeesEveryDocumentOnce) {
     EXPECT_TRUE(std::regex_search(json, m, std::regex("\"" + key + "\":(-?[0-9]+)"))) << key;
     return std::stoll(m[1]);
   };
-  auto buffer_of = [](const std::string& json) {
-    std::vector<int64_t> out;
-    const auto b = json.find("\"buffer\":[");
-    std::istringstream is(json.substr(b + 10));
-    for (int64_t v; is >> v;) {
-      out.push_back(v);
-      if (is.peek() == ',') is.get();
-    }
-    return out;
-  };
   struct Case {
     int from, to;
   };
@@ -1142,32 +1132,25 @@ TEST_F(CheckpointE2E, RedistributeSeesEveryDocumentOnce) {
     ASSERT_TRUE(std::regex_search(rb[0].output, m, std::regex("bos ([0-9]+), eos ([0-9]+)"))) << rb[0].output;
     const int64_t bos = std::stoll(m[1]), eos = std::stoll(m[2]);
     EXPECT_NE(rb[0].output.find("dataloader: redistributed from dp " + std::to_string(cs.from)), std::string::npos);
-    // The positions: P* from the saved states, each new rank's final position and buffer.
-    CheckpointReader saved(a + "/checkpoint/step-3"), fin(b + "/checkpoint/step-6");
-    int64_t p_star = 0;
-    for (int r = 0; r < cs.from; ++r) {
-      const std::string st = saved.read_bytes("dataloader.dp_rank_" + std::to_string(r));
-      ASSERT_EQ(ints_after(st, "epoch"), 0);
-      p_star = std::max<int64_t>(p_star, ints_after(st, "next_document"));
-    }
+    // What the saved ranks had reached, and what the new ranks still hold unread at the end.
+    CheckpointReader fin(b + "/checkpoint/step-6");
     std::map<int64_t, int64_t> have, want;
+    std::vector<ctitan::testing::StateUnit> left;
     for (int r = 0; r < cs.to; ++r) {
       const std::string st = fin.read_bytes("dataloader.dp_rank_" + std::to_string(r));
       ASSERT_EQ(ints_after(st, "epoch"), 0);
-      for (int64_t v : buffer_of(st)) ++have[v];
-      const int64_t end = ints_after(st, "next_document");
-      for (int64_t d = p_star; d < end; ++d)
-        if (d % cs.to == r)
-          for (int64_t v : docs[d]) ++want[v];
+      for (int64_t v : ctitan::testing::state_buffer(st)) ++have[v];
+      for (const auto& u : ctitan::testing::state_work(st)) left.push_back(u);
     }
-    for (int64_t d = 0; d < p_star; ++d)
+    const auto doc_ids = ctitan::testing::line_documents(corpus_);
+    ASSERT_EQ(doc_ids.size(), docs.size());
+    int64_t ndocs = 0;
+    for (size_t d = 0; d < docs.size(); ++d) {
+      if (ctitan::testing::still_unread(left, doc_ids[d])) continue;
+      ++ndocs;
       for (int64_t v : docs[d]) ++want[v];
-    // Documents counted in `want` also carry their BOS and EOS.
-    int64_t ndocs = p_star;
-    for (int r = 0; r < cs.to; ++r) {
-      const int64_t end = ints_after(fin.read_bytes("dataloader.dp_rank_" + std::to_string(r)), "next_document");
-      for (int64_t d = p_star; d < end; ++d) ndocs += d % cs.to == r;
     }
+    // Documents counted in `want` also carry their BOS and EOS.
     want[bos] += ndocs;
     want[eos] += ndocs;
     int64_t windows = 0;
@@ -1191,9 +1174,9 @@ TEST_F(CheckpointE2E, RedistributeSeesEveryDocumentOnce) {
       const int64_t d = have[id] - want[id];
       (d > 0 ? dup : gap) += std::abs(d);
     }
-    std::printf("redistribute %d -> %d: %lld documents read (P* = %lld), %lld windows; duplicated tokens %lld, "
+    std::printf("redistribute %d -> %d: %lld documents read, %lld windows; duplicated tokens %lld, "
                 "missing tokens %lld\n",
-                cs.from, cs.to, static_cast<long long>(ndocs), static_cast<long long>(p_star),
+                cs.from, cs.to, static_cast<long long>(ndocs),
                 static_cast<long long>(windows), static_cast<long long>(dup), static_cast<long long>(gap));
     EXPECT_EQ(dup, 0) << tag;
     EXPECT_EQ(gap, 0) << tag;

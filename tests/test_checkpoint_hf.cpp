@@ -14,8 +14,11 @@
 #include <set>
 #include <sstream>
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/format.h"
+#include "checkpoint/generate.h"
 #include "checkpoint/hf.h"
 #include "checkpoint/safetensors.h"
 #include "checkpoint/tool.h"
@@ -823,5 +826,174 @@ TEST(PtExport, DamagedFilesAreOneErrorLineAndExitTwo) {
     EXPECT_FALSE(fs::exists(out));
     std::cout << "  " << name << ": " << r.out;
   }
+  fs::remove_all(dir);
+}
+
+// ---- sampling and `generate` ---------------------------------------------------------------
+
+// sample_token against the definitions in generate.h, on a distribution whose every allowed
+// set is known by hand: p = (0.05, 0.5, 0.15, 0.3).
+TEST(Sampling, GreedyTemperatureTopKTopPAndSeeds) {
+  const std::vector<double> p = {0.05, 0.5, 0.15, 0.3};
+  const auto logits = torch::log(torch::tensor(p, torch::kDouble)).to(torch::kFloat) + 3.0;  // any shift
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(1);
+  EXPECT_EQ(sample_token(logits, {}, g), 1);  // greedy: argmax
+  // Draws n tokens; returns the frequency of each.
+  auto freq = [&](SamplingOptions o, uint64_t seed, int n) {
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    std::vector<int> count(p.size(), 0);
+    for (int i = 0; i < n; ++i) ++count.at(static_cast<size_t>(sample_token(logits, o, gen)));
+    std::vector<double> f;
+    for (int c : count) f.push_back(static_cast<double>(c) / n);
+    return f;
+  };
+  const int N = 4000;
+  // Within 4.5 standard deviations of the expected frequency q (q = 0: never drawn, q = 1:
+  // always).
+  auto expect_freq = [&](const std::vector<double>& f, const std::vector<double>& q, int n, const std::string& what) {
+    for (size_t i = 0; i < q.size(); ++i) {
+      if (q[i] == 0 || q[i] == 1) {
+        EXPECT_EQ(f[i], q[i]) << what << ": token " << i;
+      } else {
+        EXPECT_NEAR(f[i], q[i], 4.5 * std::sqrt(q[i] * (1 - q[i]) / n)) << what << ": token " << i;
+      }
+    }
+  };
+  expect_freq(freq({1.0, 0, 1.0}, 2, N), p, N, "temperature 1");
+  // Temperature 0.5 squares the probabilities (renormalised).
+  {
+    std::vector<double> q;
+    double z = 0;
+    for (double x : p) z += x * x;
+    for (double x : p) q.push_back(x * x / z);
+    expect_freq(freq({0.5, 0, 1.0}, 3, N), q, N, "temperature 0.5");
+  }
+  // top-k 2 keeps tokens 1 and 3; top-p 0.7 keeps them too (0.5 < 0.7, then 0.5 + 0.3 >= 0.7);
+  // top-p 0.85 adds token 2 (0.8 < 0.85); top-k 1 and top-p 0.4 keep the argmax alone.
+  expect_freq(freq({1.0, 2, 1.0}, 4, N), {0, 0.625, 0, 0.375}, N, "top-k 2");
+  expect_freq(freq({1.0, 0, 0.7}, 5, N), {0, 0.625, 0, 0.375}, N, "top-p 0.7");
+  expect_freq(freq({1.0, 0, 0.85}, 6, N), {0, 0.5 / 0.95, 0.15 / 0.95, 0.3 / 0.95}, N, "top-p 0.85");
+  expect_freq(freq({1.0, 1, 1.0}, 7, 200), {0, 1, 0, 0}, 200, "top-k 1");
+  expect_freq(freq({1.0, 0, 0.4}, 8, 200), {0, 1, 0, 0}, 200, "top-p 0.4");
+  // The seed decides the draws: the same seed the same sequence, another seed another.
+  auto draws = [&](uint64_t seed) {
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    std::vector<int64_t> d;
+    for (int i = 0; i < 64; ++i) d.push_back(sample_token(logits, {1.0, 0, 1.0}, gen));
+    return d;
+  };
+  EXPECT_EQ(draws(9), draws(9));
+  EXPECT_NE(draws(9), draws(10));
+}
+
+namespace {
+
+std::string generate_bin() { return (fs::path(ctitan::testing::kTrain).parent_path() / "generate").string(); }
+
+std::vector<int64_t> ids_in(const std::string& text) {
+  std::vector<int64_t> out;
+  std::stringstream ss(text);
+  for (std::string t; ss >> t;) out.push_back(std::stoll(t));
+  return out;
+}
+
+}  // namespace
+
+// The real `generate` binary on a ctitan step folder (converted from a .pt): greedy tokens equal
+// the argmax of the full forward re-run on the growing sequence (no cache), sampling is
+// reproducible by seed, and bad input is one line with exit 2.
+TEST(Generate, GreedyEqualsFullForwardArgmaxAndBadInputExitsTwo) {
+  const auto dir = temp_dir("generate");
+  const Named w = llama_weights(21);
+  write_pickle_save_pt(dir / "w.pt", w, torch::kFloat);
+  const std::string step = (dir / "ckpt" / "step-3").string();
+  ASSERT_EQ(checkpoint_tool_main({"convert", (dir / "w.pt").string(), step}), 0);
+  const std::vector<int64_t> prompt = {5, 17, 250, 3, 99};
+  const int64_t n_new = 12;
+  // Reference: the model in float32, argmax of forward() on prompt + tokens so far.
+  auto a = llama::llama3_flavor("debugmodel");
+  a.vocab_size = 300;
+  a.max_seq_len = 64;
+  llama::Transformer model(a);
+  {
+    torch::NoGradGuard no_grad;
+    std::map<std::string, torch::Tensor> byname(w.begin(), w.end());
+    for (auto& kv : model->named_parameters()) kv.value().copy_(byname.at(kv.key()));
+  }
+  model->eval();
+  std::vector<int64_t> seq = prompt, want;
+  for (int64_t i = 0; i < n_new; ++i) {
+    torch::NoGradGuard no_grad;
+    const auto logits = model->forward(torch::tensor(seq, torch::kLong).view({1, -1}));
+    want.push_back(logits[0][-1].argmax().item<int64_t>());
+    seq.push_back(want.back());
+  }
+  std::string ids;
+  for (int64_t t : prompt) ids += (ids.empty() ? "" : ",") + std::to_string(t);
+  // The checkpoint folder (newest complete step) and the step folder itself; one thread (a
+  // token's matmuls are too small to share, see README).
+  const std::string err = (dir / "stderr.txt").string();
+  for (const std::string& src : {(dir / "ckpt").string(), step}) {
+    const auto r = ctitan::testing::sh("(" + generate_bin() + " " + src + " --threads 1 --prompt-ids " + ids +
+                                       " --max-new-tokens " + std::to_string(n_new) + " 2>" + err + ")");
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_EQ(ids_in(r.out), want);
+    EXPECT_NE(ckpt::read_whole_file(err).find("12 new tokens in"), std::string::npos) << ckpt::read_whole_file(err);
+    EXPECT_NE(ckpt::read_whole_file(err).find("tokens/s"), std::string::npos);
+  }
+  // Sampling: a seed gives the same tokens twice; the tokens are in the vocabulary.
+  const std::string sample = "(" + generate_bin() + " " + step + " --threads 1 --prompt-ids " + ids +
+                             " --max-new-tokens 16 --temperature 1.5 --top-k 50 --top-p 0.95 2>/dev/null --seed ";
+  const auto s1 = ctitan::testing::sh(sample + "7)"), s2 = ctitan::testing::sh(sample + "7)");
+  ASSERT_EQ(s1.code, 0) << s1.out;
+  EXPECT_EQ(s1.out, s2.out);
+  ASSERT_EQ(ids_in(s1.out).size(), 16u);
+  for (int64_t t : ids_in(s1.out)) EXPECT_TRUE(t >= 0 && t < 300) << t;
+  const auto sampled = ids_in(s1.out);
+  EXPECT_NE(std::vector<int64_t>(sampled.begin(), sampled.begin() + n_new), want)
+      << "temperature 1.5 over 300 tokens: not the greedy path";
+  // Bad input: one line, exit 2.
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {(dir / "missing").string() + " --prompt-ids 1,2", "does not exist"},
+      {step + " --prompt-ids 1,2 --frobnicate 3", "unknown option --frobnicate"},
+      {step + " --prompt-ids 1,2,3,4,5,6 --max-seq-len 6", "the prompt is 6 tokens, the sequence limit 6"},
+      {step + " --prompt-ids 1,2 --top-p 0", "--top-p must be in (0, 1]"},
+      {step + " --prompt-ids 1,300", "outside the vocabulary"},
+      {step + " --prompt hello", "no tokenizer for the prompt"},
+  };
+  for (const auto& [args, phrase] : bad) {
+    const auto r = ctitan::testing::sh(generate_bin() + " " + args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    EXPECT_EQ(r.out.find('\n'), r.out.size() - 1) << "one line:\n" << r.out;
+    EXPECT_NE(r.out.find(phrase), std::string::npos) << r.out;
+  }
+  fs::remove_all(dir);
+}
+
+// Parity with Hugging Face's own code (scripts/hf_parity.py roundtrip, the venv's transformers
+// on PyTorch 2.13): models save_pretrained() by transformers (sharded bf16, with a tokenizer.json)
+// load in ctitan with logits within 1e-4 in float32 on a batch, 32 greedy tokens from `generate`
+// equal to transformers' generate(), and ctitan's export read back by from_pretrained() with
+// the same weights and logits; Llama (GQA, llama3 RoPE scaling) and Mixtral.
+TEST(HFParity, TransformersModelsLoadGenerateAndExportBackForLlamaAndMixtral) {
+  const std::string py = venv_python();
+  ASSERT_TRUE(fs::exists(py)) << py << " is missing: scripts/install_deps.sh makes the venv this test needs";
+  const std::string data = std::getenv("CTITAN_DATA_DIR") ? std::getenv("CTITAN_DATA_DIR") : ctitan::testing::kSrc + "/data";
+  // The tokenizers test's reference folder (made once per build, shared under a lock).
+  const std::string toks = std::getenv("CTITAN_HF_TOKENIZERS_DIR") ? std::getenv("CTITAN_HF_TOKENIZERS_DIR")
+                                                                  : (fs::current_path() / "hf_tokenizers").string();
+  const auto made = ctitan::testing::sh(py + " " + ctitan::testing::kSrc + "/scripts/make_hf_tokenizers.py --out " + toks +
+                                        " --data " + data);
+  ASSERT_EQ(made.code, 0) << made.out;
+  const auto dir = temp_dir("parity");
+  const auto r = ctitan::testing::sh(py + " " + ctitan::testing::kSrc + "/scripts/hf_parity.py roundtrip --bin " +
+                                     fs::path(ctitan::testing::kTrain).parent_path().string() + " --tokenizer " + toks +
+                                     "/llama3 --out " + dir.string());
+  std::cout << r.out;
+  EXPECT_EQ(r.code, 0) << r.out;
+  size_t passes = 0;
+  for (size_t i = r.out.find("PASS"); i != std::string::npos; i = r.out.find("PASS", i + 1)) ++passes;
+  EXPECT_EQ(passes, 6u) << "3 checks x 2 models";
+  EXPECT_EQ(r.out.find("FAIL"), std::string::npos);
   fs::remove_all(dir);
 }

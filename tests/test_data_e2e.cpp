@@ -128,3 +128,54 @@ TEST_F(DataE2E, BadDocumentsStopOrAreSkippedAndCounted) {
 }
 
 }  // namespace
+
+// Pre-tokenized shards through the real tools: `tokenize` turns the corpus (two .jsonl files)
+// into .ctok shards, and `train` on them logs bitwise the same losses as on the text (the
+// same windows on 2 ranks); a truncated shard and shards made with another tokenizer end the
+// run with exit 2 and one line naming the file, before anything is written.
+TEST_F(DataE2E, TokenShardsTrainLikeTheTextAndDamagedOnesExitTwo) {
+  const fs::path text = root_ / "shard_text";
+  fs::create_directories(text);
+  for (int f = 0; f < 2; ++f) {
+    std::ofstream o(text / ("part" + std::to_string(f) + ".jsonl"));
+    for (size_t i = f; i < lines_.size(); i += 2) o << lines_[i] << "\n";
+  }
+  const std::string tokenize = (fs::path(kTrain).parent_path() / "tokenize").string();
+  const std::string shards = (root_ / "shards").string();
+  auto r = sh(tokenize + " --tokenizer " + tokenizer_ + " --output " + shards + " " + text.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("tokenize: 2 shards in " + shards + ": 600 documents"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("(uint16)"), std::string::npos) << r.out;
+  const std::string d1 = (root_ / "on_text").string(), d2 = (root_ / "on_shards").string();
+  const std::string two = "NPROC=2 " + kSrc + "/scripts/run_train.sh";
+  r = sh(two + args(text.string(), d1, 3) + " --debug.seed 5");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sh(two + args(shards, d2, 3) + " --debug.seed 5");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto a = jsonl_field(d1 + "/metrics.jsonl", "loss"), b = jsonl_field(d2 + "/metrics.jsonl", "loss");
+  ASSERT_EQ(a.size(), 3u);
+  EXPECT_EQ(a, b) << "losses on the text and on its shards";
+  // Truncated.
+  const fs::path cut = root_ / "cut";
+  fs::create_directories(cut);
+  fs::copy_file(shards + "/part0.jsonl.ctok", cut / "part0.jsonl.ctok");
+  fs::resize_file(cut / "part0.jsonl.ctok", fs::file_size(cut / "part0.jsonl.ctok") - 3);
+  const std::string d3 = (root_ / "on_cut").string();
+  r = sh(kTrain + args(cut.string(), d3, 3));
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find((cut / "part0.jsonl.ctok").string() + ": truncated or corrupt token shard"), std::string::npos)
+      << r.out;
+  EXPECT_FALSE(fs::exists(d3 + "/metrics.jsonl"));
+  // Another tokenizer.
+  const std::string other = (root_ / "other.model").string();
+  r = sh(kSrc + "/scripts/train_tokenizer.sh " + (root_ / "plain.txt").string() + " " + other + " 300");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string d4 = (root_ / "on_other").string();
+  std::string with_other = args(shards, d4, 3);
+  with_other.replace(with_other.find(tokenizer_), tokenizer_.size(), other);
+  r = sh(kTrain + with_other);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("part0.jsonl.ctok was tokenized with " + tokenizer_), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("but this run's tokenizer is " + other), std::string::npos) << r.out;
+}
+

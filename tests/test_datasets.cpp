@@ -13,6 +13,7 @@
 #include <memory>
 #include <random>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -27,6 +28,7 @@
 #include "config/errors.h"
 #include "datasets/dataloader.h"
 #include "datasets/text_source.h"
+#include "datasets/token_shard.h"
 #include "datasets/tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -177,16 +179,71 @@ std::vector<std::string> all_documents(const std::string& source) {
   return docs;
 }
 
-// Reference token stream of one rank for one epoch: docs r, r+W, ... as BOS + ids + EOS.
-std::vector<int64_t> reference_stream(const std::vector<std::string>& docs, int64_t rank,
-                                      int64_t world) {
+// The token stream of a list of documents: each as BOS + ids + EOS.
+std::vector<int64_t> reference_stream(const std::vector<std::string>& docs) {
   std::vector<int64_t> s;
-  for (size_t i = static_cast<size_t>(rank); i < docs.size(); i += static_cast<size_t>(world)) {
+  for (const auto& d : docs) {
     s.push_back(tok().bos_id());
-    for (int32_t id : tok().encode(docs[i], false, false)) s.push_back(id);
+    for (int32_t id : tok().encode(d, false, false)) s.push_back(id);
     s.push_back(tok().eos_id());
   }
   return s;
+}
+
+// A document with its identity: file (index in the sorted listing), the byte offset of its
+// first line (.ctok: its index), its index inside the file and in the whole corpus.
+struct Doc {
+  size_t file = 0;
+  uint64_t offset = 0;
+  int64_t index = 0, global = 0;
+  std::string text;
+  std::vector<int32_t> ids;  // .ctok
+};
+
+std::vector<Doc> corpus_docs(const std::string& source) {
+  DocumentReader r(source);
+  std::vector<Doc> out;
+  Document d;
+  int64_t in_file = 0;
+  while (r.next(&d)) {
+    if (!out.empty() && out.back().file != d.file) in_file = 0;
+    out.push_back({d.file, d.offset, in_file++, static_cast<int64_t>(out.size()), d.text, d.ids});
+  }
+  return out;
+}
+
+// The sharding rule as the README states it, re-stated here: files >= ranks: rank r takes
+// files f with f % W == r; else the ranks r with r % F == f share file f, the j-th (j = r / F)
+// of k taking the documents starting in [size·j/k, size·(j+1)/k) (.gz: every k-th document
+// from the j-th; .ctok: document ranges).
+std::vector<Doc> rank_docs(const std::string& source, int64_t rank, int64_t world) {
+  const auto files = ctitan::list_source_files(source);
+  const auto docs = corpus_docs(source);
+  const auto F = static_cast<int64_t>(files.size());
+  std::vector<Doc> out;
+  for (const Doc& d : docs) {
+    const auto f = static_cast<int64_t>(d.file);
+    bool mine = false;
+    if (F >= world) {
+      mine = f % world == rank;
+    } else if (f == rank % F) {
+      const int64_t j = rank / F, k = world / F + (f < world % F ? 1 : 0);
+      const bool gz = files[d.file].size() > 3 && files[d.file].substr(files[d.file].size() - 3) == ".gz";
+      uint64_t extent = fs::file_size(files[d.file]);
+      if (files[d.file].find(".ctok") != std::string::npos) {
+        extent = 0;
+        for (const Doc& e : docs) extent += e.file == d.file;
+      }
+      mine = gz ? d.index % k == j : (d.offset >= extent * j / k && d.offset < extent * (j + 1) / k);
+    }
+    if (mine) out.push_back(d);
+  }
+  return out;
+}
+std::vector<std::string> rank_documents(const std::string& source, int64_t rank, int64_t world) {
+  std::vector<std::string> out;
+  for (const Doc& d : rank_docs(source, rank, world)) out.push_back(d.text);
+  return out;
 }
 
 template <typename Fn>
@@ -452,10 +509,10 @@ TEST(TextSource, FolderListingAndErrors) {
   write_file(Env::dir_ / "empty_dir" / "notes.md", "x");
   const std::string e1 =
       user_error_text([&] { ctitan::list_source_files((Env::dir_ / "empty_dir").string()); });
-  EXPECT_NE(e1.find("holds no .txt/.jsonl/.json/.jsonl.gz/.json.gz files"), std::string::npos) << e1;
+  EXPECT_NE(e1.find("holds no .txt/.jsonl/.json/.jsonl.gz/.json.gz/.ctok files"), std::string::npos) << e1;
   const std::string e2 =
       user_error_text([&] { ctitan::list_source_files((d / "c.md").string()); });
-  EXPECT_NE(e2.find("neither a .txt/.jsonl/.json/.jsonl.gz/.json.gz file nor a folder"), std::string::npos) << e2;
+  EXPECT_NE(e2.find("neither a .txt/.jsonl/.json/.jsonl.gz/.json.gz/.ctok file nor a folder"), std::string::npos) << e2;
   const std::string e3 = user_error_text([&] { ctitan::list_source_files("/no/such/path"); });
   EXPECT_NE(e3.find("/no/such/path does not exist"), std::string::npos) << e3;
 }
@@ -587,7 +644,7 @@ TEST(DataLoader, WindowsArePackedLikeTorchtitanAndReloop) {
   const std::string src = make_txt_corpus("pack", 3);
   const auto docs = all_documents(src);
   ASSERT_EQ(docs, paragraphs());  // paragraph split reproduces the corpus
-  const auto stream = reference_stream(docs, 0, 1);
+  const auto stream = reference_stream(docs);
   const int64_t T = 16, B = 4, L = T + 1;
   DataLoader dl(tok(), src, T, B, 0, 1, "pack");
 
@@ -632,12 +689,14 @@ TEST(DataLoader, WindowsArePackedLikeTorchtitanAndReloop) {
 }
 
 TEST(DataLoader, RanksTakeDisjointDocumentsCoveringTheCorpus) {
+  // 2 files, 3 ranks: file 0 is cut in two byte ranges (ranks 0 and 2), file 1 is rank 1's.
   const std::string src = make_txt_corpus("ranks", 2);
   const auto docs = all_documents(src);
   const int64_t W = 3, T = 8, L = T + 1;
   std::map<std::string, int> seen;  // document text -> how many ranks decoded it
   for (int64_t r = 0; r < W; ++r) {
-    const auto ref = reference_stream(docs, r, W);
+    const auto ref = reference_stream(rank_documents(src, r, W));
+    ASSERT_FALSE(ref.empty()) << "rank " << r;
     DataLoader dl(tok(), src, T, 1, r, W);
     std::vector<int64_t> got;
     while (got.size() < ref.size()) {
@@ -677,7 +736,8 @@ TEST(DataLoader, TooFewDocumentsForTheRanksIsAUserError) {
   EXPECT_EQ(ok.next_window().front(), tok().bos_id());
   DataLoader starved(tok(), src, 4, 1, 2, 3, "tiny2");
   const std::string e = user_error_text([&] { starved.next_window(); });
-  EXPECT_NE(e.find("dataset tiny2 has 2 documents, too few for dp degree 3: dp rank 2 gets none"),
+  EXPECT_NE(e.find("dataset tiny2: dp rank 2 of 3 gets no documents (its share: t.txt bytes 6..9); too few "
+                   "documents for dp degree 3"),
             std::string::npos) << e;
   EXPECT_NE(user_error_text([&] { DataLoader(tok(), src, 4, 1, 3, 3); }).find("dp rank 3 is not in [0, 3)"),
             std::string::npos);
@@ -715,7 +775,7 @@ TEST(DataLoader, StateDictResumesExactly) {
   // re-loop both have to survive the restore.
   for (const std::string& src :
        {make_jsonl_corpus("resume_jsonl"), make_txt_corpus("resume_txt", 3)}) {
-    const int64_t S = static_cast<int64_t>(reference_stream(all_documents(src), 1, 2).size());
+    const int64_t S = static_cast<int64_t>(reference_stream(rank_documents(src, 1, 2)).size());
     for (const int64_t L : {S / 27, S / 15}) {
       const int64_t T = L - 1, B = 3;
       SCOPED_TRACE(src + " seq_len " + std::to_string(T));
@@ -742,18 +802,26 @@ TEST(DataLoader, StateDictResumesExactly) {
   }
 }
 
-TEST(DataLoader, StateDictRecordsTheGlobalDocumentPosition) {
+// The state names what this pass still holds: 4 files on 3 ranks, rank 1 has file 1 alone;
+// after one window its range starts at the first document it has not read.
+TEST(DataLoader, StateDictRecordsWhatThePassStillHolds) {
   const std::string src = make_jsonl_corpus("position");
-  const auto docs = all_documents(src);
+  const auto docs = corpus_docs(src);
   DataLoader dl(tok(), src, 16, 1, 1, 3);
   dl.next();
-  // The last document consumed by rank 1 is the one just before next_document.
-  const int64_t next = dl.next_document();
-  EXPECT_EQ((next - 1) % 3, 1);
+  size_t tokens = 0, next = 0;
+  std::vector<Doc> mine;
+  for (const Doc& d : docs)
+    if (d.file == 1) mine.push_back(d);
+  while (tokens < 17) tokens += tok().encode(mine[next++].text, true, true).size();
   const std::string s = dl.state_dict();
-  EXPECT_NE(s.find("\"next_document\":" + std::to_string(next)), std::string::npos) << s;
+  EXPECT_NE(s.find("\"work\":[[1," + std::to_string(mine[next].offset) + ",-1,1,0," + std::to_string(next) + ",0]]"),
+            std::string::npos) << s;
+  EXPECT_NE(s.find("\"files\":[\"shard_0.jsonl\",\"shard_1.jsonl\",\"shard_2.jsonl\",\"shard_3.jsonl\"]"),
+            std::string::npos) << s;
   EXPECT_NE(s.find("\"dp_rank\":1,\"dp_world\":3"), std::string::npos) << s;
-  EXPECT_NE(s.find("\"format\":\"ctitan.dataloader\",\"version\":1"), std::string::npos) << s;
+  EXPECT_NE(s.find("\"format\":\"ctitan.dataloader\",\"version\":2"), std::string::npos) << s;
+  EXPECT_EQ(dl.documents_parsed(), static_cast<int64_t>(next));
 }
 
 TEST(DataLoader, CorruptOrMismatchedStateIsRejectedAndLeavesTheLoaderAlone) {
@@ -779,16 +847,17 @@ TEST(DataLoader, CorruptOrMismatchedStateIsRejectedAndLeavesTheLoaderAlone) {
       {good.substr(0, good.size() / 2), "is corrupt: invalid JSON"},
       {"[]", "is corrupt: expected a JSON object"},
       {replace("\"format\":\"ctitan.dataloader\"", "\"format\":\"other\""), "\"format\" is not"},
-      {replace("\"version\":1", "\"version\":9"), "has version 9; this build reads 1"},
+      {replace("\"version\":2", "\"version\":9"), "has version 9; this build reads 1 and 2"},
       {replace("\"dp_world\":2", "\"dp_world\":4"),
        "was saved by dp rank 0 of 4, this is dp rank 0 of 2"},
       {replace("\"vocab_size\":" + vocab, "\"vocab_size\":7"), "tokenizer of vocab_size 7"},
       {replace("\"epoch\":", "\"epochs\":"), "is corrupt: missing \"epoch\""},
       {replace("\"windows_produced\":", "\"windows_produced\":-"), "\"windows_produced\" is not an integer >= 0"},
       {replace("\"buffer\":[", "\"buffer\":[" + vocab + ","), "\"buffer\" holds a value that is not a token id"},
-      {replace("\"file_name\":\"shard_", "\"file_name\":\"other_"), "(different corpus?)"},
-      {replace("\"file_offset\":", "\"file_offset\":1"), "is not a line start"},
-      {replace("\"file_index\":", "\"file_index\":9"), "does not fit"},
+      {replace("\"files\":[\"shard_0", "\"files\":[\"other_0"), "file 0 is other_0.jsonl there and shard_0.jsonl here (different corpus?)"},
+      {replace("\"work\":[[0,", "\"work\":[[9,"), "\"work\"[0] does not fit the corpus (file 9 of 4"},
+      {replace("\"work\":[[0,", "\"work\":[[0,0,"), "\"work\"[0] is not [file,begin,end,stride,phase,ordinal,chain]"},
+      {replace("\"work\":[[0,", "\"work\":[[0,99999999"), "\"work\"[0] does not fit the corpus"},
   };
   for (const auto& c : cases) {
     const std::string e = user_error_text([&] { victim.load_state_dict(c.state); });
@@ -811,7 +880,7 @@ TEST(DataLoader, ResumesExactlyInsideAGzipFile) {
     for (int i = 0; i < 5; ++i) a.next();
     const std::string saved = a.state_dict();
     std::smatch m;
-    ASSERT_TRUE(std::regex_search(saved, m, std::regex("\"file_offset\":([0-9]+)")));
+    ASSERT_TRUE(std::regex_search(saved, m, std::regex("\"work\":\\[\\[0,([0-9]+),")));
     EXPECT_GT(std::stoll(m[1]), 0) << "saved mid-file";
     std::vector<Batch> continued, resumed;
     for (int i = 0; i < 60; ++i) continued.push_back(a.next());
@@ -821,6 +890,439 @@ TEST(DataLoader, ResumesExactlyInsideAGzipFile) {
     for (int i = 0; i < 60; ++i) resumed.push_back(b.next());
     expect_same(continued, resumed);
   }
+}
+
+
+// --------------------------------------------------------------------------------------
+// Sharding: byte ranges, redistribution, token accounting, older states, token shards
+// --------------------------------------------------------------------------------------
+
+// Paragraphs of a .txt text with the byte offset of each one's first line, found here
+// independently of the library: a paragraph starts at a non-blank line after a blank line
+// (or the file's start); lines end at '\n', a '\r' before it is dropped.
+std::vector<std::pair<uint64_t, std::string>> txt_paragraphs(const std::string& text) {
+  std::vector<std::pair<uint64_t, std::string>> out;
+  bool prev_blank = true;
+  for (size_t at = 0; at < text.size();) {
+    size_t nl = text.find('\n', at);
+    if (nl == std::string::npos) nl = text.size();
+    std::string line = text.substr(at, nl - at);
+    if (at == 0 && line.compare(0, 3, "\xEF\xBB\xBF") == 0) line.erase(0, 3);
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    const bool blank = line.find_first_not_of(" \t\f\v") == std::string::npos;
+    if (!blank && prev_blank) out.push_back({at, line});
+    else if (!blank) out.back().second += "\n" + line;
+    prev_blank = blank;
+    at = nl + 1;
+  }
+  return out;
+}
+
+// Every cut of a file into two byte ranges, [0, c) and [c, size), and cuts into W equal
+// ranges for W = 2..9: each document is read by exactly one range, whole, and in order.
+// The .txt file has multi-line paragraphs, runs of blank and whitespace-only lines, CRLF
+// line ends in part, a BOM; the .jsonl file blank lines and long records.
+TEST(Sharding, ByteRangesGiveEachDocumentToExactlyOneReader) {
+  std::string txt = "\xEF\xBB\xBF";
+  const auto& p = paragraphs();
+  for (size_t i = 0; i < p.size(); ++i) {
+    std::string para = p[i];
+    if (i % 5 == 3) {  // CRLF line ends
+      std::string crlf;
+      for (char c : para) crlf += c == '\n' ? std::string("\r\n") : std::string(1, c);
+      para = crlf;
+    }
+    txt += para + (i % 4 == 0 ? "\n\n\n" : i % 4 == 1 ? "\n \t\n" : "\n\n");
+  }
+  std::string jsonl;
+  for (size_t i = 0; i < p.size(); ++i) jsonl += (i % 6 == 2 ? "\n" : "") + std::string("{\"text\": ") + json_str(p[i]) + "}\n";
+  const std::string t = write_file(Env::dir_ / "ranges" / "r.txt", txt);
+  const std::string j = write_file(Env::dir_ / "ranges" / "r.jsonl", jsonl);
+  // The reference for the .txt file comes from the independent split above.
+  std::vector<std::pair<uint64_t, std::string>> want_txt;
+  for (const auto& [off, text] : txt_paragraphs(txt)) want_txt.push_back({off, text});
+  ASSERT_EQ(want_txt.size(), p.size());
+  for (size_t i = 0; i < p.size(); ++i) EXPECT_EQ(want_txt[i].second, p[i]) << i;
+  auto read_range = [](const std::string& path, uint64_t b, uint64_t e) {
+    DocumentReader r(path);
+    r.set_range(0, b, e, false);
+    std::vector<std::pair<uint64_t, std::string>> got;
+    Document d;
+    while (r.next(&d)) got.push_back({d.offset, d.text});
+    return got;
+  };
+  for (const std::string& path : {t, j}) {
+    SCOPED_TRACE(path);
+    const auto want = path == t ? want_txt : read_range(path, 0, DocumentReader::kToEnd);
+    ASSERT_EQ(want.size(), p.size());
+    const uint64_t size = fs::file_size(path);
+    int bad_cuts = 0;
+    for (uint64_t c = 0; c <= size; ++c) {
+      auto a = read_range(path, 0, c), b = read_range(path, c, size);
+      a.insert(a.end(), b.begin(), b.end());
+      if (a != want && ++bad_cuts <= 3) ADD_FAILURE() << "cut at byte " << c;
+    }
+    EXPECT_EQ(bad_cuts, 0);
+    for (int64_t W = 2; W <= 9; ++W) {
+      std::vector<std::pair<uint64_t, std::string>> all;
+      int64_t parsed = 0;
+      for (int64_t r = 0; r < W; ++r) {
+        const auto part = read_range(path, size * r / W, size * (r + 1) / W);
+        all.insert(all.end(), part.begin(), part.end());
+        // The loader of rank r of W over this one file parses exactly those documents.
+        DataLoader dl(tok(), path, 4, 1, r, W);
+        dl.set_repeat(false);
+        while (dl.has_next_batch()) dl.next();
+        EXPECT_EQ(dl.documents_parsed(), static_cast<int64_t>(part.size())) << "rank " << r << " of " << W;
+        parsed += dl.documents_parsed();
+      }
+      EXPECT_EQ(all, want) << W << " ranks";
+      EXPECT_EQ(parsed, static_cast<int64_t>(want.size())) << W << " ranks: documents parsed in total";
+    }
+  }
+}
+
+// A state's "work" as test code reads it: units of 7 integers.
+struct Unit {
+  int64_t file, begin, end, stride, phase, ordinal, chain;
+};
+std::vector<Unit> work_of(const std::string& state) {
+  std::smatch m;
+  EXPECT_TRUE(std::regex_search(state, m, std::regex("\"work\":\\[(.*?)\\],\"buffer\""))) << state;
+  std::vector<int64_t> v;
+  const std::string w = m[1];
+  const std::regex num("-?[0-9]+");
+  for (auto it = std::sregex_iterator(w.begin(), w.end(), num); it != std::sregex_iterator(); ++it)
+    v.push_back(std::stoll(it->str()));
+  EXPECT_EQ(v.size() % 7, 0u) << state;
+  std::vector<Unit> out;
+  for (size_t i = 0; i + 7 <= v.size(); i += 7) out.push_back({v[i], v[i + 1], v[i + 2], v[i + 3], v[i + 4], v[i + 5], v[i + 6]});
+  return out;
+}
+std::vector<int64_t> buffer_of(const std::string& state) {
+  std::vector<int64_t> out;
+  std::istringstream is(state.substr(state.find("\"buffer\":[") + 10));
+  for (int64_t v; is >> v;) {
+    out.push_back(v);
+    if (is.peek() == ',') is.get();
+  }
+  return out;
+}
+int64_t int_field(const std::string& state, const std::string& key) {
+  std::smatch m;
+  EXPECT_TRUE(std::regex_search(state, m, std::regex("\"" + key + "\":(-?[0-9]+)"))) << key;
+  return std::stoll(m[1]);
+}
+// Whether a document is still to be read according to a unit (the state format's meaning).
+bool unread(const Unit& u, const Doc& d) {
+  if (u.chain) {
+    const bool after = static_cast<int64_t>(d.file) > u.file ||
+                       (static_cast<int64_t>(d.file) == u.file && static_cast<int64_t>(d.offset) >= u.begin);
+    return after && d.global % u.stride == u.phase;
+  }
+  if (static_cast<int64_t>(d.file) != u.file || static_cast<int64_t>(d.offset) < u.begin) return false;
+  if (u.end >= 0 && static_cast<int64_t>(d.offset) >= u.end) return false;
+  return d.index % u.stride == u.phase;
+}
+
+void add_windows(const Batch& b, std::map<int64_t, int64_t>* have) {
+  for (int64_t row = 0; row < b.batch; ++row) {
+    for (int64_t t = 0; t < b.seq; ++t) ++(*have)[b.inputs[row * b.seq + t]];
+    ++(*have)[b.labels[row * b.seq + b.seq - 1]];
+  }
+}
+
+struct Accounting {
+  int64_t duplicated = 0, missing = 0, read_docs = 0, windows = 0;
+};
+
+// W ranks train 2 + r batches each and save; W2 ranks load the redistributed states, train 3
+// batches each and save. Every token trained on (windows) plus what the final buffers hold
+// must be, as a multiset, the tokens of the documents the final states do not hold as
+// unread. `saved` may come from outside (older states); then the first phase is skipped.
+Accounting account(const std::string& src, int64_t W, int64_t W2, std::vector<std::string> saved = {},
+                   std::map<int64_t, int64_t> have = {}) {
+  const int64_t T = 12, B = 2;
+  Accounting acc;
+  if (saved.empty()) {
+    for (int64_t r = 0; r < W; ++r) {
+      DataLoader dl(tok(), src, T, B, r, W);
+      for (int64_t i = 0; i < 2 + r; ++i, acc.windows += B) add_windows(dl.next(), &have);
+      saved.push_back(dl.state_dict());
+    }
+  }
+  // A new rank may finish what it was given and start its own next pass (epoch 1): the
+  // documents it read there are those of its fresh share (rank_docs) it no longer holds.
+  std::vector<Unit> left;  // what the first pass still holds
+  std::map<int64_t, int64_t> want;
+  auto add_doc = [&](const Doc& d) {
+    ++acc.read_docs;
+    const std::vector<int32_t> ids = d.ids.empty() ? tok().encode(d.text, true, true) : d.ids;
+    for (int32_t v : ids) ++want[v];
+  };
+  for (int64_t r = 0; r < W2; ++r) {
+    DataLoader dl(tok(), src, T, B, r, W2);
+    dl.load_state_dict(dl.redistributed_state(saved));
+    for (int64_t i = 0; i < 3; ++i, acc.windows += B) add_windows(dl.next(), &have);
+    const std::string fin = dl.state_dict();
+    const int64_t epoch = int_field(fin, "epoch");
+    EXPECT_LE(epoch, 1) << "the test must stay inside the first two passes";
+    for (int64_t v : buffer_of(fin)) ++have[v];
+    const std::vector<Unit> work = work_of(fin);
+    if (epoch == 0) left.insert(left.end(), work.begin(), work.end());
+    if (epoch == 1)
+      for (const Doc& d : rank_docs(src, r, W2))
+        if (std::none_of(work.begin(), work.end(), [&](const Unit& u) { return unread(u, d); })) add_doc(d);
+  }
+  for (const Doc& d : corpus_docs(src))
+    if (std::none_of(left.begin(), left.end(), [&](const Unit& u) { return unread(u, d); })) add_doc(d);
+  std::set<int64_t> keys;
+  for (const auto& kv : have) keys.insert(kv.first);
+  for (const auto& kv : want) keys.insert(kv.first);
+  for (int64_t k : keys) {
+    const int64_t d = have[k] - want[k];
+    (d > 0 ? acc.duplicated : acc.missing) += std::abs(d);
+  }
+  return acc;
+}
+
+// The old (version 1) loader, re-stated: rank r of W reads every document of the stream in
+// order, keeping those whose global index is ≡ r (mod W); each window asks for T+1 tokens
+// and documents are read until that many are buffered. Returns its state after `windows`
+// windows (the format of older builds) and the windows it would give next.
+std::string v1_state(const std::string& src, int64_t r, int64_t W, int64_t T, int64_t windows, int64_t more,
+                     std::vector<std::vector<int64_t>>* next_windows, std::map<int64_t, int64_t>* emitted) {
+  const auto docs = corpus_docs(src);
+  const auto files = ctitan::list_source_files(src);
+  std::vector<int64_t> buf;
+  size_t g = 0;
+  auto window = [&] {
+    while (buf.size() < static_cast<size_t>(T + 1)) {
+      const Doc& d = docs.at(g++);
+      if (d.global % W != r) continue;
+      for (int32_t v : tok().encode(d.text, true, true)) buf.push_back(v);
+    }
+    std::vector<int64_t> w(buf.begin(), buf.begin() + T + 1);
+    buf.erase(buf.begin(), buf.begin() + T + 1);
+    return w;
+  };
+  for (int64_t i = 0; i < windows; ++i)
+    for (int64_t v : window()) ++(*emitted)[v];
+  // Where the old reader stood: just after document g-1 (at the end of its file if last).
+  const Doc& last = docs.at(g - 1);
+  const uint64_t end = g < docs.size() && docs[g].file == last.file ? docs[g].offset : fs::file_size(files[last.file]);
+  std::string s = "{\"format\":\"ctitan.dataloader\",\"version\":1,\"dp_rank\":" + std::to_string(r) +
+                  ",\"dp_world\":" + std::to_string(W) + ",\"seq_len\":" + std::to_string(T) +
+                  ",\"vocab_size\":" + std::to_string(tok().vocab_size()) + ",\"epoch\":0,\"windows_produced\":" +
+                  std::to_string(windows) + ",\"next_document\":" + std::to_string(g) +
+                  ",\"file_index\":" + std::to_string(last.file) + ",\"file_name\":\"" +
+                  fs::path(files[last.file]).filename().string() + "\",\"file_offset\":" + std::to_string(end) +
+                  ",\"file_line\":" + std::to_string(last.index + 1) + ",\"skipped_documents\":0,\"buffer\":[";
+  for (size_t i = 0; i < buf.size(); ++i) s += (i ? "," : "") + std::to_string(buf[i]);
+  s += "]}";
+  for (int64_t i = 0; i < more; ++i) next_windows->push_back(window());
+  return s;
+}
+
+std::string make_jsonl_files(const std::string& name, size_t files) {
+  const fs::path root = Env::dir_ / name;
+  const auto& p = paragraphs();
+  for (size_t f = 0; f < files; ++f) {
+    std::string lines;
+    for (size_t i = f; i < p.size(); i += files) lines += "{\"text\": " + json_str(p[i]) + "}\n";
+    write_file(root / ("part_" + std::to_string(f) + ".jsonl"), lines);
+  }
+  return root.string();
+}
+
+// Criterion: resume on another number of ranks (2 -> 3, 4 -> 2) with each format — .txt
+// (one file: byte ranges), .jsonl (3 files: whole files on 2 ranks, byte ranges on 4), .json
+// (one file), .jsonl.gz (one file: shared, every k-th document), pre-tokenized .ctok shards
+// (3 shards), and states written in the older version-1 format — shows 0 duplicated and 0
+// missing tokens.
+TEST(Sharding, RedistributionAccountsForEveryTokenInEachFormat) {
+  const auto& p = paragraphs();
+  std::string txt;
+  for (const auto& para : p) txt += para + "\n\n";
+  const std::string jsonl_dir = make_jsonl_files("acct_jsonl", 3);
+  const std::string ctok_dir = (Env::dir_ / "acct_ctok").string();
+  ctitan::tokenize_corpus(jsonl_dir, tok(), ctok_dir, false);
+  const std::vector<std::pair<std::string, std::string>> formats = {
+      {".txt", write_file(Env::dir_ / "acct_txt" / "all.txt", txt)},
+      {".jsonl", jsonl_dir},
+      {".json", write_file(Env::dir_ / "acct_json" / "all.json", jsonl_of(p))},
+      {".jsonl.gz", write_gz(Env::dir_ / "acct_gz" / "all.jsonl.gz", jsonl_of(p))},
+      {".ctok", ctok_dir},
+  };
+  for (const auto& [kind, src] : formats) {
+    for (const auto& [W, W2] : std::vector<std::pair<int64_t, int64_t>>{{2, 3}, {4, 2}}) {
+      const Accounting a = account(src, W, W2);
+      std::printf("redistribute %s %lld -> %lld: %lld windows, %lld documents read; duplicated tokens %lld, "
+                  "missing tokens %lld\n",
+                  kind.c_str(), static_cast<long long>(W), static_cast<long long>(W2),
+                  static_cast<long long>(a.windows), static_cast<long long>(a.read_docs),
+                  static_cast<long long>(a.duplicated), static_cast<long long>(a.missing));
+      EXPECT_EQ(a.duplicated, 0) << kind << " " << W << "->" << W2;
+      EXPECT_EQ(a.missing, 0) << kind << " " << W << "->" << W2;
+      EXPECT_GT(a.read_docs, 0);
+    }
+  }
+  // Version-1 states (written by the old loader, re-stated above) redistributed likewise.
+  const std::string v1_src = make_jsonl_files("acct_v1", 2);
+  for (const auto& [W, W2] : std::vector<std::pair<int64_t, int64_t>>{{2, 3}, {4, 2}}) {
+    std::vector<std::string> saved;
+    std::map<int64_t, int64_t> emitted;
+    std::vector<std::vector<int64_t>> unused;
+    for (int64_t r = 0; r < W; ++r) saved.push_back(v1_state(v1_src, r, W, 12, 4 + r, 0, &unused, &emitted));
+    const Accounting a = account(v1_src, W, W2, saved, emitted);
+    std::printf("redistribute version-1 states %lld -> %lld: duplicated tokens %lld, missing tokens %lld\n",
+                static_cast<long long>(W), static_cast<long long>(W2), static_cast<long long>(a.duplicated),
+                static_cast<long long>(a.missing));
+    EXPECT_EQ(a.duplicated, 0) << "v1 " << W << "->" << W2;
+    EXPECT_EQ(a.missing, 0) << "v1 " << W << "->" << W2;
+  }
+}
+
+// A checkpoint written by an older build (state version 1) still resumes exactly on the same
+// degree: the windows after the restore are those the old loader would have given.
+TEST(Sharding, Version1StatesResumeExactly) {
+  const std::string src = make_jsonl_files("v1_resume", 3);
+  for (const auto& [r, W] : std::vector<std::pair<int64_t, int64_t>>{{0, 1}, {1, 2}, {2, 3}}) {
+    std::vector<std::vector<int64_t>> want;
+    std::map<int64_t, int64_t> unused;
+    const std::string st = v1_state(src, r, W, 12, 7, 20, &want, &unused);
+    DataLoader dl(tok(), src, 12, 1, r, W);
+    dl.load_state_dict(st);
+    for (size_t i = 0; i < want.size(); ++i) ASSERT_EQ(dl.next_window(), want[i]) << "rank " << r << " window " << i;
+    EXPECT_EQ(dl.windows_produced(), 27);
+  }
+  // Its checks stay: an offset that is not a line start, a file that is not the one named.
+  std::vector<std::vector<int64_t>> w;
+  std::map<int64_t, int64_t> e;
+  const std::string st = v1_state(src, 0, 1, 12, 3, 0, &w, &e);
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(st, m, std::regex("\"file_offset\":([0-9]+)")));
+  DataLoader dl(tok(), src, 12, 1, 0, 1);
+  std::string moved = std::regex_replace(st, std::regex("\"file_offset\":[0-9]+"),
+                                         "\"file_offset\":" + std::to_string(std::stoll(m[1]) + 1));
+  EXPECT_NE(user_error_text([&] { dl.load_state_dict(moved); }).find("is not a line start"), std::string::npos);
+  moved = std::regex_replace(st, std::regex("\"file_name\":\"part_"), "\"file_name\":\"other_");
+  EXPECT_NE(user_error_text([&] { dl.load_state_dict(moved); }).find("(different corpus?)"), std::string::npos);
+}
+
+// Pre-tokenized shards: `tokenize` then training on them gives the same windows as encoding
+// on the fly (same files, same ranks, across the re-loop); ids are stored as uint16 for this
+// vocabulary; a shard of another tokenizer, a truncated one and a damaged one are refused
+// with one line.
+TEST(Sharding, TokenShardsTrainLikeTheTextTheyCameFrom) {
+  const std::string src = make_jsonl_files("shard_src", 3);
+  const std::string out = (Env::dir_ / "shard_out").string();
+  const ctitan::TokenizeReport rep = ctitan::tokenize_corpus(src, tok(), out, false);
+  EXPECT_EQ(rep.files, 3);
+  EXPECT_EQ(rep.documents, static_cast<int64_t>(paragraphs().size()));
+  int64_t tokens = 0;
+  for (const auto& d : paragraphs()) tokens += static_cast<int64_t>(tok().encode(d, true, true).size());
+  EXPECT_EQ(rep.tokens, tokens);
+  const std::string first = out + "/part_0.jsonl.ctok";
+  const ctitan::TokenShardHeader h = ctitan::read_token_shard_header(first);
+  EXPECT_EQ(h.token_bytes, 2u);
+  EXPECT_EQ(h.vocab_size, static_cast<uint64_t>(tok().vocab_size()));
+  EXPECT_EQ(h.tokenizer_hash, ctitan::tokenizer_hash(tok()));
+  const auto text_docs = corpus_docs(src), shard_docs = corpus_docs(out);
+  ASSERT_EQ(text_docs.size(), shard_docs.size());
+  for (size_t i = 0; i < text_docs.size(); ++i) {
+    ASSERT_EQ(shard_docs[i].ids, tok().encode(text_docs[i].text, true, true)) << i;
+    EXPECT_EQ(shard_docs[i].file, text_docs[i].file);
+  }
+  for (const auto& [r, W] : std::vector<std::pair<int64_t, int64_t>>{{0, 1}, {1, 2}, {2, 3}}) {
+    DataLoader a(tok(), src, 16, 2, r, W), b(tok(), out, 16, 2, r, W);
+    for (int i = 0; i < 120; ++i) {
+      const Batch x = a.next(), y = b.next();
+      ASSERT_EQ(x.inputs, y.inputs) << "rank " << r << " of " << W << " batch " << i;
+      ASSERT_EQ(x.labels, y.labels);
+    }
+    EXPECT_GE(b.epoch(), 1) << "went past the end of the shards";
+    EXPECT_EQ(a.epoch(), b.epoch());
+  }
+  // Another tokenizer's hash in the header.
+  const std::string bytes = read_file(first);
+  const fs::path bad = Env::dir_ / "shard_bad";
+  std::string other = bytes;
+  other[24] = static_cast<char>(other[24] ^ 0x01);
+  write_file(bad / "other" / "x.ctok", other);
+  std::string e = user_error_text([&] { DataLoader(tok(), (bad / "other").string(), 16, 1, 0, 1); });
+  EXPECT_NE(e.find("x.ctok was tokenized with " + tok().model_path() + " (hash "), std::string::npos) << e;
+  EXPECT_NE(e.find("but this run's tokenizer is " + tok().model_path() + " (hash "), std::string::npos) << e;
+  // Truncated: the size does not match the header.
+  write_file(bad / "cut" / "x.ctok", bytes.substr(0, bytes.size() - 5));
+  e = user_error_text([&] { DataLoader(tok(), (bad / "cut").string(), 16, 1, 0, 1); });
+  EXPECT_NE(e.find("x.ctok: truncated or corrupt token shard: " + std::to_string(bytes.size() - 5) + " bytes"),
+            std::string::npos) << e;
+  write_file(bad / "tiny" / "x.ctok", bytes.substr(0, 50));
+  e = user_error_text([&] { DataLoader(tok(), (bad / "tiny").string(), 16, 1, 0, 1); });
+  EXPECT_NE(e.find("x.ctok: truncated token shard (50 bytes"), std::string::npos) << e;
+  // A damaged offset table, found when the shard is opened for reading.
+  std::string damaged = bytes;
+  damaged[damaged.size() - 8 * 3 + 6] = static_cast<char>(0x7f);  // entry N-2 far past the tokens
+  write_file(bad / "table" / "x.ctok", damaged);
+  e = user_error_text([&] {
+    DataLoader dl(tok(), (bad / "table").string(), 16, 1, 0, 1);
+    dl.next();
+  });
+  EXPECT_NE(e.find("x.ctok: corrupt token shard: offset table entry"), std::string::npos) << e;
+  write_file(bad / "magic" / "x.ctok", "PK" + bytes.substr(2));
+  e = user_error_text([&] { DataLoader(tok(), (bad / "magic").string(), 16, 1, 0, 1); });
+  EXPECT_NE(e.find("x.ctok: not a ctitan token shard"), std::string::npos) << e;
+}
+
+
+// A malformed line inside a range that starts mid-file is named by its line in the file (the
+// reader counts the lines before its range only when a message needs them).
+TEST(Sharding, ErrorsInsideARangeNameTheLineOfTheFile) {
+  std::vector<std::string> docs(paragraphs().begin(), paragraphs().end());
+  std::string lines;
+  for (size_t i = 0; i < docs.size(); ++i) lines += (i == 31 ? std::string("{\"text\": oops}") : "{\"text\": " + json_str(docs[i]) + "}") + "\n";
+  const std::string src = write_file(Env::dir_ / "range_error" / "e.jsonl", lines);
+  DataLoader dl(tok(), src, 16, 1, 1, 2);  // rank 1 of 2: the second half of the bytes
+  const std::string e = user_error_text([&] {
+    for (int i = 0; i < 1000; ++i) dl.next();
+  });
+  EXPECT_NE(e.find("dataset: " + src + ":32: invalid JSON"), std::string::npos) << e;
+}
+
+
+// Resume on the same number of ranks, each format (the .txt and .json files single, so their
+// ranks hold byte ranges; the .gz file shared by stride; 3 .ctok shards on 2 and 3 ranks,
+// document ranges on 4): the batches after a restore equal the uninterrupted loader's, across
+// the re-loop, and the restored state equals the saved one.
+TEST(Sharding, SameDegreeResumeIsExactInEachFormat) {
+  const auto& p = paragraphs();
+  std::string txt;
+  for (const auto& para : p) txt += para + "\n\n";
+  const std::string jsonl_dir = make_jsonl_files("same_jsonl", 3);
+  const std::string ctok_dir = (Env::dir_ / "same_ctok").string();
+  ctitan::tokenize_corpus(jsonl_dir, tok(), ctok_dir, false);
+  const std::vector<std::string> sources = {
+      write_file(Env::dir_ / "same_txt" / "all.txt", txt), jsonl_dir,
+      write_file(Env::dir_ / "same_json" / "all.json", jsonl_of(p)),
+      write_gz(Env::dir_ / "same_gz" / "all.jsonl.gz", jsonl_of(p)), ctok_dir};
+  for (const std::string& src : sources)
+    for (const int64_t W : {2, 3, 4}) {
+      SCOPED_TRACE(src + " on " + std::to_string(W) + " ranks");
+      for (int64_t r = 0; r < W; ++r) {
+        DataLoader a(tok(), src, 12, 2, r, W);
+        for (int i = 0; i < 3 + r; ++i) a.next();
+        const std::string saved = a.state_dict();
+        std::vector<Batch> continued, resumed;
+        for (int i = 0; i < 80; ++i) continued.push_back(a.next());
+        EXPECT_GE(a.epoch(), 1) << "the run went past the end of its share";
+        DataLoader b(tok(), src, 12, 2, r, W);
+        b.load_state_dict(saved);
+        EXPECT_EQ(b.state_dict(), saved);
+        for (int i = 0; i < 80; ++i) resumed.push_back(b.next());
+        expect_same(continued, resumed);
+      }
+    }
 }
 
 }  // namespace

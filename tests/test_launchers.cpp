@@ -22,6 +22,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "tests/e2e.h"
+#include "tests/loader_state.h"
 #include "tests/multiprocess.h"
 
 namespace fs = std::filesystem;
@@ -156,7 +157,7 @@ TEST_F(Launchers, TorchrunSummaryNamesTheFailingRankAndItsError) {
   EXPECT_NE(r.code, 0) << r.out;
   EXPECT_LT(s, 30.0) << r.out;
   const std::string line = "training.dataset_path=" + (root_ / "no_such_corpus.txt").string() +
-                           " does not exist (expected a .txt/.jsonl/.json/.jsonl.gz/.json.gz file or a folder of them)";
+                           " does not exist (expected a .txt/.jsonl/.json/.jsonl.gz/.json.gz/.ctok file or a folder of them)";
   const auto root_cause = r.out.find("Root Cause (first observed failure):");
   ASSERT_NE(root_cause, std::string::npos) << r.out;
   const std::string cause = r.out.substr(root_cause);
@@ -199,7 +200,8 @@ TEST_F(Launchers, TorchrunRestartResumesFromTheNewestCheckpointBitwise) {
 // restarts its worker alone, which resumes from the checkpoint the 2 ranks wrote and finishes.
 // Every token trained on (both attempts' traced windows, attempt 0 only up to the checkpoint it
 // resumed from) plus what the loader still buffers at the end is, as a multiset, exactly the
-// documents the redistribute rule says were read (encoded independently by spm_encode).
+// documents read — those the final state does not hold as unread (encoded independently by
+// spm_encode).
 TEST_F(Launchers, TorchrunElasticShrinksToOneAgentAndReadsEveryDocumentOnce) {
   require_torchrun();
   const std::string dump = (root_ / "elastic").string();
@@ -287,23 +289,21 @@ TEST_F(Launchers, TorchrunElasticShrinksToOneAgentAndReadsEveryDocumentOnce) {
     EXPECT_TRUE(std::regex_search(json, f, std::regex("\"" + key + "\":(-?[0-9]+)"))) << key << " in " << json;
     return std::stoll(f[1]);
   };
-  // want: every document below P* (the furthest position a saved rank had reached), then the
-  // one new rank's documents from P* to where it stopped; each with its BOS and EOS.
-  int64_t p_star = 0;
-  for (int r = 0; r < 2; ++r) {
-    const std::string st = saved.read_bytes("dataloader.dp_rank_" + std::to_string(r));
-    ASSERT_EQ(int_field(st, "epoch"), 0);
-    p_star = std::max<int64_t>(p_star, int_field(st, "next_document"));
-  }
+  // want: every document the final state does not hold as unread, each with its BOS and EOS.
   ctitan::CheckpointReader fin(dump + "/checkpoint/step-" + std::to_string(steps));
   const std::string final_state = fin.read_bytes("dataloader.dp_rank_0");
   ASSERT_EQ(int_field(final_state, "epoch"), 0);
-  const int64_t end = int_field(final_state, "next_document");
+  const auto left = ctitan::testing::state_work(final_state);
+  const auto doc_ids = ctitan::testing::line_documents(corpus_);
+  ASSERT_EQ(doc_ids.size(), docs.size());
   std::map<int64_t, int64_t> want, have;
   std::smatch bm;
   ASSERT_TRUE(std::regex_search(out_a, bm, std::regex("bos ([0-9]+), eos ([0-9]+)"))) << out_a;
-  for (int64_t d = 0; d < end; ++d) {
-    for (int64_t v : docs.at(d)) ++want[v];
+  int64_t read_docs = 0;
+  for (size_t d = 0; d < docs.size(); ++d) {
+    if (ctitan::testing::still_unread(left, doc_ids[d])) continue;
+    ++read_docs;
+    for (int64_t v : docs[d]) ++want[v];
     ++want[std::stoll(bm[1])];
     ++want[std::stoll(bm[2])];
   }
@@ -349,7 +349,7 @@ TEST_F(Launchers, TorchrunElasticShrinksToOneAgentAndReadsEveryDocumentOnce) {
   EXPECT_EQ(twice, 0);
   std::cout << "[ elastic ] agent B killed after 14 steps; A's worker exited " << worker_exit << " s later, A ended "
             << after_kill << " s after the kill, restarted alone from "
-            << "step-" << resumed << " (2 ranks), documents 0.." << end << ": " << missing << " tokens missing, "
+            << "step-" << resumed << " (2 ranks), " << read_docs << " documents read: " << missing << " tokens missing, "
             << twice << " read twice" << std::endl;
 }
 

@@ -390,16 +390,20 @@ TEST_F(MetricsE2E, WandbIsRefusedAndBadValidationKeysExitTwo) {
 
 // ---- validation against a one-process forward --------------------------------------------
 
-// The validation windows of dp rank r of W, packed here as the loader documents it: paragraph
-// d goes to rank d % W, encoded with BOS and EOS, concatenated, cut into windows of T + 1.
+// The validation windows of dp rank r of W, packed here as the loader documents it: the one
+// file is cut into W equal byte ranges and rank r takes the paragraphs (one line each here)
+// that start in the r-th, each encoded with BOS and EOS, concatenated, cut into windows of T + 1.
 std::vector<std::vector<int64_t>> heldout_windows(const Tokenizer& tok, const std::string& path, int r, int W,
                                                   int T) {
   std::ifstream f(path);
   std::vector<int64_t> stream;
-  int doc = 0;
+  const uint64_t size = fs::file_size(path);
+  uint64_t at = 0;
   for (std::string line; std::getline(f, line);) {
+    const uint64_t start = at;
+    at += line.size() + 1;
     if (line.empty()) continue;
-    if (doc++ % W != r) continue;
+    if (W > 1 && (start < size * r / W || start >= size * (r + 1) / W)) continue;
     for (int32_t id : tok.encode(line, true, true)) stream.push_back(id);
   }
   std::vector<std::vector<int64_t>> out;
@@ -428,7 +432,7 @@ Reference reference_loss(const std::string& step_dir, const std::string& tokeniz
   for (int r = 0; r < W; ++r)
     for (size_t w = 0; w < n_batches * B; ++w) {
       const auto& win = per_rank[r][w];
-      dump_logits(step_dir, std::vector<int64_t>(win.begin(), win.end() - 1), out);
+      dump_logits(step_dir, {std::vector<int64_t>(win.begin(), win.end() - 1)}, out);
       const auto h = safetensors::read_header(out);
       const auto* info = h.find("logits");
       const int64_t V = info->shape[1];

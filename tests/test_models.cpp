@@ -23,6 +23,7 @@
 #include "models/layers.h"
 #include "models/llama/args.h"
 #include "models/llama/model.h"
+#include "models/mixtral/model.h"
 
 using namespace ctitan;
 using namespace ctitan::llama;
@@ -1015,4 +1016,75 @@ TEST(Gemm, LinearMatchesAtenLinearAndItsGradients) {
   EXPECT_TRUE(torch::allclose(w.grad(), x.sum(0).expand({3, 8}), 1e-5, 1e-5));
   torch::NoGradGuard ng;
   EXPECT_FALSE(gemm::linear(x, w).requires_grad());
+}
+
+// ---- incremental decoding (generate) -------------------------------------------------------
+
+namespace {
+
+// Logits of `tokens` [B, T] through forward_cached: a prefill of `prefill` positions, then one
+// position at a time, concatenated -> [B, T, V].
+template <class Model>
+torch::Tensor cached_logits(Model& model, const torch::Tensor& tokens, int64_t prefill) {
+  torch::NoGradGuard no_grad;
+  const int64_t B = tokens.size(0), T = tokens.size(1);
+  KVCache cache = model->new_cache(B, T, torch::kFloat);
+  std::vector<torch::Tensor> parts{model->forward_cached(tokens.narrow(1, 0, prefill), cache)};
+  for (int64_t t = prefill; t < T; ++t) parts.push_back(model->forward_cached(tokens.narrow(1, t, 1), cache));
+  EXPECT_EQ(cache.pos, T);
+  return torch::cat(parts, 1);
+}
+
+}  // namespace
+
+// The KV-cache path computes what the training forward computes: every position's logits,
+// whether it came in the prefill or one at a time, equal the full causal forward's (float32
+// rounding apart), for grouped-query attention with RoPE scaling, on a batch of 2.
+TEST(KVCache, LlamaDecodingOneTokenAtATimeMatchesTheFullForward) {
+  auto a = llama3_flavor("debugmodel_gqa");  // 16 query heads, 8 kv heads, llama3 RoPE scaling
+  a.n_layers = 2;
+  a.vocab_size = 97;
+  a.max_seq_len = 24;
+  torch::manual_seed(5);
+  Transformer model(a);
+  model->init_weights();
+  model->eval();
+  const auto tokens = torch::randint(0, a.vocab_size, {2, 24}, torch::kLong);
+  torch::Tensor full;
+  {
+    torch::NoGradGuard no_grad;
+    full = model->forward(tokens);
+  }
+  for (int64_t prefill : {1, 7}) {
+    const auto got = cached_logits(model, tokens, prefill);
+    ASSERT_EQ(got.sizes(), full.sizes());
+    EXPECT_LT((got - full).abs().max().item<double>(), 2e-5) << "prefill " << prefill;
+    EXPECT_TRUE(torch::equal(got.argmax(-1), full.argmax(-1)));
+  }
+  // A cache too short for the positions asked for is an error, not a silent overwrite.
+  torch::NoGradGuard no_grad;
+  KVCache small = model->new_cache(2, 4, torch::kFloat);
+  EXPECT_THROW(model->forward_cached(tokens.narrow(1, 0, 5), small), c10::Error);
+}
+
+TEST(KVCache, MixtralDecodingOneTokenAtATimeMatchesTheFullForward) {
+  auto a = mixtral::mixtral_flavor("debugmodel");
+  a.n_layers = 2;
+  a.n_kv_heads = 4;
+  a.vocab_size = 97;
+  a.max_seq_len = 20;
+  torch::manual_seed(6);
+  mixtral::Transformer model(a);
+  model->init_weights();
+  model->eval();
+  const auto tokens = torch::randint(0, a.vocab_size, {2, 20}, torch::kLong);
+  torch::Tensor full;
+  {
+    torch::NoGradGuard no_grad;
+    full = model->forward(tokens);
+  }
+  const auto got = cached_logits(model, tokens, 5);
+  ASSERT_EQ(got.sizes(), full.sizes());
+  EXPECT_LT((got - full).abs().max().item<double>(), 2e-5);
+  EXPECT_TRUE(torch::equal(got.argmax(-1), full.argmax(-1)));
 }

@@ -63,6 +63,14 @@ TransformerModelArgs llama3_flavor(const std::string& flavor) {
   if (flavor == "33M") return make_small(512, 8, 8, 4);
   if (flavor == "150M") return make_small(1024, 12, 16, 8);
   if (flavor == "8B") return make_large(4096, 32, 32, 1.3, 1024);
+  // "8B_<n>L": the 8B shape with n of its 32 layers (scripts/gpu_check.sh's benchmark: as many
+  // as fit one GPU with AdamW).
+  if (flavor.size() > 4 && flavor.compare(0, 3, "8B_") == 0 && flavor.back() == 'L') {
+    const std::string n = flavor.substr(3, flavor.size() - 4);
+    if (!n.empty() && n.size() <= 2 && n.find_first_not_of("0123456789") == std::string::npos && std::stoi(n) >= 1 &&
+        std::stoi(n) <= 32)
+      return make_large(4096, std::stoi(n), 32, 1.3, 1024);
+  }
   if (flavor == "70B") return make_large(8192, 80, 64, 1.3, 4096);
   if (flavor == "405B") return make_large(16384, 126, 128, 1.2, 4096);
   std::ostringstream msg;

