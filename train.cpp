@@ -408,6 +408,10 @@ std::string allocation_failure_line(const RunProgress& at, const std::string& wh
       std::snprintf(buf, sizeof buf, "asked for %.3g %s (%s bytes)", v, units[u], what.substr(a, b - a).c_str());
       asked = buf;
     }
+  } else if (size_t t = what.find("allocate "); t != std::string::npos) {
+    // CUDA's caching allocator: "Tried to allocate 2.00 GiB. GPU 0 has ..."
+    const size_t from = t + 9, to = what.find_first_of(".\n", what.find(' ', from) + 1);
+    asked = "asked for " + what.substr(from, to == std::string::npos ? std::string::npos : to - from);
   }
   char held[160];
   std::snprintf(held, sizeof held, "this rank's RSS %.3f GiB (peak %.3f GiB), start-up estimate %.3f GiB",
@@ -802,7 +806,7 @@ MemoryRun memory_run(const JobConfig& cfg, int64_t dp, bool sharded) {
   r.batch = cfg.training.local_batch_size;
   r.seq = cfg.training.seq_len;
   r.ac_mode = cfg.activation_checkpoint.mode;
-  r.checkpoint = cfg.checkpoint.enable;
+  r.async_checkpoint = cfg.checkpoint.enable && cfg.checkpoint.async_mode != "disabled";
   return r;
 }
 

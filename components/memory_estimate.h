@@ -23,7 +23,7 @@ struct MemoryRun {  // the run's choices
   int64_t compute_bytes = 4; // e
   int64_t batch = 1, seq = 1;
   std::string ac_mode = "none";  // none | full | selective
-  bool checkpoint = false;
+  bool async_checkpoint = false;  // checkpoint.enable with async_mode other than "disabled"
 };
 
 struct MemoryEstimate {  // bytes
@@ -36,7 +36,7 @@ struct MemoryEstimate {  // bytes
                          // one running and the one prefetched) + the gradient reduction's buffers
   double activations = 0;
   double logits = 0;     // [B·T, V] in e and its fp32 gradient
-  double staging = 0;    // checkpoint: a copy of the parameters and optimizer state
+  double staging = 0;    // async checkpoints: a copy of the parameters and optimizer state
   double total() const {
     return base + workspace + params + grads + optimizer + gathered + activations + logits + staging;
   }
