@@ -16,6 +16,7 @@
 
 #include "checkpoint/dcp.h"
 #include "checkpoint/format.h"
+#include "config/cli.h"
 #include "config/errors.h"
 #include "config/job_config.h"
 #include "datasets/tokenizer.h"
@@ -361,19 +362,13 @@ int run(const std::vector<std::string>& args) {
 }  // namespace
 
 int generate_main(const std::vector<std::string>& args) {
-  try {
+  return run_tool([&]() -> int {
     if (args.empty()) {
       std::cerr << kUsage;
       return 2;
     }
     return run(args);
-  } catch (const UserError& e) {
-    std::cerr << e.what() << std::endl;
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "error: " << e.what() << std::endl;
-    return 1;
-  }
+  });
 }
 
 }  // namespace ctitan

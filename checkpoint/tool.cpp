@@ -18,6 +18,7 @@
 #include "checkpoint/hf.h"
 #include "checkpoint/model_source.h"
 #include "checkpoint/torch_save.h"
+#include "config/cli.h"
 #include "config/errors.h"
 #include "models/llama/model.h"
 #include "models/mixtral/model.h"
@@ -500,7 +501,7 @@ int checkpoint_tool_main(const std::vector<std::string>& args) {
       "           those, earlier ctitan versions' .pt files and torch.save's of a plain dict (not an OrderedDict)\n"
       "exit status: 0 done; 2 a usage error or a bad input (a damaged .pt file included: truncated, a bad\n"
       "           zip entry, a CRC-32 mismatch); 1 a damaged checkpoint folder or an I/O failure\n";
-  try {
+  return run_tool([&]() -> int {
     if (args.size() >= 2 && args[0] == "inspect" && (args.size() == 2 || (args.size() == 3 && args[2] == "--verify"))) {
       const bool verify = args.size() == 3;
       std::error_code ec;
@@ -564,13 +565,7 @@ int checkpoint_tool_main(const std::vector<std::string>& args) {
     }
     std::cerr << usage;
     return 2;
-  } catch (const UserError& e) {
-    std::cerr << e.what() << std::endl;
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "error: " << e.what() << std::endl;
-    return 1;
-  }
+  });
 }
 
 }  // namespace ctitan

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "config/cli.h"
 #include "config/errors.h"
 #include "datasets/text_source.h"
 #include "datasets/tokenizer.h"
@@ -280,7 +281,7 @@ int tokenize_main(const std::vector<std::string>& args) {
       "                [--on_bad_document stop|skip] <corpus: .txt/.jsonl/.json/.jsonl.gz/.json.gz file or folder>\n"
       "Writes one pre-tokenized shard (<file name>.ctok) per corpus file; training.dataset_path = <folder>\n"
       "then trains on them without parsing or encoding.\n";
-  try {
+  return run_tool([&]() -> int {
     std::string tokenizer, output, source, bad = "stop";
     for (size_t i = 0; i < args.size(); ++i) {
       const std::string& a = args[i];
@@ -316,13 +317,7 @@ int tokenize_main(const std::vector<std::string>& args) {
               << r.tokens << " tokens (" << (tok->vocab_size() <= 65536 ? "uint16" : "uint32") << "), "
               << r.skipped << " skipped; " << r.bytes_in << " bytes of text -> " << r.bytes_out << " bytes\n";
     return 0;
-  } catch (const UserError& e) {
-    std::cerr << e.what() << "\n";
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << e.what() << "\n";
-    return 1;
-  }
+  });
 }
 
 }  // namespace ctitan
