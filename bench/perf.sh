@@ -25,6 +25,11 @@
 #     batches and learning rates, fp32 (and bf16 for information).
 #  6. kernels: each of ctitan's own kernels against the ATen op that
 #     does the same job in LibTorch 2.13 (bench/kernel_bench.cpp), forward + backward.
+#  7. `ab` (only when asked for, with BASELINE=<another build folder>): this build's `train`
+#     against another build's (an older commit's), the cells of table 1, alternating, best of 2
+#     — "did a change slow the CPU path down":
+#       git worktree add /tmp/old <commit> && (cd /tmp/old && scripts/test.sh -R none)
+#       PARTS=ab BASELINE=/tmp/old/build bench/perf.sh
 set -euo pipefail
 source "$(dirname "$0")/../scripts/common.sh"
 cd "$CTITAN_ROOT"
@@ -62,7 +67,7 @@ ctitan_run() {
   local tag=$1 cfg=$2 prec=$3; shift 3
   local dir="$OUT/$tag"
   # shellcheck disable=SC2086
-  OMP_NUM_THREADS=$THREADS "$CTITAN_BUILD_DIR/train" --job.config_file train_configs/debug_model.toml ${CT[$cfg]} \
+  OMP_NUM_THREADS=$THREADS "${TRAIN_BIN:-$CTITAN_BUILD_DIR/train}" --job.config_file train_configs/debug_model.toml ${CT[$cfg]} \
     --training.mixed_precision_param "$(ctitan_prec "$prec")" --training.steps $((STEPS + WARMUP)) \
     --metrics.log_freq 1 --lr_scheduler.warmup_steps 2 --job.dump_folder "$dir" --debug.seed 7 "$@" \
     >"$dir.log" 2>&1 || { log "ctitan run $tag failed:"; tail -20 "$dir.log" >&2; exit 1; }
@@ -257,4 +262,22 @@ echo "## ctitan's kernels against LibTorch 2.13's own ops"
 echo
 log "kernels"
 OMP_NUM_THREADS=$THREADS "$CTITAN_BUILD_DIR/kernel_bench" 7
+fi
+
+if part ab; then
+[[ -x "${BASELINE:-}/train" ]] || { log "PARTS=ab needs BASELINE=<build folder with a train binary>"; exit 2; }
+echo
+echo "## this build's train against $BASELINE/train ($(nproc) cores, $THREADS threads, $STEPS timed steps after $WARMUP warm-up, best of 2 alternating runs)"
+echo
+echo "| model | precision | baseline tok/s | this build tok/s | this / baseline |"
+echo "|---|---|---|---|---|"
+for cfg in ${MODELS:-debug 33M}; do
+  for prec in ${PRECS:-fp32 bf16}; do
+    o1=$(TRAIN_BIN="$BASELINE/train" ctitan_run "ab_old_${cfg}_${prec}_a" "$cfg" "$prec"); n1=$(ctitan_run "ab_new_${cfg}_${prec}_a" "$cfg" "$prec")
+    o2=$(TRAIN_BIN="$BASELINE/train" ctitan_run "ab_old_${cfg}_${prec}_b" "$cfg" "$prec"); n2=$(ctitan_run "ab_new_${cfg}_${prec}_b" "$cfg" "$prec")
+    o=$(printf '%s\n%s\n' "$o1" "$o2" | best_of | cut -d' ' -f1); n=$(printf '%s\n%s\n' "$n1" "$n2" | best_of | cut -d' ' -f1)
+    log "ab runs: baseline $o1 | $o2; this build $n1 | $n2"
+    awk -v c="$cfg" -v p="$prec" -v o="$o" -v n="$n" 'BEGIN { printf "| %s | %s | %.0f | %.0f | %.3f |\n", c, p, o, n, n / o }'
+  done
+done
 fi
