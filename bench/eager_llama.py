@@ -95,7 +95,9 @@ class Block(nn.Module):
     def __init__(self, a):
         super().__init__()
         self.attention = Attention(a.dim, a.heads, a.kv_heads)
-        self.feed_forward = FeedForward(a.dim, a.ffn_hidden or ffn_hidden(a.dim))
+        # Callers that import this module build `a` themselves, without ffn_hidden
+        # (scripts/dcp_torchtitan.py): torchtitan's width from dim then.
+        self.feed_forward = FeedForward(a.dim, getattr(a, "ffn_hidden", 0) or ffn_hidden(a.dim))
         self.attention_norm = RMSNorm(a.dim, a.norm_eps)
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
 
