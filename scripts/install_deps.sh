@@ -28,6 +28,8 @@ SAFETENSORS_VERSION="0.8.0"
 
 PACKAGES=(
   build-essential cmake ccache pkg-config
+  clang-format        # scripts/check_format.sh (the test script fails on unformatted code)
+  nlohmann-json3-dev  # JSON (util/json.h)
   libgloo-dev         # headers ProcessGroupGloo.hpp includes
   libtoml11-dev       # toml11 3.7
   libspdlog-dev
