@@ -268,7 +268,7 @@ class RecomputeContext final : public recompute::Context {
       if (kept.sizes().vec() != want)
         throw RuntimeFailure(r_.unit + ": recomputed matmul output " + std::to_string(k) +
                              " has shape " + shape_str(want, ",") + " but the forward saved " +
-                             shape_text(kept.sizes().vec()));
+                             shape_str(kept.sizes().vec(), ","));
       y = KeptLinear::apply(x, w, Kept{kept});
       ++r_.stats->reused_matmuls;
     } else {
