@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
   //  - on a LibTorch exporting neither (Debian's 1.13 sent fp32 matmuls to OpenBLAS), ATen's
   //    matmuls may run on a BLAS's own threads, which spinning OpenMP workers starve
   //    (OpenBLAS, debug model, 2 cores: 987 → 1,548 tokens/s with PASSIVE).
-  if (runtime_env().omp_wait_policy.empty() && !gemm_on_openmp_workers()) {
+  if (ctitan::runtime_env().omp_wait_policy.empty() && !gemm_on_openmp_workers()) {
     setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
     execv("/proc/self/exe", argv);  // returns only on failure: then run as we are
   }
