@@ -42,12 +42,12 @@
 #include "components/validate.h"
 #include "config/errors.h"
 #include "config/job_config.h"
-#include "config/text.h"
+#include "util/text.h"
 #include "datasets/dataloader.h"
 #include "datasets/tokenizer.h"
-#include "models/fused_ops.h"
+#include "kernels/fused_ops.h"
 #include "models/init.h"
-#include "models/gemm.h"
+#include "kernels/gemm.h"
 #include "models/llama/args.h"
 #include "models/llama/model.h"
 #include "models/mixtral/model.h"
@@ -59,6 +59,8 @@
 #include "parallelisms/launch_env.h"
 #include "parallelisms/parallel_dims.h"
 #include "train.h"
+#include "util/env.h"
+#include "util/strings.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -72,7 +74,7 @@ using ctitan::llama::TransformerModelArgs;
 namespace ctitan {
 namespace {
 
-// The matmul backend (models/gemm.h); a bad CTITAN_GEMM is bad input, reported before any
+// The matmul backend (kernels/gemm.h); a bad CTITAN_GEMM is bad input, reported before any
 // output is written.
 gemm::Backend gemm_backend_checked() {
   try {
@@ -80,10 +82,6 @@ gemm::Backend gemm_backend_checked() {
   } catch (const std::runtime_error& e) {
     throw UserError(std::string("environment error: ") + e.what());
   }
-}
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
 // Console + <dump_folder>/logs/rank<r>.log. The file sink is added once the dump folder
@@ -143,8 +141,8 @@ DataPipeline build_data(const JobConfig& cfg, int64_t dp_rank, int64_t dp_world)
   const auto t0 = Clock::now();
   const std::string tok_path = resolve_tokenizer_path(cfg.model.tokenizer_path, cfg.model.hf_assets_path);
   d.tokenizer = Tokenizer::load(tok_path);
-  const char* env_root = std::getenv("CTITAN_DATA_DIR");
-  const std::string data_root = env_root && *env_root ? env_root : "./data";
+  const std::string& env_root = runtime_env().data_dir;
+  const std::string data_root = env_root.empty() ? "./data" : env_root;
   d.source = resolve_dataset_path(cfg.training.dataset, cfg.training.dataset_path, data_root);
   d.loader = std::make_unique<DataLoader>(*d.tokenizer, d.source, cfg.training.seq_len,
                                           cfg.training.local_batch_size, dp_rank, dp_world);
@@ -275,14 +273,9 @@ void write_effective_config(const JobConfig& cfg) {
 // (its reported loss is multiplied by 10). Under torchrun only the first attempt meets it: the
 // workers it restarts (TORCHELASTIC_RESTART_COUNT > 0) inherit the variable but run clean.
 void maybe_inject_fault(int64_t rank, int64_t step, double& loss, const std::vector<torch::Tensor>& params) {
-  const char* f = std::getenv("CTITAN_FAULT");
-  if (!f || !*f) return;
-  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  if (attempt && std::atoi(attempt) > 0) return;
-  char kind[16] = {0};
-  long r = -1, s = -1;
-  if (std::sscanf(f, "%15[^:]:%ld:%ld", kind, &r, &s) != 3 || r != rank || s != step) return;
-  const std::string k = kind;
+  const auto& hook = runtime_env().fault;
+  if (!hook || runtime_env().restart_count > 0 || !hook->at(rank, step)) return;
+  const std::string& k = hook->kind;
   if (k == "oom") return;  // maybe_inject_oom's
   if (k == "kill") raise(SIGKILL);
   if (k == "hang") std::this_thread::sleep_for(std::chrono::hours(1));
@@ -301,7 +294,7 @@ void maybe_inject_fault(int64_t rank, int64_t step, double& loss, const std::vec
         return;
       }
   }
-  throw RuntimeFailure("injected fault (CTITAN_FAULT=" + std::string(f) + ")");
+  throw RuntimeFailure("injected fault (CTITAN_FAULT=" + hook->spec + ")");
 }
 
 // Seconds since this process started (/proc/self/stat's start time against /proc/uptime;
@@ -345,12 +338,9 @@ struct RunProgress {
 // RunProgress names it, e.g. "backward", "optimizer", "checkpoint save"; step 0 with a
 // start-up phase such as "optimizer"), so tests see a real allocation failure reported.
 void maybe_inject_oom(const RunProgress& at) {
-  static const char* f = std::getenv("CTITAN_FAULT");
-  if (!f || std::strncmp(f, "oom:", 4) != 0) return;
-  long r = -1, s = -1;
-  char phase[64] = {0};
-  if (std::sscanf(f + 4, "%ld:%ld:%63[^\n]", &r, &s, phase) != 3) return;
-  if (r != at.rank || s != at.step || at.phase != phase) return;
+  const auto& hook = runtime_env().fault;
+  if (!hook || hook->kind != "oom" || hook->detail.empty() || !hook->at(at.rank, at.step)) return;
+  if (at.phase != hook->detail) return;
   (void)torch::empty({int64_t{1} << 48}, torch::kFloat);  // 2^48 floats = 1 PiB
 }
 
@@ -400,9 +390,9 @@ std::string allocation_failure_line(const RunProgress& at, const std::string& wh
 // Test hook: CTITAN_TRACE_WINDOWS=<prefix> appends every window this rank trains on to
 // <prefix>.rank<r>, one line "<step> <token ids...>", so tests can check which data a run saw.
 void maybe_trace_batch(const Batch& b, int64_t rank, int64_t step) {
-  static const char* prefix = std::getenv("CTITAN_TRACE_WINDOWS");
-  if (!prefix || !*prefix) return;
-  static std::ofstream out(std::string(prefix) + ".rank" + std::to_string(rank), std::ios::app);
+  const std::string& prefix = runtime_env().trace_windows;
+  if (prefix.empty()) return;
+  static std::ofstream out(prefix + ".rank" + std::to_string(rank), std::ios::app);
   for (int64_t i = 0; i < b.batch; ++i) {
     out << step;
     for (int64_t t = 0; t < b.seq; ++t) out << ' ' << b.inputs[i * b.seq + t];
@@ -526,9 +516,9 @@ std::unique_ptr<Validator> maybe_build_validator(const JobConfig& cfg, const Tok
                                                  int64_t dp_world) {
   const auto& v = cfg.validation;
   if (!v.enable) return nullptr;
-  const char* env_root = std::getenv("CTITAN_DATA_DIR");
+  const std::string& env_root = runtime_env().data_dir;
   ValidationSpec spec;
-  spec.source = resolve_dataset_path(v.dataset, v.dataset_path, env_root && *env_root ? env_root : "./data",
+  spec.source = resolve_dataset_path(v.dataset, v.dataset_path, env_root.empty() ? "./data" : env_root,
                                      "validation");
   spec.local_batch_size = v.local_batch_size;
   spec.seq_len = v.seq_len;
@@ -739,12 +729,6 @@ std::string format_gib(double gib) {
   return buf;
 }
 
-std::string join_or(const std::vector<std::string>& v) {
-  std::string out;
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", or " : "") + v[i];
-  return out;
-}
-
 // The sizes the memory estimate needs, from the model args (nothing allocated).
 MemoryModel memory_model(const ModelArgs& a) {
   MemoryModel m;
@@ -829,7 +813,7 @@ MemoryEstimate check_memory_fits(const JobConfig& cfg, const ModelArgs& margs, c
                   std::to_string(run.batch) + " × seq_len " + std::to_string(run.seq) + " (AC " + run.ac_mode + ", " +
                   std::to_string(dp) + " dp rank(s)) needs an estimated " + describe(est) + " per rank, but a rank can have " +
                   format_gib(avail / G) + " GiB (" + how + "); would fit: " +
-                  (fits.empty() ? std::string("nothing this estimate can find on this machine") : join_or(fits)));
+                  (fits.empty() ? std::string("nothing this estimate can find on this machine") : join(fits, ", or ")));
 }
 
 // job.validate_only: the checks a run makes before it writes anything — the config, the
@@ -910,11 +894,11 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
   spdlog::info("dataset: {} (dp rank {} of {})", data.source, par.dp_rank, dp_world);
   check_blas_and_warn();
   const int threads = configure_threads(launch.local_world_size);
-  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+  const std::string& wait_policy = runtime_env().omp_wait_policy;
   spdlog::info("launch: {} rank {} of {} (local {} of {}); intra-op threads: {} (OpenMP wait policy: {}); "
                "matmuls: {}; seed: {}{}; LibTorch {}",
                launch.launcher, launch.rank, launch.world_size, launch.local_rank, launch.local_world_size, threads,
-               wait_policy ? wait_policy : "libgomp default", gemm::backend_name(matmuls), seed,
+               wait_policy.empty() ? "libgomp default" : wait_policy, gemm::backend_name(matmuls), seed,
                cfg.debug.seed ? "" : " (random: set debug.seed to repeat this run)", TORCH_VERSION);
   spdlog::info("device: {} ({})", device.name(), device.why);
   if (launch.elastic())
@@ -1025,7 +1009,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
   }
   // ---- training loop --------------------------------------------------------------------
   const std::string peak_dtype = fsdp && cfg.training.mixed_precision_param == "bfloat16" ? "bfloat16" : "float32";
-  // The better of ATen's matmul and the GEMM the model's projections use (models/gemm.h),
+  // The better of ATen's matmul and the GEMM the model's projections use (kernels/gemm.h),
   // so MFU is never taken against a slower kernel than the one training runs; on a GPU,
   // cuBLAS's matmul there (components/gpu_metrics.h).
   const auto measure_peak = [&] {
@@ -1095,7 +1079,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
       const double heap_before = heap_in_use_gib();
       phase(step, "forward" + of_micro(micro));
       // Token-sum cross-entropy / local_tokens, on float32 row statistics of the logits in
-      // their compute dtype (models/fused_ops.h: no float32 copy of [B·T, V]).
+      // their compute dtype (kernels/fused_ops.h: no float32 copy of [B·T, V]).
       auto logits = model.forward(inputs);  // [B, T, V]
       auto loss = fused_cross_entropy(logits.view({B * T, -1}), labels.view({B * T}), 1.0 / local_tokens);
       // What the forward left alive for backward (activations, logits): the heap growth.
