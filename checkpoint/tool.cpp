@@ -202,7 +202,7 @@ std::string shape_text(const std::vector<int64_t>& s) {
 // The family an HF folder is loaded as: --model when given (it must load the folder's
 // architecture); else the one ctitan's export recorded ("ctitan.model" = "<name> <flavor>")
 // when registered with that architecture; else the architecture's default family
-// (models/registry.h: LlamaForCausalLM is llama3 unless llama2 is named).
+// (find_model_spec_for_hf, models/registry.h).
 std::string hf_family(const HFModelConfig& c, const std::map<std::string, std::string>& metadata,
                       const std::string& name_arg) {
   std::string name = name_arg;
@@ -432,8 +432,9 @@ std::string inspect_hf(const std::string& path, bool verify) {
   out << "\n  rope_theta " << c.rope_theta << (c.rope_scaling ? std::string(" (") + kHfRopeScalingType + " scaling)" : "") << ", rms_norm_eps "
       << c.rms_norm_eps << ", torch_dtype " << c.torch_dtype << "\n";
   for (const auto& [k, v] : hf.metadata()) out << "  metadata " << k << " = " << v << "\n";
-  const std::string flavor = find_flavor(c);
-  out << "  ctitan model: " << c.model_name() << " " << (flavor.empty() ? "(no matching flavor)" : flavor) << "\n";
+  const std::string family = hf_family(c, hf.metadata(), "");
+  const std::string flavor = find_flavor(c, family);
+  out << "  ctitan model: " << family << " " << (flavor.empty() ? "(no matching flavor)" : flavor) << "\n";
   const auto keys = hf.keys();
   uint64_t bytes = 0;
   for (const auto& k : keys) bytes += hf.info(k).end - hf.info(k).begin;
