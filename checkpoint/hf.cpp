@@ -91,7 +91,8 @@ std::string hf_config_json(const HFModelConfig& c) {
   field("rope_theta", num(c.rope_theta));
   if (c.rope_scaling)
     field("rope_scaling", "{\"rope_type\": \"" + std::string(kHfRopeScalingType) +
-                              "\", \"factor\": " + num(c.rope_scaling->scaling_factor) + ", \"low_freq_factor\": " + num(c.rope_scaling->low_freq_factor) +
+                              "\", \"factor\": " + num(c.rope_scaling->scaling_factor) +
+                              ", \"low_freq_factor\": " + num(c.rope_scaling->low_freq_factor) +
                               ", \"high_freq_factor\": " + num(c.rope_scaling->high_freq_factor) +
                               ", \"original_max_position_embeddings\": " +
                               std::to_string(c.rope_scaling->original_max_position_embeddings) + "}");

@@ -161,7 +161,8 @@ c10::IValue load_pt(const std::string& path) {
 }
 
 // Whether the parameters of `name`'s flavor f have exactly these shapes.
-bool flavor_matches(const std::string& name, const std::string& f, const std::map<std::string, std::vector<int64_t>>& shapes) {
+bool flavor_matches(const std::string& name, const std::string& f,
+                    const std::map<std::string, std::vector<int64_t>>& shapes) {
   const ParamList want = ctitan_params(hf_config_for(name, f, shapes.at("tok_embeddings.weight").at(0)));
   return std::map<std::string, std::vector<int64_t>>(want.begin(), want.end()) == shapes;
 }
@@ -294,98 +295,114 @@ int64_t ModelTensors::vocab_size() const {
   throw UserError("checkpoint tool: the model holds no tok_embeddings.weight");
 }
 
-ModelTensors open_model(const std::string& path, const std::string& name_arg, const std::string& flavor_arg) {
+namespace {
+
+// A ctitan or DCP step folder.
+ModelTensors open_sharded(const std::string& path, const std::string& name_arg, const std::string& flavor_arg) {
   ModelTensors m;
-  std::error_code ec;
-  if (!fs::exists(path, ec)) throw UserError("checkpoint tool: " + path + " does not exist");
-  if (fs::is_directory(path, ec) && (fs::exists(fs::path(path) / "metadata", ec) || dcp::is_dcp_folder(path))) {
-    auto r = std::make_shared<CheckpointReader>(path);
-    m.form = "sharded";
-    m.model_name = r->meta().model_name;
-    m.flavor = r->meta().model_flavor;
-    m.step = r->meta().step;
-    for (const auto& [key, e] : r->meta().entries)
-      if (!e.is_bytes && is_model_key(key)) m.params.push_back({key, e.shape});
-    if (!r->has("tok_embeddings.weight")) throw UserError("checkpoint tool: " + path + " holds no model tensors");
-    if (m.model_name.empty()) {  // a DCP folder records no model: --model / --flavor, else the shapes
-      const std::map<std::string, std::vector<int64_t>> shapes(m.params.begin(), m.params.end());
-      m.model_name = family_from_shapes(shapes, name_arg, flavor_arg);
-      m.flavor = flavor_arg.empty() ? flavor_from_shapes(m.model_name, shapes, path) : flavor_arg;
-    }
-    // The metadata lists entries by name; a known model's own parameter order (its
-    // state_dict's, as the HF and .pt forms give it) when it holds exactly those tensors.
-    try {
-      ParamList model_order = ctitan_params(
-          hf_config_for(m.model_name, m.flavor, r->entry("tok_embeddings.weight").shape.at(0)));
-      if (std::is_permutation(model_order.begin(), model_order.end(), m.params.begin(), m.params.end()))
-        m.params = std::move(model_order);
-    } catch (const std::exception&) {
-      // another model (a test's, say): metadata order
-    }
-    m.dtype = r->entry("tok_embeddings.weight").dtype;
-    m.read = [r](const std::string& fqn) { return r->read_tensor(fqn); };
-    m.dtype_of = [r](const std::string& fqn) { return r->entry(fqn).dtype; };
-    return m;
-  }
-  if (is_hf_folder(path)) {
-    auto hf = std::make_shared<HFCheckpoint>(path);
-    m.form = "hf";
-    m.hf_config = hf->config();
-    m.model_name = hf_family(hf->config(), hf->metadata(), name_arg);
-    if (auto it = hf->metadata().find("ctitan.model"); it != hf->metadata().end() && it->second.find(' ') != std::string::npos)
-      m.flavor = it->second.substr(it->second.find(' ') + 1);
-    if (auto it = hf->metadata().find("ctitan.step"); it != hf->metadata().end()) m.step = std::atoll(it->second.c_str());
-    if (m.flavor.empty()) m.flavor = find_flavor(hf->config(), m.model_name);
-    if (m.flavor.empty() && flavor_arg.empty() && name_arg.empty())  // another family of the architecture?
-      for (const auto& name : model_names())
-        if (model_spec(name).hf_architecture == hf->config().architecture && m.flavor.empty()) {
-          m.flavor = find_flavor(hf->config(), name);
-          if (!m.flavor.empty()) m.model_name = name;
-        }
-    if (!flavor_arg.empty()) m.flavor = flavor_arg;
-    if (m.flavor.empty())
-      throw UserError("checkpoint tool: " + path + "/config.json matches no " + m.model_name + " flavor; pass --flavor");
-    m.params = ctitan_params(hf->config());
-    for (const auto& [fqn, shape] : m.params) hf->check_param(fqn, shape);
-    const std::string st = hf->info(hf_pieces(m.params.front().first, m.params.front().second, hf->config())[0].key).dtype;
-    m.dtype = st == "BF16" ? "bfloat16" : st == "F16" ? "float16" : "float32";  // F64 is exported as float32
-    m.read = [hf, shapes = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())](
-                 const std::string& fqn) { return hf->read_param(fqn, shapes.at(fqn)); };
-    m.dtype_of = [hf, shapes = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())](
-                     const std::string& fqn) {  // read_param's dtype: the first piece's
-      const std::string st = hf->info(hf_pieces(fqn, shapes.at(fqn), hf->config())[0].key).dtype;
-      return st == "BF16" ? "bfloat16" : st == "F16" ? "float16" : st == "F64" ? "float64" : "float32";
-    };
-    return m;
-  }
-  if (fs::is_regular_file(path, ec)) {
-    const c10::IValue v = load_pt(path);
-    if (!v.isGenericDict()) throw UserError("checkpoint tool: " + path + " does not hold a dict of tensors");
-    auto dict = std::make_shared<std::map<std::string, at::Tensor>>();
-    std::map<std::string, std::vector<int64_t>> shapes;
-    for (const auto& kv : v.toGenericDict()) {
-      if (!kv.key().isString() || !kv.value().isTensor())
-        throw UserError("checkpoint tool: " + path + " holds an entry that is not a string -> tensor pair");
-      const std::string k = kv.key().toStringRef();
-      (*dict)[k] = kv.value().toTensor();
-      shapes[k] = kv.value().toTensor().sizes().vec();
-    }
-    m.form = "consolidated";
+  auto r = std::make_shared<CheckpointReader>(path);
+  m.form = "sharded";
+  m.model_name = r->meta().model_name;
+  m.flavor = r->meta().model_flavor;
+  m.step = r->meta().step;
+  for (const auto& [key, e] : r->meta().entries)
+    if (!e.is_bytes && is_model_key(key)) m.params.push_back({key, e.shape});
+  if (!r->has("tok_embeddings.weight")) throw UserError("checkpoint tool: " + path + " holds no model tensors");
+  if (m.model_name.empty()) {  // a DCP folder records no model: --model / --flavor, else the shapes
+    const std::map<std::string, std::vector<int64_t>> shapes(m.params.begin(), m.params.end());
     m.model_name = family_from_shapes(shapes, name_arg, flavor_arg);
     m.flavor = flavor_arg.empty() ? flavor_from_shapes(m.model_name, shapes, path) : flavor_arg;
-    const ParamList want = ctitan_params(hf_config_for(m.model_name, m.flavor, shapes["tok_embeddings.weight"].at(0)));
-    for (const auto& [fqn, shape] : want) {
-      if (!dict->count(fqn)) throw UserError("checkpoint tool: " + path + " has no " + fqn);
-      m.params.push_back({fqn, shapes[fqn]});
-    }
-    m.dtype = dtype_name_of(dict->at("tok_embeddings.weight").scalar_type());
-    m.read = [dict](const std::string& fqn) { return dict->at(fqn); };
-    m.dtype_of = [dict](const std::string& fqn) {
-      const at::ScalarType t = dict->at(fqn).scalar_type();
-      return t == at::kDouble ? std::string("float64") : dtype_name_of(t);
-    };
-    return m;
   }
+  // The metadata lists entries by name; a known model's own parameter order (its
+  // state_dict's, as the HF and .pt forms give it) when it holds exactly those tensors.
+  try {
+    ParamList model_order = ctitan_params(
+        hf_config_for(m.model_name, m.flavor, r->entry("tok_embeddings.weight").shape.at(0)));
+    if (std::is_permutation(model_order.begin(), model_order.end(), m.params.begin(), m.params.end()))
+      m.params = std::move(model_order);
+  } catch (const std::exception&) {
+    // another model (a test's, say): metadata order
+  }
+  m.dtype = r->entry("tok_embeddings.weight").dtype;
+  m.read = [r](const std::string& fqn) { return r->read_tensor(fqn); };
+  m.dtype_of = [r](const std::string& fqn) { return r->entry(fqn).dtype; };
+  return m;
+}
+
+// A folder of safetensors files with a config.json.
+ModelTensors open_hf(const std::string& path, const std::string& name_arg, const std::string& flavor_arg) {
+  ModelTensors m;
+  auto hf = std::make_shared<HFCheckpoint>(path);
+  m.form = "hf";
+  m.hf_config = hf->config();
+  m.model_name = hf_family(hf->config(), hf->metadata(), name_arg);
+  if (auto it = hf->metadata().find("ctitan.model"); it != hf->metadata().end() && it->second.find(' ') != std::string::npos)
+    m.flavor = it->second.substr(it->second.find(' ') + 1);
+  if (auto it = hf->metadata().find("ctitan.step"); it != hf->metadata().end()) m.step = std::atoll(it->second.c_str());
+  if (m.flavor.empty()) m.flavor = find_flavor(hf->config(), m.model_name);
+  if (m.flavor.empty() && flavor_arg.empty() && name_arg.empty())  // another family of the architecture?
+    for (const auto& name : model_names())
+      if (model_spec(name).hf_architecture == hf->config().architecture && m.flavor.empty()) {
+        m.flavor = find_flavor(hf->config(), name);
+        if (!m.flavor.empty()) m.model_name = name;
+      }
+  if (!flavor_arg.empty()) m.flavor = flavor_arg;
+  if (m.flavor.empty())
+    throw UserError("checkpoint tool: " + path + "/config.json matches no " + m.model_name + " flavor; pass --flavor");
+  m.params = ctitan_params(hf->config());
+  for (const auto& [fqn, shape] : m.params) hf->check_param(fqn, shape);
+  const std::string st = hf->info(hf_pieces(m.params.front().first, m.params.front().second, hf->config())[0].key).dtype;
+  m.dtype = st == "BF16" ? "bfloat16" : st == "F16" ? "float16" : "float32";  // F64 is exported as float32
+  m.read = [hf, shapes = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())](
+               const std::string& fqn) { return hf->read_param(fqn, shapes.at(fqn)); };
+  m.dtype_of = [hf, shapes = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())](
+                   const std::string& fqn) {  // read_param's dtype: the first piece's
+    const std::string st = hf->info(hf_pieces(fqn, shapes.at(fqn), hf->config())[0].key).dtype;
+    return st == "BF16" ? "bfloat16" : st == "F16" ? "float16" : st == "F64" ? "float64" : "float32";
+  };
+  return m;
+}
+
+// A consolidated .pt (a dict of tensors).
+ModelTensors open_consolidated(const std::string& path, const std::string& name_arg, const std::string& flavor_arg) {
+  ModelTensors m;
+  const c10::IValue v = load_pt(path);
+  if (!v.isGenericDict()) throw UserError("checkpoint tool: " + path + " does not hold a dict of tensors");
+  auto dict = std::make_shared<std::map<std::string, at::Tensor>>();
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& kv : v.toGenericDict()) {
+    if (!kv.key().isString() || !kv.value().isTensor())
+      throw UserError("checkpoint tool: " + path + " holds an entry that is not a string -> tensor pair");
+    const std::string k = kv.key().toStringRef();
+    (*dict)[k] = kv.value().toTensor();
+    shapes[k] = kv.value().toTensor().sizes().vec();
+  }
+  m.form = "consolidated";
+  m.model_name = family_from_shapes(shapes, name_arg, flavor_arg);
+  m.flavor = flavor_arg.empty() ? flavor_from_shapes(m.model_name, shapes, path) : flavor_arg;
+  const ParamList want = ctitan_params(hf_config_for(m.model_name, m.flavor, shapes["tok_embeddings.weight"].at(0)));
+  for (const auto& [fqn, shape] : want) {
+    if (!dict->count(fqn)) throw UserError("checkpoint tool: " + path + " has no " + fqn);
+    m.params.push_back({fqn, shapes[fqn]});
+  }
+  m.dtype = dtype_name_of(dict->at("tok_embeddings.weight").scalar_type());
+  m.read = [dict](const std::string& fqn) { return dict->at(fqn); };
+  m.dtype_of = [dict](const std::string& fqn) {
+    const at::ScalarType t = dict->at(fqn).scalar_type();
+    return t == at::kDouble ? std::string("float64") : dtype_name_of(t);
+  };
+  return m;
+}
+
+}  // namespace
+
+ModelTensors open_model(const std::string& path, const std::string& name_arg, const std::string& flavor_arg) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw UserError("checkpoint tool: " + path + " does not exist");
+  if (fs::is_directory(path, ec) && (fs::exists(fs::path(path) / "metadata", ec) || dcp::is_dcp_folder(path)))
+    return open_sharded(path, name_arg, flavor_arg);
+  if (is_hf_folder(path)) return open_hf(path, name_arg, flavor_arg);
+  if (fs::is_regular_file(path, ec)) return open_consolidated(path, name_arg, flavor_arg);
   throw UserError("checkpoint tool: " + path +
                   " is neither a checkpoint step folder, an HF safetensors folder nor a consolidated .pt file");
 }

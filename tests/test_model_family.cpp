@@ -212,8 +212,8 @@ TEST_F(Llama2E2E, TrainsResumesExportsToHuggingFaceAndLoadsBack) {
 
   // Loaded back by train (initial_load_in_hf, 2 ranks): what the job holds equals step 6.
   const std::string dump = (root_ / "import").string(), loaded = dump + "/loaded";
-  auto imp = train(2, args(dump, 1, "--checkpoint.enable --checkpoint.initial_load_in_hf --checkpoint.initial_load_path " +
-                                         hf),
+  const std::string load = "--checkpoint.enable --checkpoint.initial_load_in_hf --checkpoint.initial_load_path ";
+  auto imp = train(2, args(dump, 1, load + hf),
                    {{"CTITAN_CHECKPOINT_DUMP_LOADED", loaded}});
   ASSERT_TRUE(ctitan::testing::all_ok(imp));
   CheckpointReader back(loaded + "/step-6");

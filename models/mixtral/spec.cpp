@@ -47,7 +47,8 @@ TrainModel build(const std::string& flavor, int64_t seq_len, ModelInit init) {
 InferenceNet build_inference(const std::string& flavor, int64_t vocab_size, int64_t max_seq_len,
                              const HFModelConfig* hf) {
   if (hf && hf->rope_scaling)
-    throw UserError("checkpoint tool: rope_scaling in a Mixtral config.json is not supported (ctitan's Mixtral has none)");
+    throw UserError(
+        "checkpoint tool: rope_scaling in a Mixtral config.json is not supported (ctitan's Mixtral has none)");
   TransformerModelArgs a = mixtral_flavor(flavor);
   a.vocab_size = vocab_size;
   a.max_seq_len = max_seq_len;
@@ -84,7 +85,9 @@ ModelSpec mixtral_spec() {
   s.name = "mixtral";
   s.flavors = mixtral_flavor_names();
   s.moe = true;
-  s.sizes = [](const std::string& flavor, int64_t seq_len) { return sizes_of(training_args(flavor, seq_len), seq_len); };
+  s.sizes = [](const std::string& flavor, int64_t seq_len) {
+    return sizes_of(training_args(flavor, seq_len), seq_len);
+  };
   s.max_seq_len = [](const std::string& flavor) { return mixtral_flavor(flavor).max_seq_len; };
   s.build = build;
   s.build_inference = build_inference;
