@@ -446,7 +446,8 @@ std::string inspect_hf(const std::string& path, bool verify) {
       << c.num_attention_heads << " (kv " << c.num_key_value_heads << "), intermediate " << c.intermediate_size
       << ", vocab " << c.vocab_size;
   if (c.moe()) out << ", experts " << c.num_local_experts << " (top " << c.num_experts_per_tok << ")";
-  out << "\n  rope_theta " << c.rope_theta << (c.rope_scaling ? std::string(" (") + kHfRopeScalingType + " scaling)" : "") << ", rms_norm_eps "
+  const std::string scaling = c.rope_scaling ? std::string(" (") + kHfRopeScalingType + " scaling)" : "";
+  out << "\n  rope_theta " << c.rope_theta << scaling << ", rms_norm_eps "
       << c.rms_norm_eps << ", torch_dtype " << c.torch_dtype << "\n";
   for (const auto& [k, v] : hf.metadata()) out << "  metadata " << k << " = " << v << "\n";
   const std::string family = hf_family(c, hf.metadata(), "");

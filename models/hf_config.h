@@ -20,6 +20,10 @@
 
 namespace ctitan {
 
+// The "rope_type" of RoPEScalingArgs' scaling in a Hugging Face config.json (and its name in
+// messages).
+inline constexpr const char* kHfRopeScalingType = "llama3";
+
 // What config.json says about the model (the fields ctitan writes and checks).
 struct HFModelConfig {
   std::string architecture;  // "architectures"[0]: a registered family's hf_architecture

@@ -12,7 +12,4 @@ struct RoPEScalingArgs {
   int64_t original_max_position_embeddings = 8192;
 };
 
-// This scaling's "rope_type" in a Hugging Face config.json (and its name in messages).
-inline constexpr const char* kHfRopeScalingType = "llama3";
-
 }  // namespace ctitan
