@@ -117,14 +117,13 @@ std::string hf_config_json(const HFModelConfig& c) {
   return s;
 }
 
-HFModelConfig parse_hf_config(const std::string& text, const std::string& where) {
-  json::Value root;
-  std::string err;
-  if (!json::parse(text, &root, &err) || root.type != json::Value::Type::Object)
-    throw UserError(where + " is not a JSON object" + (err.empty() ? "" : ": " + err));
-  auto get = [&](const json::Value& obj, const char* k) -> const json::Value* { return obj.find(k); };
-  auto integer = [&](const json::Value& obj, const char* k, bool required, int64_t dflt) {
-    const json::Value* v = get(obj, k);
+namespace {
+
+// Fields of a config.json object; errors name the file (`where`).
+struct JsonFields {
+  const std::string& where;
+  int64_t integer(const json::Value& obj, const char* k, bool required, int64_t dflt) const {
+    const json::Value* v = obj.find(k);
     int64_t x = 0;
     if (!v || v->type == json::Value::Type::Null) {
       if (required) throw UserError(where + " has no \"" + std::string(k) + "\"");
@@ -132,45 +131,45 @@ HFModelConfig parse_hf_config(const std::string& text, const std::string& where)
     }
     if (!v->as_int64(&x) || x < 0) throw UserError(where + ": \"" + std::string(k) + "\" is not a non-negative integer");
     return x;
-  };
-  auto real = [&](const json::Value& obj, const char* k, double dflt) {
-    const json::Value* v = get(obj, k);
+  }
+  double real(const json::Value& obj, const char* k, double dflt) const {
+    const json::Value* v = obj.find(k);
     if (!v || v->type == json::Value::Type::Null) return dflt;
     if (v->type != json::Value::Type::Number) throw UserError(where + ": \"" + std::string(k) + "\" is not a number");
     return std::strtod(v->text.c_str(), nullptr);
-  };
-  HFModelConfig c;
+  }
+};
+
+// "architectures"[0], else the architecture of "model_type"; UserError unless a registered
+// family loads it.
+std::string parse_architecture(const json::Value& root, const std::string& where) {
+  auto get = [](const json::Value& obj, const char* k) -> const json::Value* { return obj.find(k); };
+  std::string architecture;
   const json::Value* arch = get(root, "architectures");
   if (arch && arch->type == json::Value::Type::Array && !arch->items.empty() &&
       arch->items[0].type == json::Value::Type::String)
-    c.architecture = arch->items[0].text;
-  if (c.architecture.empty()) {
+    architecture = arch->items[0].text;
+  if (architecture.empty()) {
     const json::Value* mt = get(root, "model_type");
     const std::string t = mt && mt->type == json::Value::Type::String ? mt->text : "";
-    c.architecture = t.empty() ? "" : hf_architecture_of_model_type(t);
+    architecture = t.empty() ? "" : hf_architecture_of_model_type(t);
   }
-  if (!find_model_spec_for_hf(c.architecture)) {
+  if (!find_model_spec_for_hf(architecture)) {
     std::string known;
     for (const auto& a : hf_architectures()) known += (known.empty() ? "" : ", ") + a;
-    throw UserError(where + ": architecture \"" + c.architecture + "\" is not one ctitan loads (" + known + ")");
+    throw UserError(where + ": architecture \"" + architecture + "\" is not one ctitan loads (" + known + ")");
   }
-  c.hidden_size = integer(root, "hidden_size", true, 0);
-  c.intermediate_size = integer(root, "intermediate_size", true, 0);
-  c.num_attention_heads = integer(root, "num_attention_heads", true, 0);
-  c.num_key_value_heads = integer(root, "num_key_value_heads", false, c.num_attention_heads);
-  c.num_hidden_layers = integer(root, "num_hidden_layers", true, 0);
-  c.vocab_size = integer(root, "vocab_size", true, 0);
-  c.max_position_embeddings = integer(root, "max_position_embeddings", false, 0);
-  if (c.num_attention_heads == 0 || c.hidden_size % c.num_attention_heads != 0)
-    throw UserError(where + ": hidden_size " + std::to_string(c.hidden_size) + " is not a multiple of num_attention_heads " +
-                    std::to_string(c.num_attention_heads));
-  if (const json::Value* hd = get(root, "head_dim"); hd && hd->type != json::Value::Type::Null) {
-    int64_t x = 0;
-    if (!hd->as_int64(&x) || x != c.head_dim())
-      throw UserError(where + ": head_dim " + hd->text + " is not hidden_size / num_attention_heads = " +
-                      std::to_string(c.head_dim()) + " (ctitan's attention requires it)");
-  }
-  c.rms_norm_eps = real(root, "rms_norm_eps", 1e-6);
+  return architecture;
+}
+
+// rope_theta and rope_scaling (either spelling) into c.
+void parse_rope(const json::Value& root, const JsonFields& f, HFModelConfig& c) {
+  auto get = [](const json::Value& obj, const char* k) -> const json::Value* { return obj.find(k); };
+  const std::string& where = f.where;
+  auto integer = [&f](const json::Value& obj, const char* k, bool required, int64_t dflt) {
+    return f.integer(obj, k, required, dflt);
+  };
+  auto real = [&f](const json::Value& obj, const char* k, double dflt) { return f.real(obj, k, dflt); };
   c.rope_theta = real(root, "rope_theta", 10000);
   // transformers 5 writes RoPE as one object, "rope_parameters": {"rope_theta", "rope_type"
   // ("default" or kHfRopeScalingType with its factors)}, instead of rope_theta + rope_scaling.
@@ -197,6 +196,41 @@ HFModelConfig parse_hf_config(const std::string& text, const std::string& where)
         integer(*rs, "original_max_position_embeddings", false, s.original_max_position_embeddings);
     c.rope_scaling = s;
   }
+}
+
+}  // namespace
+
+HFModelConfig parse_hf_config(const std::string& text, const std::string& where) {
+  json::Value root;
+  std::string err;
+  if (!json::parse(text, &root, &err) || root.type != json::Value::Type::Object)
+    throw UserError(where + " is not a JSON object" + (err.empty() ? "" : ": " + err));
+  auto get = [](const json::Value& obj, const char* k) -> const json::Value* { return obj.find(k); };
+  const JsonFields f{where};
+  auto integer = [&f](const json::Value& obj, const char* k, bool required, int64_t dflt) {
+    return f.integer(obj, k, required, dflt);
+  };
+  auto real = [&f](const json::Value& obj, const char* k, double dflt) { return f.real(obj, k, dflt); };
+  HFModelConfig c;
+  c.architecture = parse_architecture(root, where);
+  c.hidden_size = integer(root, "hidden_size", true, 0);
+  c.intermediate_size = integer(root, "intermediate_size", true, 0);
+  c.num_attention_heads = integer(root, "num_attention_heads", true, 0);
+  c.num_key_value_heads = integer(root, "num_key_value_heads", false, c.num_attention_heads);
+  c.num_hidden_layers = integer(root, "num_hidden_layers", true, 0);
+  c.vocab_size = integer(root, "vocab_size", true, 0);
+  c.max_position_embeddings = integer(root, "max_position_embeddings", false, 0);
+  if (c.num_attention_heads == 0 || c.hidden_size % c.num_attention_heads != 0)
+    throw UserError(where + ": hidden_size " + std::to_string(c.hidden_size) + " is not a multiple of num_attention_heads " +
+                    std::to_string(c.num_attention_heads));
+  if (const json::Value* hd = get(root, "head_dim"); hd && hd->type != json::Value::Type::Null) {
+    int64_t x = 0;
+    if (!hd->as_int64(&x) || x != c.head_dim())
+      throw UserError(where + ": head_dim " + hd->text + " is not hidden_size / num_attention_heads = " +
+                      std::to_string(c.head_dim()) + " (ctitan's attention requires it)");
+  }
+  c.rms_norm_eps = real(root, "rms_norm_eps", 1e-6);
+  parse_rope(root, f, c);
   if (c.moe()) {
     c.num_local_experts = integer(root, "num_local_experts", true, 0);
     c.num_experts_per_tok = integer(root, "num_experts_per_tok", true, 0);
