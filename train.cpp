@@ -48,9 +48,7 @@
 #include "kernels/fused_ops.h"
 #include "models/init.h"
 #include "kernels/gemm.h"
-#include "models/llama/args.h"
-#include "models/llama/model.h"
-#include "models/mixtral/model.h"
+#include "models/registry.h"
 #include "models/train_model.h"
 #include "parallelisms/activation_checkpoint.h"
 #include "parallelisms/comm.h"
@@ -64,12 +62,6 @@
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
-using ctitan::llama::count_params;
-using ctitan::llama::flops_per_token;
-using ctitan::llama::llama3_flavor;
-using ctitan::llama::ParamCounts;
-using ctitan::llama::Transformer;
-using ctitan::llama::TransformerModelArgs;
 
 namespace ctitan {
 namespace {
@@ -151,15 +143,16 @@ DataPipeline build_data(const JobConfig& cfg, int64_t dp_rank, int64_t dp_world)
   return d;
 }
 
-// The model args of the flavor (model.name picks llama3 or mixtral), completed from the
-// training config (as torchtitan v0.2.x's update_from_config: max_seq_len = seq_len) and
+// The model of the config: its family (model.name, looked up in models/registry.h), flavor
+// and sizes with max_seq_len = training.seq_len (torchtitan v0.2.x's update_from_config),
 // validated. The vocabulary is the flavor's, as in torchtitan v0.2.x (8B: 128256, debugmodel:
 // 2048), not the tokenizer's: a model's embedding may have more rows than its tokenizer has
 // ids (never fewer: that is an error here, before anything runs).
 struct ModelArgs {
-  std::string name;
-  TransformerModelArgs llama;
-  mixtral::TransformerModelArgs mixtral;
+  const ModelSpec* spec = nullptr;
+  std::string flavor;
+  int64_t seq_len = 0;
+  ModelSizes sizes;
 };
 
 void check_vocab_fits(const JobConfig& cfg, int64_t model_vocab, const Tokenizer& tok) {
@@ -170,75 +163,34 @@ void check_vocab_fits(const JobConfig& cfg, int64_t model_vocab, const Tokenizer
                   ": use a tokenizer with at most that many ids or a flavor with a larger vocabulary");
 }
 
+// model.name must name a registered family (the config cannot know them: models/ is built
+// after config/).
+const ModelSpec& configured_model_spec(const JobConfig& cfg) {
+  if (const ModelSpec* spec = find_model_spec(cfg.model.name)) return *spec;
+  std::string names;
+  for (const auto& n : model_names()) names += (names.empty() ? "" : ", ") + n;
+  throw UserError("config error: model.name = \"" + cfg.model.name + "\" is not one of: " + names);
+}
+
 ModelArgs build_model_args(const JobConfig& cfg, const Tokenizer& tok) {
   ModelArgs a;
-  a.name = cfg.model.name;
-  if (a.name == "mixtral") {
-    a.mixtral = mixtral::mixtral_flavor(cfg.model.flavor);
-    check_vocab_fits(cfg, a.mixtral.vocab_size, tok);
-    a.mixtral.max_seq_len = cfg.training.seq_len;
-    mixtral::validate(a.mixtral);
-    return a;
-  }
-  if (a.name != "llama3")
-    throw UserError("not supported yet: model.name = \"" + a.name + "\" (ctitan supports: llama3, mixtral)");
-  a.llama = llama3_flavor(cfg.model.flavor);
-  check_vocab_fits(cfg, a.llama.vocab_size, tok);
-  a.llama.max_seq_len = cfg.training.seq_len;
-  llama::validate(a.llama);
+  a.spec = &configured_model_spec(cfg);
+  a.flavor = cfg.model.flavor;
+  a.seq_len = cfg.training.seq_len;
+  a.sizes = a.spec->sizes(a.flavor, a.seq_len);
+  check_vocab_fits(cfg, a.sizes.vocab_size, tok);
   return a;
 }
 
 // Model name and flavor are checked with the rest of the config, before anything runs.
 void build_model_args_check(const JobConfig& cfg) {
-  if (cfg.model.name == "mixtral") {
-    mixtral::mixtral_flavor(cfg.model.flavor);
-    return;
-  }
-  if (cfg.model.name != "llama3")
-    throw UserError("not supported yet: model.name = \"" + cfg.model.name + "\" (ctitan supports: llama3, mixtral)");
-  llama3_flavor(cfg.model.flavor);
+  configured_model_spec(cfg).sizes(cfg.model.flavor, cfg.training.seq_len);
 }
 
 TrainModel build_model(const ModelArgs& a, int64_t seq_len, ModelInit init) {
-  TrainModel m;
   std::optional<DeferredParameters> deferred;
   if (init == ModelInit::Deferred) deferred.emplace();
-  if (a.name == "mixtral") {
-    mixtral::Transformer model(a.mixtral);
-    if (init == ModelInit::Full) model->init_weights();
-    model->train();
-    m.init_unit = [model](size_t i) mutable { model->init_unit(i); };
-    m.module = model.ptr();
-    m.forward = [model](const torch::Tensor& t) mutable { return model->forward(t); };
-    m.units = [model] { return model->units(); };
-    m.set_unit_wrapper = [model](UnitWrapper w) mutable { model->set_unit_wrapper(std::move(w)); };
-    m.n_layers = model->n_layers();
-    const auto c = mixtral::count_params(a.mixtral);
-    m.total_params = c.total;
-    m.embedding_params = c.embedding;
-    m.flops_per_token = mixtral::flops_per_token(a.mixtral, seq_len);
-    m.set_aux_loss_scale = [model](double s) mutable { model->set_aux_loss_scale(s); };
-    m.load_balance_loss = [model] { return model->load_balance_loss(); };
-    m.aux_loss = [model] { return model->aux_loss(); };
-    m.tokens_per_expert = [model] { return model->tokens_per_expert(); };
-    m.step_load_balance = [model](const torch::Tensor& load) mutable { model->step_load_balance(load); };
-    return m;
-  }
-  Transformer model(a.llama);
-  if (init == ModelInit::Full) model->init_weights();
-  model->train();
-  m.init_unit = [model](size_t i) mutable { model->init_unit(i); };
-  m.module = model.ptr();
-  m.forward = [model](const torch::Tensor& t) mutable { return model->forward(t); };
-  m.units = [model] { return model->units(); };
-  m.set_unit_wrapper = [model](UnitWrapper w) mutable { model->set_unit_wrapper(std::move(w)); };
-  m.n_layers = model->n_layers();
-  const ParamCounts c = count_params(a.llama);
-  m.total_params = c.total;
-  m.embedding_params = c.embedding;
-  m.flops_per_token = flops_per_token(a.llama, seq_len);
-  return m;
+  return a.spec->build(a.flavor, seq_len, init);
 }
 
 // The LR schedule of the config's [lr_scheduler] and training.steps.
@@ -732,20 +684,11 @@ std::string format_gib(double gib) {
 // The sizes the memory estimate needs, from the model args (nothing allocated).
 MemoryModel memory_model(const ModelArgs& a) {
   MemoryModel m;
-  int64_t V = 0, D = 0, L = 0, total = 0;
-  if (a.name == "mixtral") {
-    const auto& x = a.mixtral;
-    V = x.vocab_size, D = x.dim, L = x.n_layers, total = mixtral::count_params(x).total;
-    m.kv_dim = x.n_kv_heads * x.head_dim();
-    m.ffn = x.moe.hidden_dim * x.moe.top_k;
-    m.head_dim = x.head_dim();
-  } else {
-    const auto& x = a.llama;
-    V = x.vocab_size, D = x.dim, L = x.n_layers, total = count_params(x).total;
-    m.kv_dim = x.kv_heads() * x.head_dim();
-    m.ffn = llama::ffn_hidden_dim(x);
-    m.head_dim = x.head_dim();
-  }
+  const ModelSizes& z = a.sizes;
+  const int64_t V = z.vocab_size, D = z.dim, L = z.n_layers, total = z.total_params;
+  m.kv_dim = z.kv_dim;
+  m.ffn = z.ffn;
+  m.head_dim = z.head_dim;
   m.params = total;
   m.dim = D, m.vocab = V, m.n_layers = L;
   const int64_t block = (total - 2 * V * D - D) / std::max<int64_t>(1, L);
@@ -826,7 +769,7 @@ int validate_only(const JobConfig& cfg, std::ostream& out) {
   const int64_t accum = gradient_accumulation_steps(cfg, dims.dp());
   const DataPipeline data = build_data(cfg, std::min(env.rank, dims.dp() - 1), dims.dp());
   const ModelArgs margs = build_model_args(cfg, *data.tokenizer);
-  const int64_t model_vocab = margs.name == "mixtral" ? margs.mixtral.vocab_size : margs.llama.vocab_size;
+  const int64_t model_vocab = margs.sizes.vocab_size;
   maybe_build_validator(cfg, *data.tokenizer, std::min(env.rank, dims.dp() - 1), dims.dp());
   out << "config ok: " << (cfg.job.config_file.empty() ? "defaults" : cfg.job.config_file) << "; " << cfg.model.name
       << " " << cfg.model.flavor << "; " << env.world_size << " rank(s), dp " << dims.dp() << " x " << accum
@@ -890,7 +833,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
   if (launch.rank == 0) write_effective_config(cfg);
   spdlog::info("tokenizer: {} ({}, {} ids, bos {}, eos {}; model vocab {})", data.tokenizer->model_path(),
                data.tokenizer->kind(), data.tokenizer->vocab_size(), data.tokenizer->bos_id(),
-               data.tokenizer->eos_id(), margs.name == "mixtral" ? margs.mixtral.vocab_size : margs.llama.vocab_size);
+               data.tokenizer->eos_id(), margs.sizes.vocab_size);
   spdlog::info("dataset: {} (dp rank {} of {})", data.source, par.dp_rank, dp_world);
   check_blas_and_warn();
   const int threads = configure_threads(launch.local_world_size);

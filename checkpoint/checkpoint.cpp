@@ -1491,8 +1491,8 @@ LoadResult CheckpointManager::load_hf(const std::string& path, const Agreed& agr
         c.rope_scaling.has_value() != want.rope_scaling.has_value())
       spdlog::warn("checkpoint: HF config.json has rope_theta {}, rms_norm_eps {}, rope_scaling {}; this run's model "
                    "uses {}, {}, {} (the weights load, the outputs will differ from the HF model's)",
-                   c.rope_theta, c.rms_norm_eps, c.rope_scaling ? "llama3" : "none", want.rope_theta,
-                   want.rms_norm_eps, want.rope_scaling ? "llama3" : "none");
+                   c.rope_theta, c.rms_norm_eps, c.rope_scaling ? kHfRopeScalingType : "none", want.rope_theta,
+                   want.rms_norm_eps, want.rope_scaling ? kHfRopeScalingType : "none");
     const auto unused = hf->unused_keys(ctitan_params(c));
     if (!unused.empty())
       spdlog::warn("checkpoint: {} tensors of {} have no ctitan parameter and are ignored (first: {})", unused.size(),

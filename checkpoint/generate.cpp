@@ -20,8 +20,7 @@
 #include "config/errors.h"
 #include "config/job_config.h"
 #include "datasets/tokenizer.h"
-#include "models/llama/args.h"
-#include "models/mixtral/args.h"
+#include "models/registry.h"
 
 namespace fs = std::filesystem;
 
@@ -295,8 +294,7 @@ int run(const std::vector<std::string>& args) {
     max_seq = m.hf_config->max_position_embeddings;
   if (max_seq_arg > 0) max_seq = max_seq_arg;
   if (max_seq == 0)
-    max_seq = m.model_name == "mixtral" ? mixtral::mixtral_flavor(m.flavor).max_seq_len
-                                        : llama::llama3_flavor(m.flavor).max_seq_len;
+    max_seq = model_spec(m.model_name).max_seq_len(m.flavor);
 
   std::unique_ptr<Tokenizer> tok;
   std::vector<int64_t> ids;

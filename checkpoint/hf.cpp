@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <regex>
 #include <set>
 
 #include <torch/torch.h>
@@ -15,8 +14,7 @@
 #include "checkpoint/format.h"
 #include "config/errors.h"
 #include "util/json.h"
-#include "models/llama/args.h"
-#include "models/mixtral/args.h"
+#include "models/registry.h"
 #include "util/strings.h"
 
 namespace fs = std::filesystem;
@@ -71,33 +69,34 @@ int64_t row_numel(const std::vector<int64_t>& shape) {
 
 // ---- config.json -------------------------------------------------------------------------------
 
-std::string HFModelConfig::to_json() const {
+std::string hf_config_json(const HFModelConfig& c) {
   std::string s = "{\n";
   auto field = [&](const std::string& k, const std::string& v) { s += "  \"" + k + "\": " + v + ",\n"; };
-  field("architectures", "[\"" + architecture + "\"]");
-  field("model_type", moe() ? "\"mixtral\"" : "\"llama\"");
-  field("hidden_size", std::to_string(hidden_size));
-  field("intermediate_size", std::to_string(intermediate_size));
-  field("num_attention_heads", std::to_string(num_attention_heads));
-  field("num_key_value_heads", std::to_string(num_key_value_heads));
-  field("head_dim", std::to_string(head_dim()));
-  field("num_hidden_layers", std::to_string(num_hidden_layers));
-  field("vocab_size", std::to_string(vocab_size));
-  field("max_position_embeddings", std::to_string(max_position_embeddings));
-  field("rms_norm_eps", num(rms_norm_eps));
-  field("rope_theta", num(rope_theta));
-  if (rope_scaling)
-    field("rope_scaling", "{\"rope_type\": \"llama3\", \"factor\": " + num(rope_scaling->scaling_factor) +
-                              ", \"low_freq_factor\": " + num(rope_scaling->low_freq_factor) +
-                              ", \"high_freq_factor\": " + num(rope_scaling->high_freq_factor) +
+  field("architectures", "[\"" + c.architecture + "\"]");
+  field("model_type", "\"" + c.model_type() + "\"");
+  field("hidden_size", std::to_string(c.hidden_size));
+  field("intermediate_size", std::to_string(c.intermediate_size));
+  field("num_attention_heads", std::to_string(c.num_attention_heads));
+  field("num_key_value_heads", std::to_string(c.num_key_value_heads));
+  field("head_dim", std::to_string(c.head_dim()));
+  field("num_hidden_layers", std::to_string(c.num_hidden_layers));
+  field("vocab_size", std::to_string(c.vocab_size));
+  field("max_position_embeddings", std::to_string(c.max_position_embeddings));
+  field("rms_norm_eps", num(c.rms_norm_eps));
+  field("rope_theta", num(c.rope_theta));
+  if (c.rope_scaling)
+    field("rope_scaling", "{\"rope_type\": \"" + std::string(kHfRopeScalingType) +
+                              "\", \"factor\": " + num(c.rope_scaling->scaling_factor) +
+                              ", \"low_freq_factor\": " + num(c.rope_scaling->low_freq_factor) +
+                              ", \"high_freq_factor\": " + num(c.rope_scaling->high_freq_factor) +
                               ", \"original_max_position_embeddings\": " +
-                              std::to_string(rope_scaling->original_max_position_embeddings) + "}");
+                              std::to_string(c.rope_scaling->original_max_position_embeddings) + "}");
   else
     field("rope_scaling", "null");
-  if (moe()) {
-    field("num_local_experts", std::to_string(num_local_experts));
-    field("num_experts_per_tok", std::to_string(num_experts_per_tok));
-    field("router_aux_loss_coef", num(router_aux_loss_coef));
+  if (c.moe()) {
+    field("num_local_experts", std::to_string(c.num_local_experts));
+    field("num_experts_per_tok", std::to_string(c.num_experts_per_tok));
+    field("router_aux_loss_coef", num(c.router_aux_loss_coef));
     field("output_router_logits", "false");
     field("sliding_window", "null");
   } else {
@@ -108,19 +107,18 @@ std::string HFModelConfig::to_json() const {
   field("attention_dropout", "0.0");
   field("initializer_range", "0.02");
   field("use_cache", "true");
-  field("tie_word_embeddings", tie_word_embeddings ? "true" : "false");
-  s += "  \"torch_dtype\": \"" + torch_dtype + "\"\n}\n";
+  field("tie_word_embeddings", c.tie_word_embeddings ? "true" : "false");
+  s += "  \"torch_dtype\": \"" + c.torch_dtype + "\"\n}\n";
   return s;
 }
 
-HFModelConfig HFModelConfig::parse(const std::string& text, const std::string& where) {
-  json::Value root;
-  std::string err;
-  if (!json::parse(text, &root, &err) || root.type != json::Value::Type::Object)
-    throw UserError(where + " is not a JSON object" + (err.empty() ? "" : ": " + err));
-  auto get = [&](const json::Value& obj, const char* k) -> const json::Value* { return obj.find(k); };
-  auto integer = [&](const json::Value& obj, const char* k, bool required, int64_t dflt) {
-    const json::Value* v = get(obj, k);
+namespace {
+
+// Fields of a config.json object; errors name the file (`where`).
+struct JsonFields {
+  const std::string& where;
+  int64_t integer(const json::Value& obj, const char* k, bool required, int64_t dflt) const {
+    const json::Value* v = obj.find(k);
     int64_t x = 0;
     if (!v || v->type == json::Value::Type::Null) {
       if (required) throw UserError(where + " has no \"" + std::string(k) + "\"");
@@ -128,26 +126,88 @@ HFModelConfig HFModelConfig::parse(const std::string& text, const std::string& w
     }
     if (!v->as_int64(&x) || x < 0) throw UserError(where + ": \"" + std::string(k) + "\" is not a non-negative integer");
     return x;
-  };
-  auto real = [&](const json::Value& obj, const char* k, double dflt) {
-    const json::Value* v = get(obj, k);
+  }
+  double real(const json::Value& obj, const char* k, double dflt) const {
+    const json::Value* v = obj.find(k);
     if (!v || v->type == json::Value::Type::Null) return dflt;
     if (v->type != json::Value::Type::Number) throw UserError(where + ": \"" + std::string(k) + "\" is not a number");
     return std::strtod(v->text.c_str(), nullptr);
-  };
-  HFModelConfig c;
+  }
+};
+
+// "architectures"[0], else the architecture of "model_type"; UserError unless a registered
+// family loads it.
+std::string parse_architecture(const json::Value& root, const std::string& where) {
+  auto get = [](const json::Value& obj, const char* k) -> const json::Value* { return obj.find(k); };
+  std::string architecture;
   const json::Value* arch = get(root, "architectures");
   if (arch && arch->type == json::Value::Type::Array && !arch->items.empty() &&
       arch->items[0].type == json::Value::Type::String)
-    c.architecture = arch->items[0].text;
-  if (c.architecture.empty()) {
+    architecture = arch->items[0].text;
+  if (architecture.empty()) {
     const json::Value* mt = get(root, "model_type");
     const std::string t = mt && mt->type == json::Value::Type::String ? mt->text : "";
-    c.architecture = t == "mixtral" ? "MixtralForCausalLM" : t == "llama" ? "LlamaForCausalLM" : "";
+    architecture = t.empty() ? "" : hf_architecture_of_model_type(t);
   }
-  if (c.architecture != "LlamaForCausalLM" && c.architecture != "MixtralForCausalLM")
-    throw UserError(where + ": architecture \"" + c.architecture +
-                    "\" is not one ctitan loads (LlamaForCausalLM, MixtralForCausalLM)");
+  if (!find_model_spec_for_hf(architecture)) {
+    std::string known;
+    for (const auto& a : hf_architectures()) known += (known.empty() ? "" : ", ") + a;
+    throw UserError(where + ": architecture \"" + architecture + "\" is not one ctitan loads (" + known + ")");
+  }
+  return architecture;
+}
+
+// rope_theta and rope_scaling (either spelling) into c.
+void parse_rope(const json::Value& root, const JsonFields& f, HFModelConfig& c) {
+  auto get = [](const json::Value& obj, const char* k) -> const json::Value* { return obj.find(k); };
+  const std::string& where = f.where;
+  auto integer = [&f](const json::Value& obj, const char* k, bool required, int64_t dflt) {
+    return f.integer(obj, k, required, dflt);
+  };
+  auto real = [&f](const json::Value& obj, const char* k, double dflt) { return f.real(obj, k, dflt); };
+  c.rope_theta = real(root, "rope_theta", 10000);
+  // transformers 5 writes RoPE as one object, "rope_parameters": {"rope_theta", "rope_type"
+  // ("default" or kHfRopeScalingType with its factors)}, instead of rope_theta + rope_scaling.
+  const json::Value* rs = get(root, "rope_scaling");
+  if (const json::Value* rp = get(root, "rope_parameters"); rp && rp->type == json::Value::Type::Object) {
+    c.rope_theta = real(*rp, "rope_theta", c.rope_theta);
+    const json::Value* type = rp->find("rope_type");
+    if (type && type->type == json::Value::Type::String && type->text == "default")
+      rs = nullptr;
+    else
+      rs = rp;
+  }
+  if (rs && rs->type == json::Value::Type::Object) {
+    const json::Value* type = rs->find("rope_type");
+    if (!type) type = rs->find("type");
+    if (!type || type->type != json::Value::Type::String || type->text != kHfRopeScalingType)
+      throw UserError(where + ": rope_scaling of type \"" + (type ? type->text : std::string("?")) +
+                      "\" is not supported (ctitan implements \"" + kHfRopeScalingType + "\")");
+    RoPEScalingArgs s;
+    s.scaling_factor = real(*rs, "factor", s.scaling_factor);
+    s.low_freq_factor = real(*rs, "low_freq_factor", s.low_freq_factor);
+    s.high_freq_factor = real(*rs, "high_freq_factor", s.high_freq_factor);
+    s.original_max_position_embeddings =
+        integer(*rs, "original_max_position_embeddings", false, s.original_max_position_embeddings);
+    c.rope_scaling = s;
+  }
+}
+
+}  // namespace
+
+HFModelConfig parse_hf_config(const std::string& text, const std::string& where) {
+  json::Value root;
+  std::string err;
+  if (!json::parse(text, &root, &err) || root.type != json::Value::Type::Object)
+    throw UserError(where + " is not a JSON object" + (err.empty() ? "" : ": " + err));
+  auto get = [](const json::Value& obj, const char* k) -> const json::Value* { return obj.find(k); };
+  const JsonFields f{where};
+  auto integer = [&f](const json::Value& obj, const char* k, bool required, int64_t dflt) {
+    return f.integer(obj, k, required, dflt);
+  };
+  auto real = [&f](const json::Value& obj, const char* k, double dflt) { return f.real(obj, k, dflt); };
+  HFModelConfig c;
+  c.architecture = parse_architecture(root, where);
   c.hidden_size = integer(root, "hidden_size", true, 0);
   c.intermediate_size = integer(root, "intermediate_size", true, 0);
   c.num_attention_heads = integer(root, "num_attention_heads", true, 0);
@@ -165,32 +225,7 @@ HFModelConfig HFModelConfig::parse(const std::string& text, const std::string& w
                       std::to_string(c.head_dim()) + " (ctitan's attention requires it)");
   }
   c.rms_norm_eps = real(root, "rms_norm_eps", 1e-6);
-  c.rope_theta = real(root, "rope_theta", 10000);
-  // transformers 5 writes RoPE as one object, "rope_parameters": {"rope_theta", "rope_type"
-  // ("default" or "llama3" with its factors)}, instead of rope_theta + rope_scaling.
-  const json::Value* rs = get(root, "rope_scaling");
-  if (const json::Value* rp = get(root, "rope_parameters"); rp && rp->type == json::Value::Type::Object) {
-    c.rope_theta = real(*rp, "rope_theta", c.rope_theta);
-    const json::Value* type = rp->find("rope_type");
-    if (type && type->type == json::Value::Type::String && type->text == "default")
-      rs = nullptr;
-    else
-      rs = rp;
-  }
-  if (rs && rs->type == json::Value::Type::Object) {
-    const json::Value* type = rs->find("rope_type");
-    if (!type) type = rs->find("type");
-    if (!type || type->type != json::Value::Type::String || type->text != "llama3")
-      throw UserError(where + ": rope_scaling of type \"" + (type ? type->text : std::string("?")) +
-                      "\" is not supported (ctitan implements \"llama3\")");
-    RoPEScalingArgs s;
-    s.scaling_factor = real(*rs, "factor", s.scaling_factor);
-    s.low_freq_factor = real(*rs, "low_freq_factor", s.low_freq_factor);
-    s.high_freq_factor = real(*rs, "high_freq_factor", s.high_freq_factor);
-    s.original_max_position_embeddings =
-        integer(*rs, "original_max_position_embeddings", false, s.original_max_position_embeddings);
-    c.rope_scaling = s;
-  }
+  parse_rope(root, f, c);
   if (c.moe()) {
     c.num_local_experts = integer(root, "num_local_experts", true, 0);
     c.num_experts_per_tok = integer(root, "num_experts_per_tok", true, 0);
@@ -203,38 +238,13 @@ HFModelConfig HFModelConfig::parse(const std::string& text, const std::string& w
 }
 
 HFModelConfig hf_config_for(const std::string& model_name, const std::string& flavor, int64_t vocab_size) {
-  HFModelConfig c;
-  if (model_name == "llama3") {
-    const llama::TransformerModelArgs a = llama::llama3_flavor(flavor);
-    c.architecture = "LlamaForCausalLM";
-    c.hidden_size = a.dim;
-    c.intermediate_size = llama::ffn_hidden_dim(a);
-    c.num_attention_heads = a.n_heads;
-    c.num_key_value_heads = a.kv_heads();
-    c.num_hidden_layers = a.n_layers;
-    c.max_position_embeddings = a.max_seq_len;
-    c.rms_norm_eps = a.norm_eps;
-    c.rope_theta = a.rope_theta;
-    c.rope_scaling = a.rope_scaling;
-  } else if (model_name == "mixtral") {
-    const mixtral::TransformerModelArgs a = mixtral::mixtral_flavor(flavor);
-    c.architecture = "MixtralForCausalLM";
-    c.hidden_size = a.dim;
-    c.intermediate_size = a.moe.hidden_dim;
-    c.num_attention_heads = a.n_heads;
-    c.num_key_value_heads = a.n_kv_heads;
-    c.num_hidden_layers = a.n_layers;
-    c.max_position_embeddings = a.max_seq_len;
-    c.rms_norm_eps = a.norm_eps;
-    c.rope_theta = a.rope_theta;
-    c.num_local_experts = a.moe.num_experts;
-    c.num_experts_per_tok = a.moe.top_k;
-    c.router_aux_loss_coef = a.moe.load_balance_loss_coeff;
-  } else {
-    throw UserError("HF interop: model \"" + model_name + "\" is not one of: llama3, mixtral");
+  const ModelSpec* spec = find_model_spec(model_name);
+  if (!spec) {
+    std::string known;
+    for (const auto& n : model_names()) known += (known.empty() ? "" : ", ") + n;
+    throw UserError("HF interop: model \"" + model_name + "\" is not one of: " + known);
   }
-  c.vocab_size = vocab_size;
-  return c;
+  return spec->hf_config(flavor, vocab_size);
 }
 
 std::string structure_difference(const HFModelConfig& a, const HFModelConfig& b) {
@@ -253,76 +263,27 @@ std::string structure_difference(const HFModelConfig& a, const HFModelConfig& b)
   return "";
 }
 
-std::string find_flavor(const HFModelConfig& c) {
-  const auto names = c.moe() ? mixtral::mixtral_flavor_names() : llama::llama3_flavor_names();
-  for (const auto& f : names)
-    if (structure_difference(hf_config_for(c.model_name(), f, c.vocab_size), c).empty()) return f;
+std::string find_flavor(const HFModelConfig& c, const std::string& model_name) {
+  const ModelSpec* spec = model_name.empty() ? find_model_spec_for_hf(c.architecture) : find_model_spec(model_name);
+  if (!spec) return "";
+  for (const auto& f : spec->flavors)
+    if (structure_difference(spec->hf_config(f, c.vocab_size), c).empty()) return f;
   return "";
 }
 
-ParamList ctitan_params(const HFModelConfig& c) {
-  const int64_t D = c.hidden_size, hd = c.head_dim(), H = c.num_attention_heads, KV = c.num_key_value_heads;
-  const int64_t F = c.intermediate_size, V = c.vocab_size, E = c.num_local_experts;
-  ParamList p;
-  p.push_back({"tok_embeddings.weight", {V, D}});
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const std::string l = "layers." + std::to_string(i) + ".";
-    p.push_back({l + "attention.wq.weight", {H * hd, D}});
-    p.push_back({l + "attention.wk.weight", {KV * hd, D}});
-    p.push_back({l + "attention.wv.weight", {KV * hd, D}});
-    p.push_back({l + "attention.wo.weight", {D, H * hd}});
-    if (c.moe()) {
-      p.push_back({l + "moe.router.gate.weight", {E, D}});
-      p.push_back({l + "moe.experts.w1", {E, F, D}});
-      p.push_back({l + "moe.experts.w2", {E, D, F}});
-      p.push_back({l + "moe.experts.w3", {E, F, D}});
-    } else {
-      p.push_back({l + "feed_forward.w1.weight", {F, D}});
-      p.push_back({l + "feed_forward.w2.weight", {D, F}});
-      p.push_back({l + "feed_forward.w3.weight", {F, D}});
-    }
-    p.push_back({l + "attention_norm.weight", {D}});
-    p.push_back({l + "ffn_norm.weight", {D}});
-  }
-  p.push_back({"norm.weight", {D}});
-  p.push_back({"output.weight", {V, D}});
-  return p;
+namespace {
+// The family whose names c's architecture uses (the first registered with it).
+const ModelSpec& names_of(const HFModelConfig& c) {
+  const ModelSpec* spec = find_model_spec_for_hf(c.architecture);
+  if (!spec) throw UserError("HF interop: architecture \"" + c.architecture + "\" is not one ctitan loads");
+  return *spec;
 }
+}  // namespace
+
+ParamList ctitan_params(const HFModelConfig& c) { return names_of(c).hf_params(c); }
 
 std::vector<HFPiece> hf_pieces(const std::string& fqn, const std::vector<int64_t>& shape, const HFModelConfig& c) {
-  const int64_t rows = shape.empty() ? 1 : shape[0];
-  auto whole = [&](const std::string& key, int64_t rope_heads = 0) {
-    return std::vector<HFPiece>{{key, shape, 0, rows, rope_heads}};
-  };
-  if (fqn == "tok_embeddings.weight") return whole("model.embed_tokens.weight");
-  if (fqn == "norm.weight") return whole("model.norm.weight");
-  if (fqn == "output.weight") return whole("lm_head.weight");
-  static const std::regex layer_re(R"(layers\.([0-9]+)\.(.+))");
-  std::smatch m;
-  if (std::regex_match(fqn, m, layer_re)) {
-    const std::string l = "model.layers." + std::string(m[1]) + ".", rest = m[2];
-    static const std::map<std::string, std::string> plain = {
-        {"attention.wv.weight", "self_attn.v_proj.weight"},
-        {"attention.wo.weight", "self_attn.o_proj.weight"},
-        {"feed_forward.w1.weight", "mlp.gate_proj.weight"},
-        {"feed_forward.w3.weight", "mlp.up_proj.weight"},
-        {"feed_forward.w2.weight", "mlp.down_proj.weight"},
-        {"attention_norm.weight", "input_layernorm.weight"},
-        {"ffn_norm.weight", "post_attention_layernorm.weight"},
-        {"moe.router.gate.weight", "block_sparse_moe.gate.weight"}};
-    if (rest == "attention.wq.weight") return whole(l + "self_attn.q_proj.weight", c.num_attention_heads);
-    if (rest == "attention.wk.weight") return whole(l + "self_attn.k_proj.weight", c.num_key_value_heads);
-    if (auto it = plain.find(rest); it != plain.end()) return whole(l + it->second);
-    if (rest == "moe.experts.w1" || rest == "moe.experts.w2" || rest == "moe.experts.w3") {
-      std::vector<HFPiece> out;
-      const std::vector<int64_t> expert_shape(shape.begin() + 1, shape.end());
-      for (int64_t j = 0; j < rows; ++j)
-        out.push_back({l + "block_sparse_moe.experts." + std::to_string(j) + "." + rest.substr(12) + ".weight",
-                       expert_shape, j, j + 1, 0});
-      return out;
-    }
-  }
-  throw UserError("HF interop: ctitan parameter " + fqn + " has no Hugging Face name");
+  return names_of(c).hf_pieces(fqn, shape, c);
 }
 
 at::Tensor rope_rows_to_hf(const at::Tensor& w, int64_t heads) {
@@ -389,7 +350,7 @@ std::string write_hf_files(const std::string& dir, HFModelConfig c, const ParamL
   index += "  }\n}\n";
   ckpt::write_file_durable((fs::path(dir) / "model.safetensors.index.json").string(), index);
   c.torch_dtype = dtype;
-  ckpt::write_file_durable((fs::path(dir) / "config.json").string(), c.to_json());
+  ckpt::write_file_durable((fs::path(dir) / "config.json").string(), hf_config_json(c));
   return index;
 }
 
@@ -421,7 +382,7 @@ HFCheckpoint::HFCheckpoint(std::string dir) : dir_(std::move(dir)) {
   if (!fs::is_directory(dir_, ec)) throw UserError("HF checkpoint " + dir_ + " is not a folder");
   const fs::path cfg = fs::path(dir_) / "config.json";
   if (!fs::exists(cfg, ec)) throw UserError("HF checkpoint " + dir_ + " has no config.json");
-  config_ = HFModelConfig::parse(ckpt::read_whole_file(cfg.string()), cfg.string());
+  config_ = parse_hf_config(ckpt::read_whole_file(cfg.string()), cfg.string());
   std::vector<std::string> names;
   for (const auto& de : fs::directory_iterator(dir_, ec))
     if (de.path().extension() == ".safetensors") names.push_back(de.path().filename().string());
@@ -468,7 +429,7 @@ std::vector<std::string> HFCheckpoint::keys() const {
 }
 
 std::string HFCheckpoint::resolve(const std::string& key) const {
-  // Tied embeddings (e.g. Llama 3.2 1B): no lm_head.weight, the output reuses embed_tokens.
+  // Tied embeddings (small hub models): no lm_head.weight, the output reuses embed_tokens.
   if (key == "lm_head.weight" && !where_.count(key) && config_.tie_word_embeddings) return "model.embed_tokens.weight";
   return key;
 }

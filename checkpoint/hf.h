@@ -4,31 +4,14 @@
 //
 //   <folder>/model.safetensors               every tensor (HF names, export dtype)
 //   <folder>/model.safetensors.index.json    {"metadata": {"total_size": n}, "weight_map": {...}}
-//   <folder>/config.json                     LlamaForCausalLM / MixtralForCausalLM fields
+//   <folder>/config.json                     the architecture's fields (HFModelConfig)
 //   <folder>/COMPLETE                        (step folders of a run) written last, see format.h
 // Reading accepts any folder of *.safetensors files with a config.json (the index is
 // checked when present), so checkpoints from HF's hub load too.
 //
-// Names (Llama; HF ← ctitan):
-//   model.embed_tokens.weight                       tok_embeddings.weight
-//   model.layers.{i}.self_attn.{q,k,v,o}_proj.weight layers.{i}.attention.{wq,wk,wv,wo}.weight
-//   model.layers.{i}.mlp.{gate,up,down}_proj.weight  layers.{i}.feed_forward.{w1,w3,w2}.weight
-//   model.layers.{i}.input_layernorm.weight          layers.{i}.attention_norm.weight
-//   model.layers.{i}.post_attention_layernorm.weight layers.{i}.ffn_norm.weight
-//   model.norm.weight, lm_head.weight                norm.weight, output.weight
-// Mixtral: the attention and norms as Llama, and per block
-//   model.layers.{i}.block_sparse_moe.gate.weight           layers.{i}.moe.router.gate.weight
-//   model.layers.{i}.block_sparse_moe.experts.{j}.w{1,2,3}.weight  row j of
-//                                                            layers.{i}.moe.experts.w{1,2,3}
-// (ctitan's grouped [E, ...] expert tensors are split into E HF tensors). ctitan's
-// expert_bias (auxiliary-loss-free balancing) has no HF counterpart and is not exported; with
-// moe.expert_bias_update_rate unset, as in the shipped configs, it is zero anyway.
-//
-// Rotary embedding layout: ctitan (as Meta's Llama and torchtitan) rotates interleaved pairs
-// (0,1), (2,3), ... of each head; HF's rotate_half pairs dimension i with i + hd/2. HF's
-// q_proj / k_proj therefore hold wq / wk with each head's rows reordered:
-//   HF row h·hd + j·hd/2 + i  =  ctitan row h·hd + 2i + j      (i < hd/2, j ∈ {0, 1})
-// (torchtitan's _permute: view [H, hd/2, 2, D], swap dims 1 and 2); loading reverses it.
+// Names: each family's ModelSpec (models/model_spec.h) gives its parameters' HF tensors
+// (the shared decoder's in models/hf_names.cpp, described in models/<family>/model.h); the
+// rotary row order of q_proj / k_proj is described in models/hf_config.h.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -41,56 +24,32 @@
 #include <ATen/Tensor.h>
 
 #include "checkpoint/safetensors.h"
-#include "models/rope_args.h"
+#include "models/hf_config.h"
 
 namespace ctitan {
 
 class CheckpointReader;
 
-// What config.json says about the model (the fields ctitan writes and checks).
-struct HFModelConfig {
-  std::string architecture;  // LlamaForCausalLM | MixtralForCausalLM
-  int64_t hidden_size = 0, intermediate_size = 0, num_attention_heads = 0, num_key_value_heads = 0,
-          num_hidden_layers = 0, vocab_size = 0, max_position_embeddings = 0;
-  double rms_norm_eps = 1e-5, rope_theta = 10000;
-  std::optional<RoPEScalingArgs> rope_scaling;  // rope_type "llama3"
-  int64_t num_local_experts = 0, num_experts_per_tok = 0;  // Mixtral
-  double router_aux_loss_coef = 0;
-  bool tie_word_embeddings = false;
-  std::string torch_dtype = "float32";
+// config.json's text for c, and c read back from a config.json's text (UserError
+// "<where>: ..." when a needed field is missing or malformed, or no registered family loads
+// the architecture). The MoE fields are written and read when c.moe().
+std::string hf_config_json(const HFModelConfig& c);
+HFModelConfig parse_hf_config(const std::string& text, const std::string& where);
 
-  bool moe() const { return architecture == "MixtralForCausalLM"; }
-  int64_t head_dim() const { return hidden_size / num_attention_heads; }
-  std::string model_name() const { return moe() ? "mixtral" : "llama3"; }
-  std::string to_json() const;
-  // UserError "<where>: ..." when a needed field is missing or malformed.
-  static HFModelConfig parse(const std::string& text, const std::string& where);
-};
-
-// The config of ctitan's model `name` ("llama3" | "mixtral") of `flavor`, with the vocabulary
-// the run's tokenizer gave it. UserError for an unknown name or flavor.
+// The config of ctitan's model `name` (a registered family, models/registry.h) of `flavor`,
+// with the vocabulary the run's tokenizer gave it. UserError for an unknown name or flavor.
 HFModelConfig hf_config_for(const std::string& model_name, const std::string& flavor, int64_t vocab_size);
-// The flavor of `name` whose structure (sizes, heads, layers, experts) the config describes, or
-// "" when none does.
-std::string find_flavor(const HFModelConfig& c);
+// The flavor of `model_name` ("" = the family that loads c's architecture, c.model_name())
+// whose structure (sizes, heads, layers, experts) the config describes, or "" when none does.
+std::string find_flavor(const HFModelConfig& c, const std::string& model_name = "");
 // "" when a and b describe the same structure (sizes, heads, layers, experts, vocabulary),
 // else the first difference: "num_hidden_layers: 6 vs 4".
 std::string structure_difference(const HFModelConfig& a, const HFModelConfig& b);
 
 // ctitan's parameters of the model the config describes (names and shapes), in the order
-// of named_parameters().
-using ParamList = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+// of named_parameters(); ParamList and HFPiece: models/hf_config.h.
 ParamList ctitan_params(const HFModelConfig& c);
 
-// One HF tensor holding rows [row_begin, row_end) of a ctitan parameter (dim 0): the whole
-// parameter, or one expert of a grouped expert tensor. rope_heads > 0: the rows are stored
-// in HF's rotary order for that many heads (q_proj, k_proj).
-struct HFPiece {
-  std::string key;
-  std::vector<int64_t> shape;
-  int64_t row_begin = 0, row_end = 0;
-  int64_t rope_heads = 0;
-};
 // UserError when `fqn` has no HF name.
 std::vector<HFPiece> hf_pieces(const std::string& fqn, const std::vector<int64_t>& shape, const HFModelConfig& c);
 

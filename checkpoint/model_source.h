@@ -40,7 +40,7 @@ struct InferenceModel {
   int64_t vocab_size = 0, max_seq_len = 0;
   std::shared_ptr<torch::nn::Module> module;
   std::function<at::Tensor(const at::Tensor&)> forward;                     // tokens [B, T] -> logits
-  std::function<at::Tensor(const at::Tensor&, KVCache&)> forward_cached;    // see llama::TransformerImpl
+  std::function<at::Tensor(const at::Tensor&, KVCache&)> forward_cached;    // DecoderImpl::forward_cached
   std::function<KVCache(int64_t batch, int64_t capacity)> new_cache;        // float32
 };
 InferenceModel load_inference_model(const ModelTensors& m, int64_t max_seq_len);

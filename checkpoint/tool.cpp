@@ -20,8 +20,7 @@
 #include "checkpoint/torch_save.h"
 #include "config/cli.h"
 #include "config/errors.h"
-#include "models/llama/model.h"
-#include "models/mixtral/model.h"
+#include "models/registry.h"
 #include "util/strings.h"
 
 namespace fs = std::filesystem;
@@ -162,17 +161,58 @@ c10::IValue load_pt(const std::string& path) {
   }
 }
 
+// Whether the parameters of `name`'s flavor f have exactly these shapes.
+bool flavor_matches(const std::string& name, const std::string& f,
+                    const std::map<std::string, std::vector<int64_t>>& shapes) {
+  const ParamList want = ctitan_params(hf_config_for(name, f, shapes.at("tok_embeddings.weight").at(0)));
+  return std::map<std::string, std::vector<int64_t>>(want.begin(), want.end()) == shapes;
+}
+
 // The flavor of `name` whose parameters have exactly these shapes.
 std::string flavor_from_shapes(const std::string& name, const std::map<std::string, std::vector<int64_t>>& shapes,
                                const std::string& what) {
-  auto emb = shapes.find("tok_embeddings.weight");
-  if (emb == shapes.end()) throw UserError("checkpoint tool: " + what + " has no tok_embeddings.weight");
-  const auto names = name == "mixtral" ? mixtral::mixtral_flavor_names() : llama::llama3_flavor_names();
-  for (const auto& f : names) {
-    const ParamList want = ctitan_params(hf_config_for(name, f, emb->second.at(0)));
-    if (std::map<std::string, std::vector<int64_t>>(want.begin(), want.end()) == shapes) return f;
-  }
+  if (!shapes.count("tok_embeddings.weight"))
+    throw UserError("checkpoint tool: " + what + " has no tok_embeddings.weight");
+  for (const auto& f : model_spec(name).flavors)
+    if (flavor_matches(name, f, shapes)) return f;
   throw UserError("checkpoint tool: the tensors of " + what + " match no " + name + " flavor; pass --flavor");
+}
+
+// The family of tensors that do not record one (a DCP folder, a .pt): name_arg when given;
+// else, without --flavor, the first registered family with a flavor of exactly these shapes;
+// else the first registered family of their kind (MoE when a parameter is under ".moe.").
+std::string family_from_shapes(const std::map<std::string, std::vector<int64_t>>& shapes, const std::string& name_arg,
+                               const std::string& flavor_arg) {
+  if (!name_arg.empty()) return name_arg;
+  if (flavor_arg.empty() && shapes.count("tok_embeddings.weight"))
+    for (const auto& name : model_names())
+      for (const auto& f : model_spec(name).flavors)
+        if (flavor_matches(name, f, shapes)) return name;
+  bool moe = false;
+  for (const auto& kv : shapes) moe = moe || kv.first.find(".moe.") != std::string::npos;
+  for (const auto& name : model_names())
+    if (model_spec(name).moe == moe) return name;
+  throw UserError("checkpoint tool: no registered model family has " + std::string(moe ? "MoE" : "dense") + " blocks");
+}
+
+// The family an HF folder is loaded as: --model when given (it must load the folder's
+// architecture); else the one ctitan's export recorded ("ctitan.model" = "<name> <flavor>")
+// when registered with that architecture; else the architecture's default family
+// (find_model_spec_for_hf, models/registry.h).
+std::string hf_family(const HFModelConfig& c, const std::map<std::string, std::string>& metadata,
+                      const std::string& name_arg) {
+  std::string name = name_arg;
+  if (name.empty())
+    if (auto it = metadata.find("ctitan.model"); it != metadata.end()) {
+      const ModelSpec* s = find_model_spec(it->second.substr(0, it->second.find(' ')));
+      if (s && s->hf_architecture == c.architecture) name = s->name;
+    }
+  if (name.empty()) return c.model_name();
+  const ModelSpec& spec = model_spec(name);
+  if (spec.hf_architecture != c.architecture)
+    throw UserError("checkpoint tool: --model " + name + " is a " + spec.hf_architecture + ", the HF folder holds a " +
+                    c.architecture);
+  return name;
 }
 
 // "step-<N>" -> N, else -1.
@@ -250,99 +290,114 @@ int64_t ModelTensors::vocab_size() const {
   throw UserError("checkpoint tool: the model holds no tok_embeddings.weight");
 }
 
-ModelTensors open_model(const std::string& path, const std::string& name_arg, const std::string& flavor_arg) {
+namespace {
+
+// A ctitan or DCP step folder.
+ModelTensors open_sharded(const std::string& path, const std::string& name_arg, const std::string& flavor_arg) {
   ModelTensors m;
+  auto r = std::make_shared<CheckpointReader>(path);
+  m.form = "sharded";
+  m.model_name = r->meta().model_name;
+  m.flavor = r->meta().model_flavor;
+  m.step = r->meta().step;
+  for (const auto& [key, e] : r->meta().entries)
+    if (!e.is_bytes && is_model_key(key)) m.params.push_back({key, e.shape});
+  if (!r->has("tok_embeddings.weight")) throw UserError("checkpoint tool: " + path + " holds no model tensors");
+  if (m.model_name.empty()) {  // a DCP folder records no model: --model / --flavor, else the shapes
+    const std::map<std::string, std::vector<int64_t>> shapes(m.params.begin(), m.params.end());
+    m.model_name = family_from_shapes(shapes, name_arg, flavor_arg);
+    m.flavor = flavor_arg.empty() ? flavor_from_shapes(m.model_name, shapes, path) : flavor_arg;
+  }
+  // The metadata lists entries by name; a known model's own parameter order (its
+  // state_dict's, as the HF and .pt forms give it) when it holds exactly those tensors.
+  try {
+    ParamList model_order = ctitan_params(
+        hf_config_for(m.model_name, m.flavor, r->entry("tok_embeddings.weight").shape.at(0)));
+    if (std::is_permutation(model_order.begin(), model_order.end(), m.params.begin(), m.params.end()))
+      m.params = std::move(model_order);
+  } catch (const std::exception&) {
+    // another model (a test's, say): metadata order
+  }
+  m.dtype = r->entry("tok_embeddings.weight").dtype;
+  m.read = [r](const std::string& fqn) { return r->read_tensor(fqn); };
+  m.dtype_of = [r](const std::string& fqn) { return r->entry(fqn).dtype; };
+  return m;
+}
+
+// A folder of safetensors files with a config.json.
+ModelTensors open_hf(const std::string& path, const std::string& name_arg, const std::string& flavor_arg) {
+  ModelTensors m;
+  auto hf = std::make_shared<HFCheckpoint>(path);
+  m.form = "hf";
+  m.hf_config = hf->config();
+  m.model_name = hf_family(hf->config(), hf->metadata(), name_arg);
+  if (auto it = hf->metadata().find("ctitan.model"); it != hf->metadata().end() && it->second.find(' ') != std::string::npos)
+    m.flavor = it->second.substr(it->second.find(' ') + 1);
+  if (auto it = hf->metadata().find("ctitan.step"); it != hf->metadata().end()) m.step = std::atoll(it->second.c_str());
+  if (m.flavor.empty()) m.flavor = find_flavor(hf->config(), m.model_name);
+  if (m.flavor.empty() && flavor_arg.empty() && name_arg.empty())  // another family of the architecture?
+    for (const auto& name : model_names())
+      if (model_spec(name).hf_architecture == hf->config().architecture && m.flavor.empty()) {
+        m.flavor = find_flavor(hf->config(), name);
+        if (!m.flavor.empty()) m.model_name = name;
+      }
+  if (!flavor_arg.empty()) m.flavor = flavor_arg;
+  if (m.flavor.empty())
+    throw UserError("checkpoint tool: " + path + "/config.json matches no " + m.model_name + " flavor; pass --flavor");
+  m.params = ctitan_params(hf->config());
+  for (const auto& [fqn, shape] : m.params) hf->check_param(fqn, shape);
+  const std::string st = hf->info(hf_pieces(m.params.front().first, m.params.front().second, hf->config())[0].key).dtype;
+  m.dtype = st == "BF16" ? "bfloat16" : st == "F16" ? "float16" : "float32";  // F64 is exported as float32
+  m.read = [hf, shapes = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())](
+               const std::string& fqn) { return hf->read_param(fqn, shapes.at(fqn)); };
+  m.dtype_of = [hf, shapes = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())](
+                   const std::string& fqn) {  // read_param's dtype: the first piece's
+    const std::string st = hf->info(hf_pieces(fqn, shapes.at(fqn), hf->config())[0].key).dtype;
+    return st == "BF16" ? "bfloat16" : st == "F16" ? "float16" : st == "F64" ? "float64" : "float32";
+  };
+  return m;
+}
+
+// A consolidated .pt (a dict of tensors).
+ModelTensors open_consolidated(const std::string& path, const std::string& name_arg, const std::string& flavor_arg) {
+  ModelTensors m;
+  const c10::IValue v = load_pt(path);
+  if (!v.isGenericDict()) throw UserError("checkpoint tool: " + path + " does not hold a dict of tensors");
+  auto dict = std::make_shared<std::map<std::string, at::Tensor>>();
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& kv : v.toGenericDict()) {
+    if (!kv.key().isString() || !kv.value().isTensor())
+      throw UserError("checkpoint tool: " + path + " holds an entry that is not a string -> tensor pair");
+    const std::string k = kv.key().toStringRef();
+    (*dict)[k] = kv.value().toTensor();
+    shapes[k] = kv.value().toTensor().sizes().vec();
+  }
+  m.form = "consolidated";
+  m.model_name = family_from_shapes(shapes, name_arg, flavor_arg);
+  m.flavor = flavor_arg.empty() ? flavor_from_shapes(m.model_name, shapes, path) : flavor_arg;
+  const ParamList want = ctitan_params(hf_config_for(m.model_name, m.flavor, shapes["tok_embeddings.weight"].at(0)));
+  for (const auto& [fqn, shape] : want) {
+    if (!dict->count(fqn)) throw UserError("checkpoint tool: " + path + " has no " + fqn);
+    m.params.push_back({fqn, shapes[fqn]});
+  }
+  m.dtype = dtype_name_of(dict->at("tok_embeddings.weight").scalar_type());
+  m.read = [dict](const std::string& fqn) { return dict->at(fqn); };
+  m.dtype_of = [dict](const std::string& fqn) {
+    const at::ScalarType t = dict->at(fqn).scalar_type();
+    return t == at::kDouble ? std::string("float64") : dtype_name_of(t);
+  };
+  return m;
+}
+
+}  // namespace
+
+ModelTensors open_model(const std::string& path, const std::string& name_arg, const std::string& flavor_arg) {
   std::error_code ec;
   if (!fs::exists(path, ec)) throw UserError("checkpoint tool: " + path + " does not exist");
-  if (fs::is_directory(path, ec) && (fs::exists(fs::path(path) / "metadata", ec) || dcp::is_dcp_folder(path))) {
-    auto r = std::make_shared<CheckpointReader>(path);
-    m.form = "sharded";
-    m.model_name = r->meta().model_name;
-    m.flavor = r->meta().model_flavor;
-    m.step = r->meta().step;
-    for (const auto& [key, e] : r->meta().entries)
-      if (!e.is_bytes && is_model_key(key)) m.params.push_back({key, e.shape});
-    if (!r->has("tok_embeddings.weight")) throw UserError("checkpoint tool: " + path + " holds no model tensors");
-    if (m.model_name.empty()) {  // a DCP folder records no model: --model / --flavor, else the shapes
-      bool moe = false;
-      std::map<std::string, std::vector<int64_t>> shapes;
-      for (const auto& p : m.params) {
-        shapes[p.first] = p.second;
-        moe = moe || p.first.find(".moe.") != std::string::npos;
-      }
-      m.model_name = name_arg.empty() ? (moe ? "mixtral" : "llama3") : name_arg;
-      m.flavor = flavor_arg.empty() ? flavor_from_shapes(m.model_name, shapes, path) : flavor_arg;
-    }
-    // The metadata lists entries by name; a known model's own parameter order (its
-    // state_dict's, as the HF and .pt forms give it) when it holds exactly those tensors.
-    try {
-      ParamList model_order = ctitan_params(
-          hf_config_for(m.model_name, m.flavor, r->entry("tok_embeddings.weight").shape.at(0)));
-      if (std::is_permutation(model_order.begin(), model_order.end(), m.params.begin(), m.params.end()))
-        m.params = std::move(model_order);
-    } catch (const std::exception&) {
-      // another model (a test's, say): metadata order
-    }
-    m.dtype = r->entry("tok_embeddings.weight").dtype;
-    m.read = [r](const std::string& fqn) { return r->read_tensor(fqn); };
-    m.dtype_of = [r](const std::string& fqn) { return r->entry(fqn).dtype; };
-    return m;
-  }
-  if (is_hf_folder(path)) {
-    auto hf = std::make_shared<HFCheckpoint>(path);
-    m.form = "hf";
-    m.hf_config = hf->config();
-    m.model_name = hf->config().model_name();
-    if (auto it = hf->metadata().find("ctitan.model"); it != hf->metadata().end() && it->second.find(' ') != std::string::npos)
-      m.flavor = it->second.substr(it->second.find(' ') + 1);
-    if (auto it = hf->metadata().find("ctitan.step"); it != hf->metadata().end()) m.step = std::atoll(it->second.c_str());
-    if (m.flavor.empty()) m.flavor = find_flavor(hf->config());
-    if (!flavor_arg.empty()) m.flavor = flavor_arg;
-    if (m.flavor.empty())
-      throw UserError("checkpoint tool: " + path + "/config.json matches no " + m.model_name + " flavor; pass --flavor");
-    m.params = ctitan_params(hf->config());
-    for (const auto& [fqn, shape] : m.params) hf->check_param(fqn, shape);
-    const std::string st = hf->info(hf_pieces(m.params.front().first, m.params.front().second, hf->config())[0].key).dtype;
-    m.dtype = st == "BF16" ? "bfloat16" : st == "F16" ? "float16" : "float32";  // F64 is exported as float32
-    m.read = [hf, shapes = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())](
-                 const std::string& fqn) { return hf->read_param(fqn, shapes.at(fqn)); };
-    m.dtype_of = [hf, shapes = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())](
-                     const std::string& fqn) {  // read_param's dtype: the first piece's
-      const std::string st = hf->info(hf_pieces(fqn, shapes.at(fqn), hf->config())[0].key).dtype;
-      return st == "BF16" ? "bfloat16" : st == "F16" ? "float16" : st == "F64" ? "float64" : "float32";
-    };
-    return m;
-  }
-  if (fs::is_regular_file(path, ec)) {
-    const c10::IValue v = load_pt(path);
-    if (!v.isGenericDict()) throw UserError("checkpoint tool: " + path + " does not hold a dict of tensors");
-    auto dict = std::make_shared<std::map<std::string, at::Tensor>>();
-    std::map<std::string, std::vector<int64_t>> shapes;
-    bool moe = false;
-    for (const auto& kv : v.toGenericDict()) {
-      if (!kv.key().isString() || !kv.value().isTensor())
-        throw UserError("checkpoint tool: " + path + " holds an entry that is not a string -> tensor pair");
-      const std::string k = kv.key().toStringRef();
-      (*dict)[k] = kv.value().toTensor();
-      shapes[k] = kv.value().toTensor().sizes().vec();
-      moe = moe || k.find(".moe.") != std::string::npos;
-    }
-    m.form = "consolidated";
-    m.model_name = name_arg.empty() ? (moe ? "mixtral" : "llama3") : name_arg;
-    m.flavor = flavor_arg.empty() ? flavor_from_shapes(m.model_name, shapes, path) : flavor_arg;
-    const ParamList want = ctitan_params(hf_config_for(m.model_name, m.flavor, shapes["tok_embeddings.weight"].at(0)));
-    for (const auto& [fqn, shape] : want) {
-      if (!dict->count(fqn)) throw UserError("checkpoint tool: " + path + " has no " + fqn);
-      m.params.push_back({fqn, shapes[fqn]});
-    }
-    m.dtype = dtype_name_of(dict->at("tok_embeddings.weight").scalar_type());
-    m.read = [dict](const std::string& fqn) { return dict->at(fqn); };
-    m.dtype_of = [dict](const std::string& fqn) {
-      const at::ScalarType t = dict->at(fqn).scalar_type();
-      return t == at::kDouble ? std::string("float64") : dtype_name_of(t);
-    };
-    return m;
-  }
+  if (fs::is_directory(path, ec) && (fs::exists(fs::path(path) / "metadata", ec) || dcp::is_dcp_folder(path)))
+    return open_sharded(path, name_arg, flavor_arg);
+  if (is_hf_folder(path)) return open_hf(path, name_arg, flavor_arg);
+  if (fs::is_regular_file(path, ec)) return open_consolidated(path, name_arg, flavor_arg);
   throw UserError("checkpoint tool: " + path +
                   " is neither a checkpoint step folder, an HF safetensors folder nor a consolidated .pt file");
 }
@@ -386,11 +441,13 @@ std::string inspect_hf(const std::string& path, bool verify) {
       << c.num_attention_heads << " (kv " << c.num_key_value_heads << "), intermediate " << c.intermediate_size
       << ", vocab " << c.vocab_size;
   if (c.moe()) out << ", experts " << c.num_local_experts << " (top " << c.num_experts_per_tok << ")";
-  out << "\n  rope_theta " << c.rope_theta << (c.rope_scaling ? " (llama3 scaling)" : "") << ", rms_norm_eps "
+  const std::string scaling = c.rope_scaling ? std::string(" (") + kHfRopeScalingType + " scaling)" : "";
+  out << "\n  rope_theta " << c.rope_theta << scaling << ", rms_norm_eps "
       << c.rms_norm_eps << ", torch_dtype " << c.torch_dtype << "\n";
   for (const auto& [k, v] : hf.metadata()) out << "  metadata " << k << " = " << v << "\n";
-  const std::string flavor = find_flavor(c);
-  out << "  ctitan model: " << c.model_name() << " " << (flavor.empty() ? "(no matching flavor)" : flavor) << "\n";
+  const std::string family = hf_family(c, hf.metadata(), "");
+  const std::string flavor = find_flavor(c, family);
+  out << "  ctitan model: " << family << " " << (flavor.empty() ? "(no matching flavor)" : flavor) << "\n";
   const auto keys = hf.keys();
   uint64_t bytes = 0;
   for (const auto& k : keys) bytes += hf.info(k).end - hf.info(k).begin;
@@ -419,29 +476,12 @@ InferenceModel load_inference_model(const ModelTensors& m, int64_t max_seq_len) 
   im.flavor = m.flavor;
   im.vocab_size = m.vocab_size();
   im.max_seq_len = max_seq_len;
-  const std::optional<HFModelConfig>& hf = m.hf_config;
-  auto build = [&](auto args, auto make) {  // either family: the flavor with this vocabulary
-    args.vocab_size = im.vocab_size;
-    args.max_seq_len = max_seq_len;
-    if (hf) {  // what config.json says beyond the structure
-      args.norm_eps = hf->rms_norm_eps;
-      args.rope_theta = hf->rope_theta;
-    }
-    auto model = make(args);
-    im.module = model.ptr();
-    im.forward = [model](const at::Tensor& x) mutable { return model->forward(x); };
-    im.forward_cached = [model](const at::Tensor& x, KVCache& c) mutable { return model->forward_cached(x, c); };
-    im.new_cache = [model](int64_t b, int64_t cap) { return model->new_cache(b, cap, torch::kFloat); };
-  };
-  if (m.model_name == "mixtral") {
-    if (hf && hf->rope_scaling)
-      throw UserError("checkpoint tool: rope_scaling in a Mixtral config.json is not supported (ctitan's Mixtral has none)");
-    build(mixtral::mixtral_flavor(m.flavor), [](const auto& a) { return mixtral::Transformer(a); });
-  } else {
-    auto args = llama::llama3_flavor(m.flavor);
-    if (hf) args.rope_scaling = hf->rope_scaling;
-    build(args, [](const auto& a) { return llama::Transformer(a); });
-  }
+  const InferenceNet net = model_spec(m.model_name)
+                               .build_inference(m.flavor, im.vocab_size, max_seq_len, m.hf_config ? &*m.hf_config : nullptr);
+  im.module = net.module;
+  im.forward = net.forward;
+  im.forward_cached = net.forward_cached;
+  im.new_cache = net.new_cache;
   im.module->eval();
   torch::NoGradGuard no_grad;
   for (auto& kv : im.module->named_parameters()) kv.value().copy_(m.read(kv.key()));

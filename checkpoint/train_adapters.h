@@ -17,7 +17,6 @@
 #include "checkpoint/checkpoint.h"
 #include "components/lr_scheduler.h"
 #include "config/errors.h"
-#include "models/llama/model.h"
 #include "parallelisms/comm.h"
 #include "parallelisms/fsdp.h"
 

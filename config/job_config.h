@@ -190,7 +190,8 @@ struct Model {
 
   template <class V>
   void visit_keys(V& v) {
-    v(name, "name", "llama3", "Model family to train", one_of({"llama3", "mixtral"}));
+    // Checked against the registered families where the model is built (models/registry.h).
+    v(name, "name", "llama3", "Model family to train (a family registered in models/registry.cpp)");
     v(flavor, "flavor", "debugmodel", "Size preset of the model family (e.g. debugmodel, 8B)");
     v(hf_assets_path, "hf_assets_path", "./tests/assets/tokenizer",
       "Folder of HF assets; the tokenizer is its tokenizer.json, else vocab.json + merges.txt, else "

@@ -440,7 +440,7 @@ struct AddedToken {
 
 // Leftmost-longest matching of a set of strings (what tokenizers' Aho-Corasick automaton
 // with MatchKind::LeftmostLongest finds), by first byte: added tokens are few and their first
-// bytes rare ('<' for Llama 3's 256 specials).
+// bytes rare ('<' for the 256 specials of a 128K tiktoken-style vocabulary).
 class TokenMatcher {
  public:
   void build(const std::vector<std::pair<std::string, int32_t>>& tokens) {

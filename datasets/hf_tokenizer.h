@@ -11,9 +11,9 @@
 //      JIT-compiled when PCRE2 has a JIT; then ByteLevel) splits the rest into pre-tokens;
 //   4. each pre-token is mapped to byte-level symbols and merged by the BPE ranks (lowest
 //      rank first, leftmost on ties); with ignore_merges a pre-token that is itself in the
-//      vocabulary is one id (Llama 3). A cache keeps the ids of pre-tokens seen before;
+//      vocabulary is one id (tiktoken-style BPE). A cache keeps the ids of pre-tokens seen before;
 //   5. the post-processor (ByteLevel: nothing to do for ids; TemplateProcessing: the special
-//      tokens of its "single" template, e.g. Llama 3's <|begin_of_text|>) frames the ids.
+//      tokens of its "single" template, e.g. <|begin_of_text|>) frames the ids.
 // encode(text, bos, eos) then adds BOS / EOS as torchtitan's HuggingFaceTokenizer.encode does:
 // only when the tokenizer itself (step 5) did not already put them there.
 //

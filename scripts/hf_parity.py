@@ -3,10 +3,10 @@
 
 Two modes, both in the venv of scripts/install_deps.sh (PyTorch 2.13, transformers, tokenizers):
 
-  hf_parity.py roundtrip --bin BUILD_DIR --tokenizer DIR --out WORK [--models llama3,mixtral] [--tol 1e-4]
+  hf_parity.py roundtrip --bin BUILD_DIR --tokenizer DIR --out WORK [--models llama3,mixtral,llama2] [--tol 1e-4]
       For each model: transformers builds a random model of a ctitan debug flavor's shapes
       (Llama: debugmodel_gqa, 16 query / 8 kv heads, llama3 RoPE scaling; Mixtral: debugmodel,
-      8 experts, top-2), with the vocabulary of the Hugging Face tokenizer in DIR (a
+      8 experts, top-2; llama2: debugmodel, 8 layers, 16 kv heads, RoPE theta 1e4 unscaled), with the vocabulary of the Hugging Face tokenizer in DIR (a
       tokenizer.json folder, scripts/make_hf_tokenizers.py's llama3/), and save_pretrained()s it
       in bfloat16, sharded (max_shard_size 2MB, with model.safetensors.index.json), with that
       tokenizer. Then:
@@ -78,7 +78,15 @@ def make_model(name, vocab, seed):
     common = dict(hidden_size=256, num_attention_heads=16, num_hidden_layers=6, vocab_size=vocab,
                   rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072,
                   initializer_range=0.02)
-    if name == "llama3":
+    if name == "llama2":
+        # ctitan's llama2 debugmodel: 8 layers, FFN 768, 16 kv heads (no GQA), RoPE theta 1e4
+        # without scaling. The folder carries no ctitan metadata: LlamaForCausalLM loads as
+        # llama3 unless a llama3 flavor does not fit and a llama2 one does (this one).
+        common.update(num_hidden_layers=8, max_position_embeddings=4096)
+        cfg = LlamaConfig(intermediate_size=768, num_key_value_heads=16,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
+        model = LlamaForCausalLM(cfg)
+    elif name == "llama3":
         # ctitan's llama3 debugmodel_gqa: FFN 768, 8 kv heads, RoPE theta 5e5 with llama3 scaling.
         cfg = LlamaConfig(intermediate_size=768, num_key_value_heads=8,
                           rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -272,7 +280,7 @@ def main():
     r.add_argument("--bin", required=True, help="build folder with checkpoint_tool and generate")
     r.add_argument("--tokenizer", required=True, help="folder with tokenizer.json + tokenizer_config.json")
     r.add_argument("--out", required=True)
-    r.add_argument("--models", default="llama3,mixtral")
+    r.add_argument("--models", default="llama3,mixtral,llama2")
     r.add_argument("--tol", type=float, default=1e-4)
     c = sub.add_parser("compare")
     c.add_argument("--hf", required=True)

@@ -80,8 +80,8 @@ TransformerModelArgs llama3_flavor(const std::string& flavor) {
   throw UserError(msg.str());
 }
 
-void validate(const TransformerModelArgs& a) {
-  auto fail = [](const std::string& what) { throw UserError("[llama3] " + what); };
+void validate(const TransformerModelArgs& a, const std::string& family) {
+  auto fail = [&family](const std::string& what) { throw UserError("[" + family + "] " + what); };
   if (a.dim <= 0 || a.n_layers <= 0 || a.n_heads <= 0)
     fail("dim, n_layers and n_heads must be positive (dim=" + std::to_string(a.dim) +
          ", n_layers=" + std::to_string(a.n_layers) + ", n_heads=" + std::to_string(a.n_heads) +

@@ -45,8 +45,9 @@ struct TransformerModelArgs {
 TransformerModelArgs llama3_flavor(const std::string& flavor);
 std::vector<std::string> llama3_flavor_names();
 
-// Throws ctitan::UserError naming the offending values (e.g. dim not divisible by n_heads).
-void validate(const TransformerModelArgs& args);
+// Throws ctitan::UserError "[<family>] …" naming the offending values (e.g. dim not
+// divisible by n_heads); family: the model.name the args belong to.
+void validate(const TransformerModelArgs& args, const std::string& family = "llama3");
 
 // torchtitan FeedForward sizing: h = 4D; h = int(2h/3); h = int(multiplier*h) if set;
 // round h up to a multiple of multiple_of.

@@ -154,132 +154,42 @@ void MoEImpl::init_weights(double init_std) {
 }
 
 // ---------------------------------------------------------------------------------------
-TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id_, const TransformerModelArgs& a)
-    : layer_id(layer_id_) {
-  attention = register_module("attention", Attention(a.dim, a.n_heads, a.n_kv_heads));
-  moe = register_module("moe", MoE(a.dim, a.moe));
-  attention_norm = register_module("attention_norm", RMSNorm(a.dim, a.norm_eps));
-  ffn_norm = register_module("ffn_norm", RMSNorm(a.dim, a.norm_eps));
-  weight_init_std = block_init_std(layer_id, a.n_layers, a.depth_init);
+namespace {
+
+DecoderArgs decoder_args(const TransformerModelArgs& a) {
+  validate(a);  // before anything is allocated
+  DecoderArgs d;
+  d.dim = a.dim;
+  d.n_layers = a.n_layers;
+  d.n_heads = a.n_heads;
+  d.n_kv_heads = a.n_kv_heads;
+  d.vocab_size = a.vocab_size;
+  d.max_seq_len = a.max_seq_len;
+  d.norm_eps = a.norm_eps;
+  d.rope_theta = a.rope_theta;
+  d.depth_init = a.depth_init;
+  d.family = "mixtral";
+  return d;
 }
 
-torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& freqs_cis) {
-  const auto h = x + attention->forward(attention_norm->forward(x), freqs_cis);
-  return h + moe->forward(ffn_norm->forward(h));
+}  // namespace
+
+TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id, const TransformerModelArgs& a)
+    : DecoderBlockImpl(layer_id, decoder_args(a), "moe", MoE(a.dim, a.moe).ptr()) {
+  moe = MoE(std::static_pointer_cast<MoEImpl>(ffn_module()));
 }
 
-torch::Tensor TransformerBlockImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& freqs_cis, int64_t start,
-                                                   torch::Tensor& k_cache, torch::Tensor& v_cache) {
-  const auto h = x + attention->forward_cached(attention_norm->forward(x), freqs_cis, start, k_cache, v_cache);
-  return h + moe->forward(ffn_norm->forward(h));
-}
+TransformerImpl::TransformerImpl(const TransformerModelArgs& a)
+    : DecoderImpl(decoder_args(a), [&a](int64_t i) { return std::make_shared<TransformerBlockImpl>(i, a); }),
+      args_(a) {}
 
-void TransformerBlockImpl::init_weights() {
-  attention_norm->reset_parameters();
-  ffn_norm->reset_parameters();
-  attention->init_weights(weight_init_std);
-  moe->init_weights(weight_init_std);
-}
-
-// ---------------------------------------------------------------------------------------
-TransformerImpl::TransformerImpl(const TransformerModelArgs& a) : args_(a) {
-  validate(args_);
-  tok_embeddings = register_module("tok_embeddings", Embedding(a.vocab_size, a.dim));
-  freqs_cis_ = register_buffer("freqs_cis", precompute_freqs_cis(a.head_dim(), a.max_seq_len, a.rope_theta));
-  layers_ = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < a.n_layers; ++i) {
-    blocks_.push_back(TransformerBlock(i, a));
-    layers_->push_back(blocks_.back());
-  }
-  norm = register_module("norm", RMSNorm(a.dim, a.norm_eps));
-  output = register_module("output", Linear(a.dim, a.vocab_size));
-}
-
-torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens) {
-  TORCH_CHECK(tokens.dim() == 2, "[mixtral] forward expects tokens [B, T], got ", tokens.sizes());
-  const int64_t T = tokens.size(1);
-  TORCH_CHECK(T <= args_.max_seq_len, "[mixtral] sequence length ", T, " exceeds max_seq_len=",
-              args_.max_seq_len);
-  auto run = [this](const std::string& unit, const UnitFn& fn, const torch::Tensor& in) {
-    return unit_wrapper_ ? unit_wrapper_(unit, fn, in) : fn(in);
-  };
-  const auto freqs = freqs_cis_.narrow(0, 0, T);
-  auto emb = tok_embeddings;
-  auto h = run("tok_embeddings", [emb](const torch::Tensor& t) mutable { return emb->forward(t); }, tokens);
-  for (size_t i = 0; i < blocks_.size(); ++i) {
-    auto blk = blocks_[i];
-    h = run("layers." + std::to_string(i),
-            [blk, freqs](const torch::Tensor& x) mutable { return blk->forward(x, freqs); }, h);
-  }
-  auto fin = norm;
-  auto out = output;
-  return run("output", [fin, out](const torch::Tensor& x) mutable { return out->forward(fin->forward(x)); }, h);
-}
-
-torch::Tensor TransformerImpl::forward_cached(const torch::Tensor& tokens, KVCache& cache) {
-  TORCH_CHECK(tokens.dim() == 2, "[mixtral] forward_cached expects tokens [B, T], got ", tokens.sizes());
-  const int64_t start = cache.pos, T = tokens.size(1);
-  TORCH_CHECK(static_cast<int64_t>(cache.k.size()) == n_layers() && start + T <= cache.capacity() &&
-                  start + T <= args_.max_seq_len,
-              "[mixtral] positions up to ", start + T, " exceed the KV cache (", cache.capacity(),
-              " positions) or max_seq_len=", args_.max_seq_len);
-  auto h = tok_embeddings->forward(tokens);
-  for (size_t i = 0; i < blocks_.size(); ++i)
-    h = blocks_[i]->forward_cached(h, freqs_cis_, start, cache.k[i], cache.v[i]);
-  cache.pos = start + T;
-  return output->forward(norm->forward(h));
-}
-
-KVCache TransformerImpl::new_cache(int64_t batch, int64_t capacity, torch::ScalarType dtype) const {
-  TORCH_CHECK(capacity > 0 && capacity <= args_.max_seq_len, "[mixtral] KV cache of ", capacity,
-              " positions; max_seq_len=", args_.max_seq_len);
-  return KVCache::allocate(n_layers(), batch, capacity, args_.n_kv_heads, args_.head_dim(),
-                           torch::TensorOptions().dtype(dtype).device(output->weight.device()));
-}
-
-void TransformerImpl::init_weights() {
-  torch::NoGradGuard no_grad;
-  freqs_cis_.copy_(precompute_freqs_cis(args_.head_dim(), args_.max_seq_len, args_.rope_theta));
-  for (size_t i = 0; i < blocks_.size() + 2; ++i) init_unit(i);
-}
-
-// Unit i of units(): what init_weights() draws for it, in the same order. Called for
-// i = 0, 1, … it consumes the generator exactly as the whole init does, which is what lets
-// FSDP initialise one unit at a time and keep its rows (parallelisms/fsdp.h).
-void TransformerImpl::init_unit(size_t i) {
-  torch::NoGradGuard no_grad;
-  if (i == 0) {
-    normal_(tok_embeddings->weight, 0.0, 1.0);
-  } else if (i <= blocks_.size()) {
-    blocks_[i - 1]->init_weights();
-  } else {
-    TORCH_CHECK(i == blocks_.size() + 1, "[models] init_unit: unit ", i, " of ", blocks_.size() + 2);
-    norm->reset_parameters();
-    const double std_out = std::pow(static_cast<double>(args_.dim), -0.5);
-    trunc_normal_(output->weight, 0.0, std_out, -3.0 * std_out, 3.0 * std_out);
-  }
-}
-
-std::vector<ModelUnit> TransformerImpl::units() const {
-  auto unit_of = [](const std::string& name, const std::string& prefix, const torch::nn::Module& m) {
-    ModelUnit u;
-    u.name = name;
-    for (const auto& kv : m.named_parameters(/*recurse=*/true)) u.params.emplace_back(prefix + kv.key(), kv.value());
-    return u;
-  };
-  std::vector<ModelUnit> units;
-  units.push_back(unit_of("tok_embeddings", "tok_embeddings.", *tok_embeddings));
-  for (size_t i = 0; i < blocks_.size(); ++i)
-    units.push_back(unit_of("layers." + std::to_string(i), "layers." + std::to_string(i) + ".", *blocks_[i]));
-  ModelUnit last = unit_of("output", "norm.", *norm);
-  for (auto& p : unit_of("output", "output.", *output).params) last.params.push_back(p);
-  units.push_back(std::move(last));
-  return units;
+TransformerBlock TransformerImpl::block(int64_t i) const {
+  return TransformerBlock(std::static_pointer_cast<TransformerBlockImpl>(decoder_block(static_cast<size_t>(i))));
 }
 
 double TransformerImpl::load_balance_loss() const {
   double sum = 0;
-  for (const auto& b : blocks_) sum += b->moe->last_aux_loss;
+  for (int64_t i = 0; i < n_layers(); ++i) sum += block(i)->moe->last_aux_loss;
   return sum;
 }
 
@@ -289,7 +199,7 @@ double TransformerImpl::aux_loss() const {
 
 torch::Tensor TransformerImpl::tokens_per_expert() const {
   std::vector<torch::Tensor> rows;
-  for (const auto& b : blocks_) rows.push_back(b->moe->tokens_per_expert);
+  for (int64_t i = 0; i < n_layers(); ++i) rows.push_back(block(i)->moe->tokens_per_expert);
   return torch::stack(rows).clone();
 }
 
@@ -297,10 +207,10 @@ void TransformerImpl::step_load_balance(const torch::Tensor& load) {
   torch::NoGradGuard no_grad;
   TORCH_CHECK(load.dim() == 2 && load.size(0) == n_layers(), "[mixtral] load must be [L, E], got ",
               load.sizes());
-  for (size_t i = 0; i < blocks_.size(); ++i) {
-    auto& moe = blocks_[i]->moe;
+  for (int64_t i = 0; i < n_layers(); ++i) {
+    auto& moe = block(i)->moe;
     if (moe->args.expert_bias_update_rate) {
-      const auto l = load[static_cast<int64_t>(i)].to(torch::kFloat);
+      const auto l = load[i].to(torch::kFloat);
       auto delta = torch::sign(l.mean() - l) * *moe->args.expert_bias_update_rate;
       moe->expert_bias.add_(delta - delta.mean());
     }
@@ -309,7 +219,7 @@ void TransformerImpl::step_load_balance(const torch::Tensor& load) {
 }
 
 void TransformerImpl::set_aux_loss_scale(double s) {
-  for (auto& b : blocks_) b->moe->aux_loss_scale = s;
+  for (int64_t i = 0; i < n_layers(); ++i) block(i)->moe->aux_loss_scale = s;
 }
 
 }  // namespace ctitan::mixtral

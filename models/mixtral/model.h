@@ -11,6 +11,15 @@
 // norm.weight, output.weight. Buffers: freqs_cis, layers.{i}.moe.expert_bias [E] and
 // layers.{i}.moe.tokens_per_expert [E] (float32, as torchtitan).
 //
+// Hugging Face (MixtralForCausalLM, models/hf_names.cpp): the attention and norms as Llama's
+// (models/llama/model.h), and per block
+//   model.layers.{i}.block_sparse_moe.gate.weight           layers.{i}.moe.router.gate.weight
+//   model.layers.{i}.block_sparse_moe.experts.{j}.w{1,2,3}.weight  row j of
+//                                                            layers.{i}.moe.experts.w{1,2,3}
+// (ctitan's grouped [E, ...] expert tensors are split into E HF tensors). ctitan's
+// expert_bias (auxiliary-loss-free balancing) has no HF counterpart and is not exported; with
+// moe.expert_bias_update_rate unset, as in the shipped configs, it is zero anyway.
+//
 // Activation checkpointing (models/recompute.h): the routing decision (the gate logits'
 // values, top-k indices, tokens per expert, the permutation) is made through
 // recompute::decide_all, so a recompute reuses it; the routing weights and the auxiliary
@@ -34,6 +43,7 @@
 
 #include <torch/torch.h>
 
+#include "models/decoder.h"
 #include "models/layers.h"
 #include "models/mixtral/args.h"
 #include "models/unit_runner.h"
@@ -94,52 +104,27 @@ class MoEImpl : public torch::nn::Module {
 };
 TORCH_MODULE(MoE);
 
-class TransformerBlockImpl : public torch::nn::Module {
+// The shared decoder's block (models/decoder.h) with the MoE as its feed-forward ("moe").
+class TransformerBlockImpl : public DecoderBlockImpl {
  public:
   TransformerBlockImpl(int64_t layer_id, const TransformerModelArgs& args);
-  // x [B, T, D], freqs_cis float [>= T, hd/2, 2] -> [B, T, D]
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& freqs_cis);
-  // Incremental decoding: x holds positions [start, start + T), attention through the
-  // layer's KV cache (AttentionImpl::forward_cached); freqs_cis is the whole table.
-  torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& freqs_cis, int64_t start,
-                               torch::Tensor& k_cache, torch::Tensor& v_cache);
-  void init_weights();  // norms, attention, moe (torchtitan's order)
 
-  int64_t layer_id;
-  double weight_init_std;
-  Attention attention{nullptr};
   MoE moe{nullptr};
-  RMSNorm attention_norm{nullptr};
-  RMSNorm ffn_norm{nullptr};
+
+ protected:
+  torch::Tensor ffn_forward(const torch::Tensor& x) override { return moe->forward(x); }
+  void ffn_init_weights(double init_std) override { moe->init_weights(init_std); }
 };
 TORCH_MODULE(TransformerBlock);
 
-class TransformerImpl : public torch::nn::Module {
+// The shared decoder (forward, forward_cached, units, init) with MoE blocks, and the
+// MoE bookkeeping the trainer calls.
+class TransformerImpl : public DecoderImpl {
  public:
   explicit TransformerImpl(const TransformerModelArgs& args);  // UserError on bad args
-  // tokens int64 [B, T] -> logits [B, T, V]
-  torch::Tensor forward(const torch::Tensor& tokens);
-  // Generation: tokens [B, T] at positions [cache.pos, cache.pos + T) -> logits [B, T, V];
-  // their keys and values go into `cache` (KVCache::allocate with n_layers() layers) and
-  // cache.pos advances by T. The same layers and parameters as forward(), without the unit
-  // wrapper (no FSDP / AC: one process holding the whole model); forward() is untouched.
-  // Use under torch::NoGradGuard. A full forward's logits at those positions, to rounding.
-  torch::Tensor forward_cached(const torch::Tensor& tokens, KVCache& cache);
-  // A cache for `batch` sequences of up to `capacity` positions (<= max_seq_len), in `dtype`.
-  KVCache new_cache(int64_t batch, int64_t capacity, torch::ScalarType dtype) const;
-  // torchtitan order: freqs_cis; tok_embeddings ~ N(0,1); blocks; norm <- 1; output ~
-  // trunc_normal(0, D^-0.5, ±3 D^-0.5).
-  void init_weights();
 
   const TransformerModelArgs& args() const { return args_; }
-  int64_t n_layers() const { return static_cast<int64_t>(blocks_.size()); }
-  TransformerBlock block(int64_t i) const { return blocks_.at(static_cast<size_t>(i)); }
-  void set_unit_wrapper(UnitWrapper wrapper) { unit_wrapper_ = std::move(wrapper); }
-  // tok_embeddings, layers.0 … layers.{L-1} (experts included), output (norm + output).
-  std::vector<ModelUnit> units() const;
-  // Initialises unit i of units() alone (its parameters need storage): init_weights() is
-  // the RoPE table and init_unit(0 … units().size() - 1) in order.
-  void init_unit(size_t i);
+  TransformerBlock block(int64_t i) const;
 
   // Σ over blocks of the last forward's aux (unscaled).
   double load_balance_loss() const;
@@ -154,16 +139,8 @@ class TransformerImpl : public torch::nn::Module {
   // Scale of the aux gradient (1 / gradient-accumulation steps).
   void set_aux_loss_scale(double s);
 
-  Embedding tok_embeddings{nullptr};
-  RMSNorm norm{nullptr};
-  Linear output{nullptr};
-
  private:
   TransformerModelArgs args_;
-  torch::Tensor freqs_cis_;
-  torch::nn::ModuleList layers_{nullptr};
-  std::vector<TransformerBlock> blocks_;
-  UnitWrapper unit_wrapper_;
 };
 TORCH_MODULE(Transformer);
 

@@ -1,0 +1,69 @@
+// The Hugging Face side of a decoder family (plain C++, no LibTorch): what config.json says
+// about the model, and how ctitan's parameters map to HF's tensors. The JSON text itself is
+// read and written by checkpoint/hf.cpp; each family's ModelSpec (models/model_spec.h) fills
+// an HFModelConfig from a flavor and names its parameters (models/hf_names.cpp).
+//
+// Rotary embedding layout: ctitan (as torchtitan and the original checkpoints) rotates
+// interleaved pairs (0,1), (2,3), ... of each head; HF's rotate_half pairs dimension i with
+// i + hd/2. HF's q_proj / k_proj therefore hold wq / wk with each head's rows reordered:
+//   HF row h·hd + j·hd/2 + i  =  ctitan row h·hd + 2i + j      (i < hd/2, j ∈ {0, 1})
+// (torchtitan's _permute: view [H, hd/2, 2, D], swap dims 1 and 2); an HFPiece with
+// rope_heads > 0 is stored that way, and loading reverses it.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "models/rope_args.h"
+
+namespace ctitan {
+
+// The "rope_type" of RoPEScalingArgs' scaling in a Hugging Face config.json (and its name in
+// messages).
+inline constexpr const char* kHfRopeScalingType = "llama3";
+
+// What config.json says about the model (the fields ctitan writes and checks).
+struct HFModelConfig {
+  std::string architecture;  // "architectures"[0]: a registered family's hf_architecture
+  int64_t hidden_size = 0, intermediate_size = 0, num_attention_heads = 0, num_key_value_heads = 0,
+          num_hidden_layers = 0, vocab_size = 0, max_position_embeddings = 0;
+  double rms_norm_eps = 1e-5, rope_theta = 10000;
+  std::optional<RoPEScalingArgs> rope_scaling;  // rope_type kHfRopeScalingType
+  int64_t num_local_experts = 0, num_experts_per_tok = 0;  // MoE families
+  double router_aux_loss_coef = 0;
+  bool tie_word_embeddings = false;
+  std::string torch_dtype = "float32";
+
+  // Whether the architecture's family is a mixture of experts (its MoE fields are read and
+  // written). False for an architecture no family registers.
+  bool moe() const;
+  int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  // The family that loads this architecture when none is named (models/registry.cpp).
+  std::string model_name() const;
+  // config.json's "model_type" of the architecture ("" when no family registers it).
+  std::string model_type() const;
+};
+
+// ctitan's parameters (names and shapes), in the order of named_parameters().
+using ParamList = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+
+// One HF tensor holding rows [row_begin, row_end) of a ctitan parameter (dim 0): the whole
+// parameter, or one expert of a grouped expert tensor. rope_heads > 0: the rows are stored
+// in HF's rotary order for that many heads (q_proj, k_proj).
+struct HFPiece {
+  std::string key;
+  std::vector<int64_t> shape;
+  int64_t row_begin = 0, row_end = 0;
+  int64_t rope_heads = 0;
+};
+
+// The shared decoder's parameters and their HF names, for a dense SwiGLU feed-forward
+// ("feed_forward", HF "mlp") or a mixture of experts ("moe", HF "block_sparse_moe").
+ParamList decoder_params(const HFModelConfig& c, bool moe);
+// Either feed-forward's names are recognised. UserError when `fqn` has no HF name.
+std::vector<HFPiece> decoder_hf_pieces(const std::string& fqn, const std::vector<int64_t>& shape,
+                                       const HFModelConfig& c);
+
+}  // namespace ctitan
