@@ -1287,197 +1287,248 @@ void CheckpointManager::purge(const std::string& folder) {
   }
 }
 
-LoadResult CheckpointManager::load() {
-  LoadResult res;
-  if (!opt_.enable) return res;
-  const auto scan = ckpt::scan_folder(opt_.folder);
-  if (comm_.rank == 0) {
-    for (const auto& [dir, why] : scan.incomplete)
-      spdlog::warn("checkpoint: ignoring {}: {}", dir, why);
-    for (const auto& dir : scan.staging) {
-      spdlog::warn("checkpoint: removing {} (a save that did not finish)", dir);
-      std::error_code ec;
-      fs::remove_all(dir, ec);
-    }
+// ---- load: find the step, decide what to load, read, apply, fall back ----------------------
+
+namespace {
+
+// Rank 0: what the folder holds that is not a complete checkpoint (an unfinished save's
+// staging folder is removed).
+void report_unfinished(const ckpt::FolderScan& scan) {
+  for (const auto& [dir, why] : scan.incomplete)
+    spdlog::warn("checkpoint: ignoring {}: {}", dir, why);
+  for (const auto& dir : scan.staging) {
+    spdlog::warn("checkpoint: removing {} (a save that did not finish)", dir);
+    std::error_code ec;
+    fs::remove_all(dir, ec);
   }
-  std::string path;
+}
+
+// "; or set checkpoint.load_step = <s>" for the newest complete checkpoint before `step`.
+std::string earlier_hint(const std::string& folder, const std::vector<int64_t>& complete, int64_t step) {
+  for (auto it = complete.rbegin(); it != complete.rend(); ++it)
+    if (*it < step && !ckpt::is_hf_step(ckpt::step_dir(folder, *it)))
+      return "; or set checkpoint.load_step = " + std::to_string(*it) + " to resume the earlier checkpoint";
+  return std::string();
+}
+
+// A folder of HF safetensors (checkpoint.last_save_in_hf) cannot resume training.
+void check_not_hf_weights(const std::string& path, const std::string& folder, const std::vector<int64_t>& complete) {
+  std::error_code ec;
+  if (!ckpt::is_hf_step(path) && !(is_hf_folder(path) && !fs::exists(fs::path(path) / "metadata", ec))) return;
+  std::smatch sm;
+  const std::string name = fs::path(path).filename().string();
+  static const std::regex step_re("step-([0-9]+)");
+  const int64_t step = std::regex_match(name, sm, step_re) ? std::stoll(sm[1]) : -1;
+  throw UserError("checkpoint " + path + " holds model weights only, as HF safetensors (checkpoint.last_save_in_hf), "
+                  "not the optimizer, schedule and data state needed to resume training; to start a new run from "
+                  "these weights, set checkpoint.initial_load_path = \"" + path +
+                  "\" and checkpoint.initial_load_in_hf = true with another checkpoint.folder" +
+                  (step >= 0 ? earlier_hint(folder, complete, step) : ""));
+}
+
+}  // namespace
+
+// The checkpoint load() chose: where, how, and the older ones to fall back to.
+struct CheckpointManager::LoadChoice {
+  std::string path;  // empty: nothing to load
   bool model_only_requested = false;
   bool from_hf = false;
-  std::string choose_error;
+  std::string error;                // load_step names no complete checkpoint
+  std::vector<std::string> older;   // complete checkpoints older than path, newest first
+  std::vector<int64_t> complete;    // the folder's complete steps, ascending
+};
+
+// One try at loading a checkpoint: its reader and the components it loads.
+struct CheckpointManager::LoadAttempt {
+  std::unique_ptr<CheckpointReader> reader;
+  std::vector<std::pair<std::string, Stateful*>> todo;
+  bool model_only = false;
+  std::chrono::steady_clock::time_point t0;
+};
+
+LoadResult CheckpointManager::load() {
+  if (!opt_.enable) return LoadResult();
+  const auto scan = ckpt::scan_folder(opt_.folder);
+  if (comm_.rank == 0) report_unfinished(scan);
+  LoadChoice choice = choose_checkpoint(scan);
+  agree_on_choice(choice);
+  if (choice.path.empty()) {
+    if (comm_.rank == 0) spdlog::info("checkpoint: no checkpoint in {}: training starts from scratch", opt_.folder);
+    return LoadResult();
+  }
+  if (choice.from_hf) return load_hf(choice.path);
+  LoadAttempt a;
+  load_with_fallback(choice, a);
+  return finish_load(a, choice.path);
+}
+
+// Finds the step: load_step, else the newest complete checkpoint of the folder, else
+// initial_load_path. The newest complete checkpoint, chosen automatically, may still be
+// damaged: `older` lists the ones to fall back to.
+CheckpointManager::LoadChoice CheckpointManager::choose_checkpoint(const ckpt::FolderScan& scan) const {
+  LoadChoice c;
+  c.complete = scan.complete;
   if (opt_.load_step >= 0) {
-    path = ckpt::step_dir(opt_.folder, opt_.load_step);
+    c.path = ckpt::step_dir(opt_.folder, opt_.load_step);
     std::error_code ec;
     const std::string why =
-        fs::is_directory(path, ec) ? ckpt::incomplete_reason(path, opt_.load_step) : "it does not exist";
+        fs::is_directory(c.path, ec) ? ckpt::incomplete_reason(c.path, opt_.load_step) : "it does not exist";
     if (!why.empty()) {
       std::vector<std::string> have;
       for (int64_t s : scan.complete) have.push_back("step-" + std::to_string(s));
-      choose_error = "checkpoint.load_step = " + std::to_string(opt_.load_step) + ": " + path +
-                     " is not a complete checkpoint (" + why + "); complete checkpoints in " + opt_.folder + ": " +
-                     (have.empty() ? "none" : join(have, ", "));
+      c.error = "checkpoint.load_step = " + std::to_string(opt_.load_step) + ": " + c.path +
+                " is not a complete checkpoint (" + why + "); complete checkpoints in " + opt_.folder + ": " +
+                (have.empty() ? "none" : join(have, ", "));
     }
   } else if (!scan.complete.empty()) {
-    path = ckpt::step_dir(opt_.folder, scan.complete.back());
+    c.path = ckpt::step_dir(opt_.folder, scan.complete.back());
     if (!opt_.initial_load_path.empty() && comm_.rank == 0)
       spdlog::warn("checkpoint: {} holds checkpoints, so checkpoint.initial_load_path = {} is not used",
                    opt_.folder, opt_.initial_load_path);
+    for (auto it = scan.complete.rbegin() + 1; it != scan.complete.rend(); ++it)
+      if (!ckpt::is_hf_step(ckpt::step_dir(opt_.folder, *it))) c.older.push_back(ckpt::step_dir(opt_.folder, *it));
   } else if (!opt_.initial_load_path.empty()) {
-    path = opt_.initial_load_path;
-    model_only_requested = opt_.initial_load_model_only;
-    from_hf = opt_.initial_load_in_hf;
+    c.path = opt_.initial_load_path;
+    c.model_only_requested = opt_.initial_load_model_only;
+    c.from_hf = opt_.initial_load_in_hf;
   }
-  // Every rank must have chosen the same checkpoint (a folder not shared by all ranks
-  // would otherwise load different states).
-  auto chosen = agree(path + "\n" + choose_error, "checkpoint_load:choose");
+  return c;
+}
+
+// Every rank must have chosen the same checkpoint (a folder not shared by all ranks would
+// otherwise load different states). Collective; then a bad load_step is the user's error.
+void CheckpointManager::agree_on_choice(const LoadChoice& c) {
+  auto chosen = agree(c.path + "\n" + c.error, "checkpoint_load:choose");
   for (int64_t r = 1; r < comm_.world_size; ++r)
     if (chosen[r] != chosen[0])
       throw RuntimeFailure("checkpoint: ranks chose different checkpoints (rank 0: \"" + one_line(chosen[0]) +
                            "\", rank " + std::to_string(r) + ": \"" + one_line(chosen[r]) +
                            "\"); is checkpoint.folder on a file system every rank shares?");
-  if (!choose_error.empty()) throw UserError(choose_error);
-  if (path.empty()) {
-    if (comm_.rank == 0) spdlog::info("checkpoint: no checkpoint in {}: training starts from scratch", opt_.folder);
-    return res;
+  if (!c.error.empty()) throw UserError(c.error);
+}
+
+// Runs fn on every rank, then agrees: when any rank failed, every rank throws (its own
+// error, or the first failing rank's), so none is left waiting in a later collective.
+void CheckpointManager::agreed(const std::string& tag, const std::function<void()>& fn) {
+  std::string status = "ok";
+  std::exception_ptr mine;
+  try {
+    fn();
+  } catch (const CollectiveFailure&) {
+    throw;
+  } catch (const UserError& e) {
+    status = "user " + one_line(e.what());
+    mine = std::current_exception();
+  } catch (const std::exception& e) {
+    status = "fail " + one_line(e.what());
+    mine = std::current_exception();
   }
+  auto all = agree(status, tag);
+  if (mine) std::rethrow_exception(mine);
+  for (int64_t r = 0; r < comm_.world_size; ++r) {
+    if (all[r] == "ok") continue;
+    const std::string msg = "checkpoint load failed on rank " + std::to_string(r) + ": " + all[r].substr(5);
+    if (all[r].rfind("user ", 0) == 0) throw UserError(msg);
+    throw RuntimeFailure(msg);
+  }
+}
 
-  // Runs fn on every rank, then agrees: when any rank failed, every rank throws (its own
-  // error, or the first failing rank's), so none is left waiting in a later collective.
-  auto agreed = [&](const std::string& tag, const std::function<void()>& fn) {
-    std::string status = "ok";
-    std::exception_ptr mine;
-    try {
-      fn();
-    } catch (const CollectiveFailure&) {
-      throw;
-    } catch (const UserError& e) {
-      status = "user " + one_line(e.what());
-      mine = std::current_exception();
-    } catch (const std::exception& e) {
-      status = "fail " + one_line(e.what());
-      mine = std::current_exception();
-    }
-    auto all = agree(status, tag);
-    if (mine) std::rethrow_exception(mine);
-    for (int64_t r = 0; r < comm_.world_size; ++r) {
-      if (all[r] == "ok") continue;
-      const std::string msg = "checkpoint load failed on rank " + std::to_string(r) + ": " + all[r].substr(5);
-      if (all[r].rfind("user ", 0) == 0) throw UserError(msg);
-      throw RuntimeFailure(msg);
-    }
-  };
-
-  // "; or set checkpoint.load_step = <s>" for the newest complete checkpoint before `step`.
-  auto earlier_hint = [&](int64_t step) {
-    for (auto it = scan.complete.rbegin(); it != scan.complete.rend(); ++it)
-      if (*it < step && !ckpt::is_hf_step(ckpt::step_dir(opt_.folder, *it)))
-        return "; or set checkpoint.load_step = " + std::to_string(*it) + " to resume the earlier checkpoint";
-    return std::string();
-  };
-
-  if (from_hf) return load_hf(path, agreed);
-
-  // Checks `path` against this job on every rank, then loads it (both agreed).
-  std::unique_ptr<CheckpointReader> reader;
-  std::vector<std::pair<std::string, Stateful*>> todo;
-  bool model_only = false;
-  std::chrono::steady_clock::time_point t0;
-  auto load_path = [&] {
-    reader.reset();
-    todo.clear();
-    agreed("checkpoint_load:check", [&] {
-      std::error_code ec;
-      if (ckpt::is_hf_step(path) || (is_hf_folder(path) && !fs::exists(fs::path(path) / "metadata", ec))) {
-        std::smatch sm;
-        const std::string name = fs::path(path).filename().string();
-        static const std::regex step_re("step-([0-9]+)");
-        const int64_t step = std::regex_match(name, sm, step_re) ? std::stoll(sm[1]) : -1;
-        throw UserError("checkpoint " + path + " holds model weights only, as HF safetensors (checkpoint.last_save_in_hf), "
-                        "not the optimizer, schedule and data state needed to resume training; to start a new run from "
-                        "these weights, set checkpoint.initial_load_path = \"" + path +
-                        "\" and checkpoint.initial_load_in_hf = true with another checkpoint.folder" +
-                        (step >= 0 ? earlier_hint(step) : ""));
-      }
-      reader = std::make_unique<CheckpointReader>(path);
-      const Metadata& m = reader->meta();
-      if (!reader->is_dcp() && (m.model_name != opt_.model_name || m.model_flavor != opt_.model_flavor))
-        throw UserError("checkpoint " + path + " holds a " + m.model_name + " \"" + m.model_flavor +
-                        "\" model; this run builds " + opt_.model_name + " \"" + opt_.model_flavor +
-                        "\" (model.name / model.flavor must match)");
-      if (m.model_only && !model_only_requested && m.step != 0) {
-        const std::string hint = earlier_hint(m.step);
-        throw UserError("checkpoint " + path + " holds model weights only (checkpoint.last_save_model_only), not the "
-                        "optimizer, schedule and data state needed to resume training; to start a new run from these "
-                        "weights, set checkpoint.initial_load_path = \"" + path +
-                        "\" and checkpoint.initial_load_model_only = true with another checkpoint.folder" + hint);
-      }
-      model_only = model_only_requested || m.model_only;
-      for (const auto& [name, s] : components_) {
-        const bool excluded = std::find(opt_.exclude_from_loading.begin(), opt_.exclude_from_loading.end(), name) !=
-                              opt_.exclude_from_loading.end();
-        if (model_only && name != "model") continue;
-        if (excluded) {
-          if (comm_.rank == 0)
-            spdlog::warn("checkpoint: not loading {} (checkpoint.exclude_from_loading){}", name,
-                         name == "dataloader" ? ": the data order starts afresh" : "");
-          continue;
-        }
-        todo.emplace_back(name, s);
-      }
-      if (reader->is_foreign_dcp())
-        for (const auto& t : todo)
-          if (t.first == "dataloader")
-            throw UserError("checkpoint " + path + " is a torch.distributed.checkpoint folder ctitan did not write "
-                            "(torchtitan's?): its dataloader state (a pickled Python data-loader state) is not "
-                            "transferable to ctitan; set checkpoint.exclude_from_loading = [\"dataloader\"] to load "
-                            "the rest and start a fresh data order");
-      for (const auto& [name, s] : todo) s->check_load(*reader);
-    });
-    t0 = std::chrono::steady_clock::now();
-    agreed("checkpoint_load:load", [&] {
-      for (const auto& [name, s] : todo) s->load_state_dict(*reader);
-    });
-  };
-
-  // The newest complete checkpoint, chosen automatically, may still be damaged (a flipped
-  // byte, a truncated file, an unreadable disk): then every rank (the failure is agreed)
-  // warns and falls back to the next older complete checkpoint, so a re-run resumes from the
-  // newest checkpoint that loads. A checkpoint named by load_step or initial_load_path fails.
-  std::vector<std::string> older;
-  if (opt_.load_step < 0 && !scan.complete.empty() && path == ckpt::step_dir(opt_.folder, scan.complete.back()))
-    for (auto it = scan.complete.rbegin() + 1; it != scan.complete.rend(); ++it)
-      if (!ckpt::is_hf_step(ckpt::step_dir(opt_.folder, *it))) older.push_back(ckpt::step_dir(opt_.folder, *it));
+// A checkpoint that fails to load for another reason than the user's input (a flipped byte,
+// a truncated file, an unreadable disk) makes every rank (the failure is agreed) warn and
+// fall back to the next older complete checkpoint, so a re-run resumes from the newest one
+// that loads. A checkpoint named by load_step or initial_load_path has no older ones: it fails.
+void CheckpointManager::load_with_fallback(LoadChoice& c, LoadAttempt& a) {
   for (size_t next_older = 0;; ++next_older) {
     try {
-      load_path();
-      break;
+      load_from(c, a);
+      return;
     } catch (const CollectiveFailure&) {
       throw;
     } catch (const UserError&) {
       throw;
     } catch (const std::exception& e) {
-      if (next_older >= older.size()) throw;
+      if (next_older >= c.older.size()) throw;
       if (comm_.rank == 0)
-        spdlog::warn("checkpoint: {} cannot be loaded ({}); falling back to {}", path, one_line(e.what()),
-                     older[next_older]);
-      path = older[next_older];
+        spdlog::warn("checkpoint: {} cannot be loaded ({}); falling back to {}", c.path, one_line(e.what()),
+                     c.older[next_older]);
+      c.path = c.older[next_older];
     }
   }
-  const Metadata& m = reader->meta();
+}
+
+// Reads c.path and checks it against this job on every rank, then applies it (both agreed).
+void CheckpointManager::load_from(const LoadChoice& c, LoadAttempt& a) {
+  a.reader.reset();
+  a.todo.clear();
+  agreed("checkpoint_load:check", [&] {
+    check_not_hf_weights(c.path, opt_.folder, c.complete);
+    a.reader = std::make_unique<CheckpointReader>(c.path);
+    check_checkpoint(c, a);
+    for (const auto& [name, s] : a.todo) s->check_load(*a.reader);
+  });
+  a.t0 = std::chrono::steady_clock::now();
+  agreed("checkpoint_load:load", [&] {
+    for (const auto& [name, s] : a.todo) s->load_state_dict(*a.reader);
+  });
+}
+
+// Decides what to load from the opened checkpoint: the model's name and flavor must be this
+// run's; a model-only checkpoint resumes nothing else; exclude_from_loading is left out.
+void CheckpointManager::check_checkpoint(const LoadChoice& c, LoadAttempt& a) const {
+  const std::string& path = c.path;
+  const Metadata& m = a.reader->meta();
+  if (!a.reader->is_dcp() && (m.model_name != opt_.model_name || m.model_flavor != opt_.model_flavor))
+    throw UserError("checkpoint " + path + " holds a " + m.model_name + " \"" + m.model_flavor +
+                    "\" model; this run builds " + opt_.model_name + " \"" + opt_.model_flavor +
+                    "\" (model.name / model.flavor must match)");
+  if (m.model_only && !c.model_only_requested && m.step != 0) {
+    const std::string hint = earlier_hint(opt_.folder, c.complete, m.step);
+    throw UserError("checkpoint " + path + " holds model weights only (checkpoint.last_save_model_only), not the "
+                    "optimizer, schedule and data state needed to resume training; to start a new run from these "
+                    "weights, set checkpoint.initial_load_path = \"" + path +
+                    "\" and checkpoint.initial_load_model_only = true with another checkpoint.folder" + hint);
+  }
+  a.model_only = c.model_only_requested || m.model_only;
+  for (const auto& [name, s] : components_) {
+    const bool excluded = std::find(opt_.exclude_from_loading.begin(), opt_.exclude_from_loading.end(), name) !=
+                          opt_.exclude_from_loading.end();
+    if (a.model_only && name != "model") continue;
+    if (excluded) {
+      if (comm_.rank == 0)
+        spdlog::warn("checkpoint: not loading {} (checkpoint.exclude_from_loading){}", name,
+                     name == "dataloader" ? ": the data order starts afresh" : "");
+      continue;
+    }
+    a.todo.emplace_back(name, s);
+  }
+  if (a.reader->is_foreign_dcp())
+    for (const auto& t : a.todo)
+      if (t.first == "dataloader")
+        throw UserError("checkpoint " + path + " is a torch.distributed.checkpoint folder ctitan did not write "
+                        "(torchtitan's?): its dataloader state (a pickled Python data-loader state) is not "
+                        "transferable to ctitan; set checkpoint.exclude_from_loading = [\"dataloader\"] to load "
+                        "the rest and start a fresh data order");
+}
+
+// What was loaded, logged; the CTITAN_CHECKPOINT_DUMP_LOADED test hook.
+LoadResult CheckpointManager::finish_load(const LoadAttempt& a, const std::string& path) {
+  const Metadata& m = a.reader->meta();
+  LoadResult res;
   res.loaded = true;
   res.step = m.step;
   res.path = path;
-  res.model_only = model_only;
-  for (const auto& t : todo) res.components.push_back(t.first);
+  res.model_only = a.model_only;
+  for (const auto& t : a.todo) res.components.push_back(t.first);
   spdlog::info("checkpoint: loaded step {} from {} in {:.2f} s, {:.1f} MiB read on this rank (saved by {} ranks, dp "
                "{}×{}; now {} ranks): {}",
-               m.step, path, seconds_since(t0), reader->bytes_read() / double(1 << 20), m.world_size, m.dp_replicate,
-               m.dp_shard, comm_.world_size, join(res.components, ", "));
+               m.step, path, seconds_since(a.t0), a.reader->bytes_read() / double(1 << 20), m.world_size,
+               m.dp_replicate, m.dp_shard, comm_.world_size, join(res.components, ", "));
   // Test hook: write what was just loaded, as this job holds it, to another folder, so a
   // test can compare it with the checkpoint it came from.
   if (const char* dump = std::getenv("CTITAN_CHECKPOINT_DUMP_LOADED"); dump && *dump) {
     auto keep = components_;
-    components_ = todo;
-    save_to(dump, m.step, model_only);
+    components_ = a.todo;
+    save_to(dump, m.step, a.model_only);
     components_ = keep;
   }
   return res;
@@ -1486,7 +1537,7 @@ LoadResult CheckpointManager::load() {
 // Model weights from a Hugging Face folder (checkpoint.initial_load_in_hf): every rank checks
 // that config.json describes this run's model and that every tensor is there, then reads
 // its own rows. Nothing else is loaded (torchtitan: HF loads are model-only).
-LoadResult CheckpointManager::load_hf(const std::string& path, const Agreed& agreed) {
+LoadResult CheckpointManager::load_hf(const std::string& path) {
   ModelState* ms = model_state();
   std::unique_ptr<HFCheckpoint> hf;
   agreed("checkpoint_load:check", [&] {

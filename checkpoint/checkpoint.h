@@ -341,8 +341,17 @@ class CheckpointManager {
 
  private:
   struct Pending;  // a save whose files are being written
-  using Agreed = std::function<void(const std::string& tag, const std::function<void()>& fn)>;
-  LoadResult load_hf(const std::string& path, const Agreed& agreed);
+  // load(), step by step (checkpoint.cpp).
+  struct LoadChoice;
+  struct LoadAttempt;
+  LoadChoice choose_checkpoint(const ckpt::FolderScan& scan) const;
+  void agree_on_choice(const LoadChoice& c);
+  void agreed(const std::string& tag, const std::function<void()>& fn);
+  void load_with_fallback(LoadChoice& c, LoadAttempt& a);
+  void load_from(const LoadChoice& c, LoadAttempt& a);
+  void check_checkpoint(const LoadChoice& c, LoadAttempt& a) const;
+  LoadResult finish_load(const LoadAttempt& a, const std::string& path);
+  LoadResult load_hf(const std::string& path);
   void begin_save(const std::string& folder, int64_t step, bool model_only, bool async, bool hf = false);
   void complete_save();
   void purge(const std::string& folder);
