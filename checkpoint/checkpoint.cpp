@@ -421,6 +421,47 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   }
 }
 
+namespace {
+
+// A DCP tensor item as ctitan's entry: its chunks, dim-0 slices covering its rows exactly once
+// (replicated when one chunk holds them all); the items' files are added to `files`.
+EntryMeta dcp_tensor_entry(const std::string& dir, const std::string& key, const dcp::Item& it,
+                           std::set<std::string>& files) {
+  EntryMeta e;
+  e.key = key;
+  e.dtype = it.dtype;
+  e.shape = it.size;
+  for (const auto& c : it.chunks) {
+    for (size_t d = 1; d < it.size.size(); ++d)
+      if (c.offsets[d] != 0 || c.sizes[d] != it.size[d])
+        throw RuntimeFailure("checkpoint " + dir + ": " + key + " is split along dimension " + std::to_string(d) +
+                             " (tensor parallel?); ctitan re-slices tensors sharded along dimension 0 (FSDP) only");
+    ChunkMeta cm;
+    cm.file = c.file;
+    cm.offset = c.offset;
+    cm.nbytes = c.length;
+    cm.encoding = ChunkMeta::Encoding::TorchSave;
+    cm.row_begin = it.size.empty() ? 0 : c.offsets[0];
+    cm.row_end = it.size.empty() ? 1 : c.offsets[0] + c.sizes[0];
+    if (cm.row_end > cm.row_begin) e.chunks.push_back(cm);
+    files.insert(c.file);
+  }
+  std::sort(e.chunks.begin(), e.chunks.end(),
+            [](const ChunkMeta& a, const ChunkMeta& b) { return a.row_begin < b.row_begin; });
+  int64_t next = 0;
+  for (const auto& c : e.chunks) {
+    if (c.row_begin != next) break;
+    next = c.row_end;
+  }
+  if (next != e.rows())
+    throw RuntimeFailure("checkpoint " + dir + " is corrupt: the chunks of " + key + " do not cover its " +
+                         std::to_string(e.rows()) + " rows exactly once");
+  e.rule = e.chunks.size() > 1 ? Rule::Sharded : Rule::Replicated;
+  return e;
+}
+
+}  // namespace
+
 // A DCP folder as ctitan's metadata: one entry per key, its chunks pointing at the items'
 // torch.save archives (dim-0 slices: FSDP's sharding, the only one re-sliced here).
 void CheckpointReader::open_dcp() {
@@ -465,34 +506,7 @@ void CheckpointReader::open_dcp() {
       e.chunks.push_back(cm);
       files.insert(c.file);
     } else {
-      e.dtype = it.dtype;
-      e.shape = it.size;
-      for (const auto& c : it.chunks) {
-        for (size_t d = 1; d < it.size.size(); ++d)
-          if (c.offsets[d] != 0 || c.sizes[d] != it.size[d])
-            throw RuntimeFailure("checkpoint " + dir_ + ": " + key + " is split along dimension " + std::to_string(d) +
-                                 " (tensor parallel?); ctitan re-slices tensors sharded along dimension 0 (FSDP) only");
-        ChunkMeta cm;
-        cm.file = c.file;
-        cm.offset = c.offset;
-        cm.nbytes = c.length;
-        cm.encoding = ChunkMeta::Encoding::TorchSave;
-        cm.row_begin = it.size.empty() ? 0 : c.offsets[0];
-        cm.row_end = it.size.empty() ? 1 : c.offsets[0] + c.sizes[0];
-        if (cm.row_end > cm.row_begin) e.chunks.push_back(cm);
-        files.insert(c.file);
-      }
-      std::sort(e.chunks.begin(), e.chunks.end(),
-                [](const ChunkMeta& a, const ChunkMeta& b) { return a.row_begin < b.row_begin; });
-      int64_t next = 0;
-      for (const auto& c : e.chunks) {
-        if (c.row_begin != next) break;
-        next = c.row_end;
-      }
-      if (next != e.rows())
-        throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: the chunks of " + key + " do not cover its " +
-                             std::to_string(e.rows()) + " rows exactly once");
-      e.rule = e.chunks.size() > 1 ? Rule::Sharded : Rule::Replicated;
+      e = dcp_tensor_entry(dir_, key, it, files);
     }
     meta_.entries.emplace(key, std::move(e));
   }
@@ -998,15 +1012,34 @@ void CheckpointManager::finalize() {
 
 void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool model_only, bool async, bool hf) {
   const auto t0 = std::chrono::steady_clock::now();
-  const std::string tag = "checkpoint_save:step-" + std::to_string(step);
-  const std::string what = "checkpoint save of step " + std::to_string(step);
-  // What this rank will write: its own entries (replicated ones only on rank 0).
+  uint64_t bytes = 0;
+  std::vector<StateEntry> entries = collect_entries(model_only, hf, bytes);
+  const std::string stage = ckpt::staging_dir(folder, step);
+  agree_to_begin(folder, stage, step, bytes);
+  pending_ = std::make_unique<Pending>();
+  Pending& p = *pending_;
+  p.folder = folder;
+  p.stage = stage;
+  p.final_dir = ckpt::step_dir(folder, step);
+  p.step = step;
+  p.model_only = model_only;
+  p.hf = hf;
+  p.dcp = opt_.dcp && !hf;  // an HF final save is assembled from ctitan's own shard files
+  p.t0 = t0;
+  p.bytes = bytes;
+  stage_entries(entries, async, p);
+  p.entries = std::move(entries);
+  start_write(p, async);
+  p.blocked_s = seconds_since(t0);  // async: staging and starting the writer; sync: the whole write
+}
+
+// What this rank will write: its own entries (replicated ones only on rank 0), and their bytes.
+std::vector<StateEntry> CheckpointManager::collect_entries(bool model_only, bool hf, uint64_t& bytes) {
   StateDict sd;
   for (const auto& [name, s] : components_)
     if (!model_only || name == "model") s->state_dict(sd);
   if (opt_.dcp && !hf && !model_only && dcp_extras_) dcp_extras_(sd);
   std::vector<StateEntry> entries;
-  uint64_t bytes = 0;
   for (auto& e : sd.entries()) {
     if (e.rule == Rule::Replicated) e.save_here = comm_.rank == 0;
     if (!e.save_here) continue;
@@ -1018,12 +1051,17 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
     }
     entries.push_back(std::move(e));
   }
+  return entries;
+}
 
-  // Round 1: every rank agrees it saves this step (a rank on another path is reported, not
-  // waited for), rank 0 has prepared an empty staging folder, and every file system has room
-  // for what the ranks writing to it will write. Nothing is written before this passes.
+// Round 1: every rank agrees it saves this step (a rank on another path is reported, not
+// waited for), rank 0 has prepared an empty staging folder, and every file system has room
+// for what the ranks writing to it will write. Nothing is written before this passes.
+void CheckpointManager::agree_to_begin(const std::string& folder, const std::string& stage, int64_t step,
+                                       uint64_t bytes) {
+  const std::string tag = "checkpoint_save:step-" + std::to_string(step);
+  const std::string what = "checkpoint save of step " + std::to_string(step);
   std::string prep = "ok";
-  const std::string stage = ckpt::staging_dir(folder, step);
   if (comm_.rank == 0) {
     try {
       fs::create_directories(folder);
@@ -1038,16 +1076,12 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
   const std::string mine = "begin " + std::to_string(step) + " " + std::to_string(need) + " " +
                            std::to_string(space.free) + " " + space.id + " " + prep;
   auto all = agree(mine, tag + ":begin");
-  struct Begin {
-    uint64_t need = 0, free = 0;
-    std::string fs, prep;
-  };
-  std::vector<Begin> begins(static_cast<size_t>(comm_.world_size));
+  std::vector<SaveBegin> begins(static_cast<size_t>(comm_.world_size));
   for (int64_t r = 0; r < comm_.world_size; ++r) {
     std::istringstream in(all[r]);
     std::string word;
     int64_t their_step = -1;
-    Begin& b = begins[static_cast<size_t>(r)];
+    SaveBegin& b = begins[static_cast<size_t>(r)];
     if (!(in >> word >> their_step >> b.need >> b.free >> b.fs) || word != "begin" || their_step != step)
       throw RuntimeFailure(what + ": rank " + std::to_string(r) + " is not saving this step (it sent \"" +
                            one_line(all[r]) + "\"): the ranks took different paths");
@@ -1061,7 +1095,14 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
     throw RuntimeFailure(what + " " + why + " (" + previous_checkpoint_note(folder) + ")" + hint);
   };
   if (begins[0].prep != "ok") abandon("failed on rank 0: " + begins[0].prep.substr(6), "");
-  // Ranks sharing a file system (same host and device) need the sum of their bytes there.
+  const std::string short_of = space_shortage(folder, begins);
+  if (!short_of.empty())
+    abandon(short_of, " HINT: free space, lower checkpoint.keep_latest_k or move checkpoint.folder");
+}
+
+// Ranks sharing a file system (same host and device) need the sum of their bytes there: ""
+// when every file system has room, else why not.
+std::string CheckpointManager::space_shortage(const std::string& folder, const std::vector<SaveBegin>& begins) const {
   std::map<std::string, std::pair<uint64_t, std::vector<int64_t>>> per_fs;
   for (int64_t r = 0; r < comm_.world_size; ++r) {
     auto& [sum, ranks] = per_fs[begins[r].fs];
@@ -1069,31 +1110,22 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
     ranks.push_back(r);
   }
   for (const auto& [id, use] : per_fs) {
-    const Begin& b = begins[static_cast<size_t>(use.second.front())];
+    const SaveBegin& b = begins[static_cast<size_t>(use.second.front())];
     if (id == "unknown" || use.first <= b.free) continue;
     std::vector<std::string> rs;
     for (int64_t r : use.second) rs.push_back(std::to_string(r));
-    abandon("refused: not enough free space for " + folder + " on " + (rs.size() == 1 ? "rank " : "ranks ") +
-            join(rs, ", ") + ": needs " + ckpt::bytes_text(use.first) + ", " + ckpt::bytes_text(b.free) +
-            " free; nothing was written",
-            " HINT: free space, lower checkpoint.keep_latest_k or move checkpoint.folder");
+    return "refused: not enough free space for " + folder + " on " + (rs.size() == 1 ? "rank " : "ranks ") +
+           join(rs, ", ") + ": needs " + ckpt::bytes_text(use.first) + ", " + ckpt::bytes_text(b.free) +
+           " free; nothing was written";
   }
+  return "";
+}
 
-  pending_ = std::make_unique<Pending>();
-  Pending& p = *pending_;
-  p.folder = folder;
-  p.stage = stage;
-  p.final_dir = ckpt::step_dir(folder, step);
-  p.step = step;
-  p.model_only = model_only;
-  p.hf = hf;
-  p.dcp = opt_.dcp && !hf;  // an HF final save is assembled from ctitan's own shard files
-  p.t0 = t0;
-  p.bytes = bytes;
-  // A copy when the write runs in the background (training goes on modifying the tensors),
-  // into staging buffers kept from the previous async save when the layout is unchanged:
-  // copying into memory already mapped costs a fraction of fresh allocations' page faults
-  // (torchtitan keeps a pinned staging copy for the same reason).
+// A copy when the write runs in the background (training goes on modifying the tensors),
+// into staging buffers kept from the previous async save when the layout is unchanged:
+// copying into memory already mapped costs a fraction of fresh allocations' page faults
+// (torchtitan keeps a pinned staging copy for the same reason).
+void CheckpointManager::stage_entries(std::vector<StateEntry>& entries, bool async, Pending& p) {
   torch::NoGradGuard no_grad;
   // GPU tensors: copied to the pinned staging buffer, the copy the writer reads (either mode).
   std::vector<size_t> gpu;
@@ -1123,7 +1155,10 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
     e.tensor = buf;
   }
   if (async) staging_.resize(k);
-  p.entries = std::move(entries);
+}
+
+// Round 2 begins: this rank's files, written now or by a background thread.
+void CheckpointManager::start_write(Pending& p, bool async) {
   auto work = [this, &p] {
     const auto tw = std::chrono::steady_clock::now();
     try {
@@ -1146,7 +1181,6 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
     });
   else
     work();
-  p.blocked_s = seconds_since(t0);  // async: staging and starting the writer; sync: the whole write
 }
 
 void CheckpointManager::complete_save() {
@@ -1155,30 +1189,11 @@ void CheckpointManager::complete_save() {
   if (p.thread.joinable()) p.thread.join();
   const std::string tag = "checkpoint_save:step-" + std::to_string(p.step);
   const std::string what = "checkpoint save of step " + std::to_string(p.step);
-  std::vector<std::string> all;
-  if (comm_.arrive) comm_.arrive(tag + ":written");
-  try {
-    all = agree(p.status, tag + ":written");
-  } catch (const CollectiveFailure& e) {
-    std::string who;
-    if (comm_.missing) {
-      try {
-        std::vector<std::string> rs;
-        for (int64_t r : comm_.missing(tag + ":written")) rs.push_back(std::to_string(r));
-        if (!rs.empty())
-          who = (rs.size() == 1 ? "rank " : "ranks ") + join(rs, ", ") + " did not finish writing (died or stalled); ";
-      } catch (const std::exception&) {
-        who = "rank 0 is unreachable (died or stalled; it also serves the rendezvous store); ";
-      }
-    }
-    if (comm_.rank == 0) fs::remove_all(p.stage);
-    pending_.reset();
-    throw CollectiveFailure(what + " failed: " + who + e.what());
-  }
+  const std::vector<std::string> all = agree_written(p);
+  const std::string previous = previous_checkpoint_note(p.folder);
   std::vector<std::string> failed;
   for (int64_t r = 0; r < comm_.world_size; ++r)
     if (all[r].rfind("ok\n", 0) != 0) failed.push_back("rank " + std::to_string(r) + ": " + all[r].substr(6));
-  const std::string previous = previous_checkpoint_note(p.folder);
   if (!failed.empty()) {
     if (comm_.rank == 0) {
       std::error_code ec;
@@ -1187,70 +1202,8 @@ void CheckpointManager::complete_save() {
     pending_.reset();
     throw RuntimeFailure(what + " failed on " + join(failed, "; ") + " (" + previous + ")");
   }
-
   // Round 3: rank 0 writes metadata and the marker, then moves the folder into place.
-  std::string commit = "ok";
-  if (comm_.rank == 0 && p.dcp) {
-    try {
-      write_dcp_metadata(all, p.stage, p.step);
-      publish_stage(p.stage, p.final_dir, p.folder);
-    } catch (const std::exception& e) {
-      commit = "error " + one_line(e.what());
-    }
-  } else if (comm_.rank == 0) {
-    try {
-      Metadata m;
-      m.step = p.step;
-      m.world_size = comm_.world_size;
-      m.dp_replicate = opt_.dp_replicate;
-      m.dp_shard = opt_.dp_shard;
-      m.model_name = opt_.model_name;
-      m.model_flavor = opt_.model_flavor;
-      m.model_only = p.model_only;
-      std::string head = "ctitan-checkpoint " + std::to_string(ckpt::kFormatVersion) + "\nstep " +
-                         std::to_string(m.step) + "\nworld_size " + std::to_string(m.world_size) + "\ndp " +
-                         std::to_string(m.dp_replicate) + " " + std::to_string(m.dp_shard) + "\nmodel " +
-                         m.model_name + " " + m.model_flavor + "\nmodel_only " + (m.model_only ? "1" : "0") + "\n";
-      std::string files, chunks;
-      std::map<std::string, std::string> entries;  // key → entry record (identical on every rank)
-      for (int64_t r = 0; r < comm_.world_size; ++r) {
-        std::istringstream in(all[r].substr(3));
-        for (std::string line; std::getline(in, line);) {
-          if (line.rfind("file ", 0) == 0) {
-            files += line + "\n";
-          } else if (line.rfind("chunk ", 0) == 0) {
-            chunks += line + "\n";
-          } else if (line.rfind("entry ", 0) == 0) {
-            const std::string key = line.substr(6, line.find(' ', 6) - 6);
-            auto [it, fresh] = entries.emplace(key, line);
-            TORCH_CHECK(fresh || it->second == line, "[checkpoint] ranks disagree on ", key, ": ", it->second,
-                        " vs ", line);
-          }
-        }
-      }
-      std::string text = head + files;
-      for (const auto& kv : entries) text += kv.second + "\n";
-      text += chunks + "end\n";
-      Metadata::parse(text, "checkpoint metadata of step " + std::to_string(p.step));  // validates coverage
-      ckpt::write_file_durable((fs::path(p.stage) / "metadata").string(), text);
-      ckpt::write_file_durable((fs::path(p.stage) / "COMPLETE").string(), ckpt::complete_marker_text(p.step, text));
-      if (p.hf) {
-        // As torchtitan's HF storage writer with consolidation: every rank wrote its shards,
-        // one rank assembles the full tensors into the safetensors file. The shard files go;
-        // the marker then covers the HF index instead of the metadata.
-        const std::string index = write_hf_from_checkpoint(CheckpointReader(p.stage), p.stage, "");
-        for (const auto& de : fs::directory_iterator(p.stage)) {
-          const std::string n = de.path().filename().string();
-          if (n.rfind("rank", 0) == 0 || n == "metadata") fs::remove(de.path());
-        }
-        ckpt::write_file_durable((fs::path(p.stage) / "COMPLETE").string(), ckpt::hf_complete_marker_text(p.step, index));
-      }
-      // An older checkpoint of the same step (load_step rewound the run) is replaced only now.
-      publish_stage(p.stage, p.final_dir, p.folder);
-    } catch (const std::exception& e) {
-      commit = "error " + one_line(e.what());
-    }
-  }
+  const std::string commit = comm_.rank == 0 ? commit_on_rank0(p, all) : "ok";
   auto committed = agree(commit, tag + ":commit");
   if (committed[0] != "ok") {
     pending_.reset();
@@ -1267,6 +1220,101 @@ void CheckpointManager::complete_save() {
   const bool regular = folder == opt_.folder;
   pending_.reset();
   if (regular && comm_.rank == 0) purge(folder);
+}
+
+// Every rank's write status ("ok\n<its file, chunk and entry records>" or "error ..."). A rank
+// that never arrives (died or stalled) is named, and the save abandoned.
+std::vector<std::string> CheckpointManager::agree_written(Pending& p) {
+  const std::string tag = "checkpoint_save:step-" + std::to_string(p.step);
+  const std::string what = "checkpoint save of step " + std::to_string(p.step);
+  if (comm_.arrive) comm_.arrive(tag + ":written");
+  try {
+    return agree(p.status, tag + ":written");
+  } catch (const CollectiveFailure& e) {
+    std::string who;
+    if (comm_.missing) {
+      try {
+        std::vector<std::string> rs;
+        for (int64_t r : comm_.missing(tag + ":written")) rs.push_back(std::to_string(r));
+        if (!rs.empty())
+          who = (rs.size() == 1 ? "rank " : "ranks ") + join(rs, ", ") + " did not finish writing (died or stalled); ";
+      } catch (const std::exception&) {
+        who = "rank 0 is unreachable (died or stalled; it also serves the rendezvous store); ";
+      }
+    }
+    if (comm_.rank == 0) fs::remove_all(p.stage);
+    pending_.reset();
+    throw CollectiveFailure(what + " failed: " + who + e.what());
+  }
+}
+
+// Rank 0's part of round 3: the metadata (ctitan's or DCP's), the marker, the HF assembly of a
+// final HF save, the folder moved into place. Returns "ok" or "error <why>".
+std::string CheckpointManager::commit_on_rank0(Pending& p, const std::vector<std::string>& all) {
+  try {
+    if (p.dcp) {
+      write_dcp_metadata(all, p.stage, p.step);
+      publish_stage(p.stage, p.final_dir, p.folder);
+      return "ok";
+    }
+    const std::string text = metadata_text(p, all);
+    Metadata::parse(text, "checkpoint metadata of step " + std::to_string(p.step));  // validates coverage
+    ckpt::write_file_durable((fs::path(p.stage) / "metadata").string(), text);
+    ckpt::write_file_durable((fs::path(p.stage) / "COMPLETE").string(), ckpt::complete_marker_text(p.step, text));
+    if (p.hf) {
+      // As torchtitan's HF storage writer with consolidation: every rank wrote its shards,
+      // one rank assembles the full tensors into the safetensors file. The shard files go;
+      // the marker then covers the HF index instead of the metadata.
+      const std::string index = write_hf_from_checkpoint(CheckpointReader(p.stage), p.stage, "");
+      for (const auto& de : fs::directory_iterator(p.stage)) {
+        const std::string n = de.path().filename().string();
+        if (n.rfind("rank", 0) == 0 || n == "metadata") fs::remove(de.path());
+      }
+      ckpt::write_file_durable((fs::path(p.stage) / "COMPLETE").string(), ckpt::hf_complete_marker_text(p.step, index));
+    }
+    // An older checkpoint of the same step (load_step rewound the run) is replaced only now.
+    publish_stage(p.stage, p.final_dir, p.folder);
+    return "ok";
+  } catch (const std::exception& e) {
+    return "error " + one_line(e.what());
+  }
+}
+
+// The metadata file's text: the header, then every rank's file records, the entries (which
+// every rank must describe alike) and the chunks.
+std::string CheckpointManager::metadata_text(const Pending& p, const std::vector<std::string>& all) const {
+  Metadata m;
+  m.step = p.step;
+  m.world_size = comm_.world_size;
+  m.dp_replicate = opt_.dp_replicate;
+  m.dp_shard = opt_.dp_shard;
+  m.model_name = opt_.model_name;
+  m.model_flavor = opt_.model_flavor;
+  m.model_only = p.model_only;
+  std::string head = "ctitan-checkpoint " + std::to_string(ckpt::kFormatVersion) + "\nstep " +
+                     std::to_string(m.step) + "\nworld_size " + std::to_string(m.world_size) + "\ndp " +
+                     std::to_string(m.dp_replicate) + " " + std::to_string(m.dp_shard) + "\nmodel " + m.model_name +
+                     " " + m.model_flavor + "\nmodel_only " + (m.model_only ? "1" : "0") + "\n";
+  std::string files, chunks;
+  std::map<std::string, std::string> entries;  // key → entry record (identical on every rank)
+  for (int64_t r = 0; r < comm_.world_size; ++r) {
+    std::istringstream in(all[r].substr(3));
+    for (std::string line; std::getline(in, line);) {
+      if (line.rfind("file ", 0) == 0) {
+        files += line + "\n";
+      } else if (line.rfind("chunk ", 0) == 0) {
+        chunks += line + "\n";
+      } else if (line.rfind("entry ", 0) == 0) {
+        const std::string key = line.substr(6, line.find(' ', 6) - 6);
+        auto [it, fresh] = entries.emplace(key, line);
+        TORCH_CHECK(fresh || it->second == line, "[checkpoint] ranks disagree on ", key, ": ", it->second, " vs ",
+                    line);
+      }
+    }
+  }
+  std::string text = head + files;
+  for (const auto& kv : entries) text += kv.second + "\n";
+  return text + chunks + "end\n";
 }
 
 void CheckpointManager::purge(const std::string& folder) {

@@ -354,6 +354,19 @@ class CheckpointManager {
   LoadResult load_hf(const std::string& path);
   void begin_save(const std::string& folder, int64_t step, bool model_only, bool async, bool hf = false);
   void complete_save();
+  // Saving, step by step (checkpoint.cpp).
+  struct SaveBegin {  // a rank's answer in round 1
+    uint64_t need = 0, free = 0;
+    std::string fs, prep;
+  };
+  std::vector<StateEntry> collect_entries(bool model_only, bool hf, uint64_t& bytes);
+  void agree_to_begin(const std::string& folder, const std::string& stage, int64_t step, uint64_t bytes);
+  std::string space_shortage(const std::string& folder, const std::vector<SaveBegin>& begins) const;
+  void stage_entries(std::vector<StateEntry>& entries, bool async, Pending& p);
+  void start_write(Pending& p, bool async);
+  std::vector<std::string> agree_written(Pending& p);
+  std::string commit_on_rank0(Pending& p, const std::vector<std::string>& all);
+  std::string metadata_text(const Pending& p, const std::vector<std::string>& all) const;
   void purge(const std::string& folder);
   std::vector<std::string> agree(const std::string& status, const std::string& tag);
 
