@@ -1207,7 +1207,8 @@ void CheckpointManager::complete_save() {
   auto committed = agree(commit, tag + ":commit");
   if (committed[0] != "ok") {
     pending_.reset();
-    throw RuntimeFailure(what + " failed on rank 0 while committing: " + committed[0].substr(6) + " (" + previous + ")");
+    throw RuntimeFailure(what + " failed on rank 0 while committing: " + committed[0].substr(6) + " (" + previous +
+                         ")");
   }
   // Sync: the total is the whole collective save; async: it spans the training steps in between.
   p.blocked_s += seconds_since(t_complete);
