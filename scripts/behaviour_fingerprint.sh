@@ -6,7 +6,8 @@
 #   scripts/behaviour_fingerprint.sh BUILD_DIR OUT_DIR
 #   diff -r OUT_OLD/fingerprint OUT_NEW/fingerprint   # empty: behaviour unchanged
 #
-# OUT_DIR/runs keeps the checkpoint folders, so a newer build can be pointed at an older
+# BUILD_DIR's binaries run as they are (nothing is rebuilt), so an older build can be kept in
+# a copied folder. OUT_DIR/runs keeps the checkpoint folders, so a newer build can be pointed at an older
 # build's folders (checkpoints written before a change must load after it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,10 +18,11 @@ mkdir -p "$OUT/fingerprint" "$OUT/runs"
 run() {  # config name steps [extra overrides...]
   local cfg="$1" name="$2" steps="$3"
   shift 3
-  CTITAN_BUILD_DIR="$BUILD" NPROC=2 ./scripts/run_train.sh >"$OUT/runs/$name.$steps.log" 2>&1 \
+  CTITAN_BUILD_DIR="$BUILD" CTITAN_NO_BUILD=1 NPROC=2 ./scripts/run_train.sh >"$OUT/runs/$name.$steps.log" 2>&1 \
     --job.config_file "train_configs/$cfg.toml" --job.dump_folder "$OUT/runs/$name" \
     --training.steps "$steps" --training.deterministic --training.seed 7 \
     --training.mixed_precision_param float32 --checkpoint.enable --checkpoint.interval 10 \
+    --checkpoint.last_save_model_only false \
     --metrics.log_freq 1 "$@"
 }
 losses() {  # every step's loss as printed in metrics.jsonl (17 digits)

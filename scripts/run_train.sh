@@ -9,7 +9,8 @@
 #
 # Environment: NPROC (or NGPU, as torchtitan's script) ranks per node, NNODES, NODE_RANK,
 # MASTER_ADDR, MASTER_PORT (a free port when unset), CONFIG_FILE, CTITAN_DATA_DIR,
-# CTITAN_BUILD_DIR. Extra arguments are passed to every rank as config overrides.
+# CTITAN_BUILD_DIR, CTITAN_NO_BUILD=1 (run that folder's `train` as it is: another build's, to
+# compare two builds). Extra arguments are passed to every rank as config overrides.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 cd "$CTITAN_ROOT"
@@ -21,7 +22,7 @@ NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 
 ctitan_ensure_deps
-ctitan_build train ctitan_spm_shim >&2
+[[ "${CTITAN_NO_BUILD:-0}" == 1 ]] || ctitan_build train ctitan_spm_shim >&2
 TRAIN_BIN="$CTITAN_BUILD_DIR/train"
 
 # Default corpus and tokenizer (no-ops when present).
