@@ -33,11 +33,11 @@
 #include "components/validate.h"
 #include "config/errors.h"
 #include "config/job_config.h"
-#include "config/text.h"
+#include "util/text.h"
 #include "datasets/dataloader.h"
 #include "datasets/tokenizer.h"
 #include "models/init.h"
-#include "models/gemm.h"
+#include "kernels/gemm.h"
 #include "models/llama/args.h"
 #include "models/llama/model.h"
 #include "models/mixtral/model.h"
@@ -53,6 +53,8 @@
 #include "training/hooks.h"
 #include "training/trainer.h"
 #include "training/world.h"
+#include "util/env.h"
+#include "util/strings.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -66,7 +68,7 @@ using ctitan::llama::TransformerModelArgs;
 namespace ctitan {
 namespace {
 
-// The matmul backend (models/gemm.h); a bad CTITAN_GEMM is bad input, reported before any
+// The matmul backend (kernels/gemm.h); a bad CTITAN_GEMM is bad input, reported before any
 // output is written.
 gemm::Backend gemm_backend_checked() {
   try {
@@ -74,10 +76,6 @@ gemm::Backend gemm_backend_checked() {
   } catch (const std::runtime_error& e) {
     throw UserError(std::string("environment error: ") + e.what());
   }
-}
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
 // Console + <dump_folder>/logs/rank<r>.log. The file sink is added once the dump folder
@@ -137,8 +135,8 @@ DataPipeline build_data(const JobConfig& cfg, int64_t dp_rank, int64_t dp_world)
   const auto t0 = Clock::now();
   const std::string tok_path = resolve_tokenizer_path(cfg.model.tokenizer_path, cfg.model.hf_assets_path);
   d.tokenizer = Tokenizer::load(tok_path);
-  const char* env_root = std::getenv("CTITAN_DATA_DIR");
-  const std::string data_root = env_root && *env_root ? env_root : "./data";
+  const std::string& env_root = runtime_env().data_dir;
+  const std::string data_root = env_root.empty() ? "./data" : env_root;
   d.source = resolve_dataset_path(cfg.training.dataset, cfg.training.dataset_path, data_root);
   d.loader = std::make_unique<DataLoader>(*d.tokenizer, d.source, cfg.training.seq_len,
                                           cfg.training.local_batch_size, dp_rank, dp_world);
@@ -345,9 +343,9 @@ std::unique_ptr<Validator> maybe_build_validator(const JobConfig& cfg, const Tok
                                                  int64_t dp_world) {
   const auto& v = cfg.validation;
   if (!v.enable) return nullptr;
-  const char* env_root = std::getenv("CTITAN_DATA_DIR");
+  const std::string& env_root = runtime_env().data_dir;
   ValidationSpec spec;
-  spec.source = resolve_dataset_path(v.dataset, v.dataset_path, env_root && *env_root ? env_root : "./data",
+  spec.source = resolve_dataset_path(v.dataset, v.dataset_path, env_root.empty() ? "./data" : env_root,
                                      "validation");
   spec.local_batch_size = v.local_batch_size;
   spec.seq_len = v.seq_len;
@@ -453,12 +451,6 @@ std::string format_gib(double gib) {
   return buf;
 }
 
-std::string join_or(const std::vector<std::string>& v) {
-  std::string out;
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", or " : "") + v[i];
-  return out;
-}
-
 // The sizes the memory estimate needs, from the model args (nothing allocated).
 MemoryModel memory_model(const ModelArgs& a) {
   MemoryModel m;
@@ -543,7 +535,7 @@ MemoryEstimate check_memory_fits(const JobConfig& cfg, const ModelArgs& margs, c
                   std::to_string(run.batch) + " × seq_len " + std::to_string(run.seq) + " (AC " + run.ac_mode + ", " +
                   std::to_string(dp) + " dp rank(s)) needs an estimated " + describe(est) + " per rank, but a rank can have " +
                   format_gib(avail / G) + " GiB (" + how + "); would fit: " +
-                  (fits.empty() ? std::string("nothing this estimate can find on this machine") : join_or(fits)));
+                  (fits.empty() ? std::string("nothing this estimate can find on this machine") : join(fits, ", or ")));
 }
 
 // job.validate_only: the checks a run makes before it writes anything — the config, the
@@ -633,11 +625,11 @@ void announce_run(const Job& j, const ModelArgs& margs, gemm::Backend matmuls) {
   spdlog::info("dataset: {} (dp rank {} of {})", j.data.source, j.par.dp_rank, j.par.dims.dp());
   check_blas_and_warn();
   const int threads = configure_threads(launch.local_world_size);
-  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+  const std::string& wait_policy = runtime_env().omp_wait_policy;
   spdlog::info("launch: {} rank {} of {} (local {} of {}); intra-op threads: {} (OpenMP wait policy: {}); "
                "matmuls: {}; seed: {}{}; LibTorch {}",
                launch.launcher, launch.rank, launch.world_size, launch.local_rank, launch.local_world_size, threads,
-               wait_policy ? wait_policy : "libgomp default", gemm::backend_name(matmuls), j.seed,
+               wait_policy.empty() ? "libgomp default" : wait_policy, gemm::backend_name(matmuls), j.seed,
                cfg.debug.seed ? "" : " (random: set debug.seed to repeat this run)", TORCH_VERSION);
   spdlog::info("device: {} ({})", j.device.name(), j.device.why);
   if (launch.elastic())
@@ -760,7 +752,7 @@ void log_startup_memory(const Job& j) {
 }
 
 // The MFU reference: the better of ATen's matmul and the GEMM the model's projections use
-// (models/gemm.h), so MFU is never taken against a slower kernel than the one training
+// (kernels/gemm.h), so MFU is never taken against a slower kernel than the one training
 // runs; on a GPU, cuBLAS's matmul there (components/gpu_metrics.h).
 std::function<double()> matmul_peak_measure(const Job& j) {
   const std::string peak_dtype =

@@ -10,8 +10,9 @@
 #include <vector>
 
 #include "components/cpu_allocator.h"
-#include "models/gemm.h"
+#include "kernels/gemm.h"
 #include "train.h"
+#include "util/env.h"
 
 namespace {
 // Whether the model's matmuls will run on a GEMM of oneDNN's or MKL's, on the OpenMP workers
@@ -27,14 +28,14 @@ bool gemm_on_openmp_workers() {
 
 int main(int argc, char** argv) {
   // libgomp reads OMP_WAIT_POLICY when it is loaded, before main; unless the user chose a
-  // policy, pick it by where the matmuls run (models/gemm.h) and start again, same pid:
+  // policy, pick it by where the matmuls run (kernels/gemm.h) and start again, same pid:
   //  - oneDNN's or MKL's GEMM runs on the OpenMP workers themselves: libgomp's default (spin briefly,
   //    then sleep) saves a wake-up per back-to-back GEMM call (33M, 2 cores: +5-10% tok/s
   //    against PASSIVE, measured in fp32 and bf16);
   //  - on a LibTorch exporting neither (Debian's 1.13 sent fp32 matmuls to OpenBLAS), ATen's
   //    matmuls may run on a BLAS's own threads, which spinning OpenMP workers starve
   //    (OpenBLAS, debug model, 2 cores: 987 → 1,548 tokens/s with PASSIVE).
-  if (!std::getenv("OMP_WAIT_POLICY") && !gemm_on_openmp_workers()) {
+  if (ctitan::runtime_env().omp_wait_policy.empty() && !gemm_on_openmp_workers()) {
     setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
     execv("/proc/self/exe", argv);  // returns only on failure: then run as we are
   }

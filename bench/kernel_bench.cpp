@@ -24,8 +24,8 @@
 #include <torch/torch.h>
 
 #include "components/optimizer.h"
-#include "models/flash_attention.h"
-#include "models/fused_ops.h"
+#include "kernels/flash_attention.h"
+#include "kernels/fused_ops.h"
 
 namespace {
 

@@ -24,7 +24,10 @@
 #include "checkpoint/hf.h"
 #include "config/errors.h"
 #include "config/job_config.h"
-#include "models/device_route.h"
+#include "kernels/device_route.h"
+#include "util/env.h"
+#include "util/strings.h"
+#include "util/crc.h"
 
 namespace fs = std::filesystem;
 
@@ -62,27 +65,11 @@ at::ScalarType dtype_of(const std::string& s) {
   TORCH_CHECK(false, "[checkpoint] unsupported dtype ", s);
 }
 
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::string o = "[";
-  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-  return o + "]";
-}
-
 std::string one_line(std::string s) {
   for (char& c : s)
     if (c == '\n' || c == '\r') c = ' ';
   while (!s.empty() && s.back() == ' ') s.pop_back();
   return s;
-}
-
-std::string join(const std::vector<std::string>& v, const std::string& sep) {
-  std::string o;
-  for (size_t i = 0; i < v.size(); ++i) o += (i ? sep : "") + v[i];
-  return o;
-}
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // Test hook: CTITAN_CHECKPOINT_FAULT=<kind>:<rank>:<step> makes that rank fail halfway through
@@ -91,15 +78,13 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 // under the staging folder with a filler file, so that the rest of the write hits a real
 // ENOSPC; refused where more than 256 MiB are free: meant for a small tmpfs).
 void maybe_fault_in_save(int64_t rank, int64_t step, const std::string& file) {
-  const char* f = std::getenv("CTITAN_CHECKPOINT_FAULT");
-  if (!f || !*f) return;
-  char kind[16] = {0};
-  long r = -1, s = -1;
-  if (std::sscanf(f, "%15[^:]:%ld:%ld", kind, &r, &s) != 3 || r != rank || s != step) return;
-  const std::string k = kind;
+  const auto& hook = runtime_env().checkpoint_fault;
+  if (!hook || !hook->at(rank, step)) return;
+  const std::string& k = hook->kind;
+  const std::string& f = hook->spec;
   if (k == "kill") raise(SIGKILL);
   if (k == "raise")
-    throw RuntimeFailure("injected fault while writing the checkpoint (CTITAN_CHECKPOINT_FAULT=" + std::string(f) + ")");
+    throw RuntimeFailure("injected fault while writing the checkpoint (CTITAN_CHECKPOINT_FAULT=" + f + ")");
   if (k == "enospc")  // the text of ckpt::DurableFileWriter's error for a failed write
     throw RuntimeFailure("checkpoint: cannot write " + file + ".tmp: " + std::strerror(ENOSPC));
   if (k == "fill") {
@@ -147,7 +132,7 @@ std::string write_rank_file(const std::vector<StateEntry>& entries, const std::s
     c.file = name;
     if (e.is_bytes) {
       c.nbytes = e.bytes.size();
-      c.crc = ckpt::crc32(e.bytes.data(), e.bytes.size());
+      c.crc = crc::crc32(e.bytes.data(), e.bytes.size());
       c.offset = w.append(e.bytes.data(), e.bytes.size(), c.crc);
     } else {
       at::Tensor t = e.tensor;
@@ -165,7 +150,7 @@ std::string write_rank_file(const std::vector<StateEntry>& entries, const std::s
       m.dtype = dtype_name(t.scalar_type());
       const size_t n = static_cast<size_t>(t.numel()) * t.element_size();
       c.nbytes = n;
-      c.crc = ckpt::crc32(t.data_ptr(), n);  // once: the file's CRC is combined from it
+      c.crc = crc::crc32(t.data_ptr(), n);  // once: the file's CRC is combined from it
       c.offset = w.append(t.data_ptr(), n, c.crc);
     }
     m.chunks.push_back(c);
@@ -616,7 +601,7 @@ void CheckpointReader::read_chunk_into(const EntryMeta& e, const ChunkMeta& c, v
       }
       done += static_cast<size_t>(r);
     }
-    crc = ckpt::crc32(buf + start, end - start, crc);
+    crc = crc::crc32(buf + start, end - start, crc);
   }
   ::close(fd);
   bytes_read_ += c.nbytes;
@@ -1574,7 +1559,7 @@ LoadResult CheckpointManager::finish_load(const LoadAttempt& a, const std::strin
                m.dp_replicate, m.dp_shard, comm_.world_size, join(res.components, ", "));
   // Test hook: write what was just loaded, as this job holds it, to another folder, so a
   // test can compare it with the checkpoint it came from.
-  if (const char* dump = std::getenv("CTITAN_CHECKPOINT_DUMP_LOADED"); dump && *dump) {
+  if (const std::string& dump = runtime_env().checkpoint_dump_loaded; !dump.empty()) {
     auto keep = components_;
     components_ = a.todo;
     save_to(dump, m.step, a.model_only);
@@ -1623,7 +1608,7 @@ LoadResult CheckpointManager::load_hf(const std::string& path) {
   if (auto it = hf->metadata().find("ctitan.step"); it != hf->metadata().end()) res.step = std::atoll(it->second.c_str());
   spdlog::info("checkpoint: loaded HF safetensors from {} in {:.2f} s ({} tensors, {}; now {} ranks): model", path,
                seconds_since(t0), hf->keys().size(), hf->config().architecture, comm_.world_size);
-  if (const char* dump = std::getenv("CTITAN_CHECKPOINT_DUMP_LOADED"); dump && *dump) {
+  if (const std::string& dump = runtime_env().checkpoint_dump_loaded; !dump.empty()) {
     auto keep = components_;
     components_ = {{"model", ms}};
     save_to(dump, res.step, true);

@@ -18,30 +18,12 @@
 #include <sstream>
 
 #include "config/errors.h"
+#include "util/crc.h"
 
 namespace fs = std::filesystem;
 
 namespace ctitan::ckpt {
 namespace {
-
-// Slice-by-8 tables for the reflected polynomial 0xEDB88320 (~1.5 GB/s here, so checksums
-// cost little next to the write itself).
-struct CrcTables {
-  std::array<std::array<uint32_t, 256>, 8> t{};
-  CrcTables() {
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-      t[0][i] = c;
-    }
-    for (uint32_t i = 0; i < 256; ++i)
-      for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xff];
-  }
-};
-const CrcTables& crc_tables() {
-  static const CrcTables tables;
-  return tables;
-}
 
 [[noreturn]] void io_fail(const std::string& what, const std::string& path) {
   throw RuntimeFailure("checkpoint: cannot " + what + " " + path + ": " + std::strerror(errno));
@@ -83,61 +65,6 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 }
 
 }  // namespace
-
-uint32_t crc32(const void* data, size_t n, uint32_t crc) {
-  const auto& t = crc_tables().t;
-  const auto* p = static_cast<const unsigned char*>(data);
-  crc = ~crc;
-  while (n >= 8) {
-    const uint32_t a = crc ^ (uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 |
-                              uint32_t(p[3]) << 24);
-    crc = t[7][a & 0xff] ^ t[6][(a >> 8) & 0xff] ^ t[5][(a >> 16) & 0xff] ^ t[4][a >> 24] ^
-          t[3][p[4]] ^ t[2][p[5]] ^ t[1][p[6]] ^ t[0][p[7]];
-    p += 8;
-    n -= 8;
-  }
-  while (n--) crc = t[0][(crc ^ *p++) & 0xff] ^ (crc >> 8);
-  return ~crc;
-}
-
-namespace {
-
-// The CRC register as a vector over GF(2): appending zero bits is linear in it. m[j] is the
-// image of bit j; products and squares of these 32 x 32 matrices are 32 vector products.
-using Gf2Matrix = std::array<uint32_t, 32>;
-
-uint32_t gf2_times(const Gf2Matrix& m, uint32_t v) {
-  uint32_t out = 0;
-  for (int j = 0; v; ++j, v >>= 1)
-    if (v & 1) out ^= m[j];
-  return out;
-}
-
-Gf2Matrix gf2_square(const Gf2Matrix& m) {
-  Gf2Matrix sq;
-  for (int j = 0; j < 32; ++j) sq[j] = gf2_times(m, m[j]);
-  return sq;
-}
-
-}  // namespace
-
-uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
-  if (len_b == 0) return crc_a;
-  // One zero bit through the reflected register: shift right, fold in the polynomial.
-  Gf2Matrix bit;
-  bit[0] = 0xEDB88320u;
-  for (int j = 1; j < 32; ++j) bit[j] = 1u << (j - 1);
-  Gf2Matrix op = gf2_square(gf2_square(gf2_square(bit)));  // one zero byte
-  // The pre- and post-conditioning (~) cancel: crc(A·B) = zeros^len_b(crc(A)) ^ crc(B).
-  uint32_t r = crc_a;
-  for (uint64_t n = len_b;;) {
-    if (n & 1) r = gf2_times(op, r);
-    n >>= 1;
-    if (!n) break;
-    op = gf2_square(op);
-  }
-  return r ^ crc_b;
-}
 
 std::string hex32(uint32_t v) {
   char buf[16];
@@ -200,12 +127,12 @@ DurableFileWriter::~DurableFileWriter() {
   if (!committed_) ::unlink(tmp_.c_str());
 }
 
-uint64_t DurableFileWriter::append(const void* data, size_t n) { return append(data, n, crc32(data, n)); }
+uint64_t DurableFileWriter::append(const void* data, size_t n) { return append(data, n, crc::crc32(data, n)); }
 
 uint64_t DurableFileWriter::append(const void* data, size_t n, uint32_t crc_of_data) {
   const uint64_t at = size_;
   write_all(fd_, data, n, tmp_);
-  crc_ = crc32_combine(crc_, crc_of_data, n);
+  crc_ = crc::crc32_combine(crc_, crc_of_data, n);
   size_ += n;
   return at;
 }
@@ -475,17 +402,17 @@ std::string staging_dir(const std::string& folder, int64_t step) {
 std::string complete_marker_text(int64_t step, const std::string& metadata_text) {
   return "ctitan-checkpoint-complete step " + std::to_string(step) + " metadata " +
          std::to_string(metadata_text.size()) + " " +
-         hex32(crc32(metadata_text.data(), metadata_text.size())) + "\n";
+         hex32(crc::crc32(metadata_text.data(), metadata_text.size())) + "\n";
 }
 
 std::string hf_complete_marker_text(int64_t step, const std::string& index_text) {
   return "ctitan-hf-complete step " + std::to_string(step) + " index " + std::to_string(index_text.size()) + " " +
-         hex32(crc32(index_text.data(), index_text.size())) + "\n";
+         hex32(crc::crc32(index_text.data(), index_text.size())) + "\n";
 }
 
 std::string dcp_complete_marker_text(int64_t step, const std::string& metadata_bytes) {
   return "ctitan-dcp-complete step " + std::to_string(step) + " metadata " + std::to_string(metadata_bytes.size()) +
-         " " + hex32(crc32(metadata_bytes.data(), metadata_bytes.size())) + "\n";
+         " " + hex32(crc::crc32(metadata_bytes.data(), metadata_bytes.size())) + "\n";
 }
 
 bool is_hf_step(const std::string& step_path) {

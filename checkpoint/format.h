@@ -45,11 +45,6 @@ namespace ctitan::ckpt {
 
 constexpr int64_t kFormatVersion = 1;
 
-// CRC-32 (IEEE 802.3, zlib's), continued from `crc` (0 to start).
-uint32_t crc32(const void* data, size_t n, uint32_t crc = 0);
-// CRC-32 of A followed by B from crc32(A), crc32(B) and B's length, without reading either
-// (a chunk's checksum, computed once, also extends the file's).
-uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 std::string hex32(uint32_t v);
 
 // ---- durable files -----------------------------------------------------------------------

@@ -14,9 +14,10 @@
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/format.h"
 #include "config/errors.h"
-#include "datasets/json_lite.h"
+#include "util/json.h"
 #include "models/llama/args.h"
 #include "models/mixtral/args.h"
+#include "util/strings.h"
 
 namespace fs = std::filesystem;
 
@@ -58,12 +59,6 @@ at::ScalarType torch_dtype_of(const std::string& dtype) {
   if (dtype == "float32") return at::kFloat;
   if (dtype == "bfloat16") return at::kBFloat16;
   return at::kHalf;
-}
-
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::string o = "[";
-  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-  return o + "]";
 }
 
 int64_t row_numel(const std::vector<int64_t>& shape) {

@@ -13,7 +13,7 @@
 
 #include "checkpoint/format.h"
 #include "config/errors.h"
-#include "datasets/json_lite.h"
+#include "util/json.h"
 
 namespace fs = std::filesystem;
 

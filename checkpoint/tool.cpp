@@ -22,6 +22,7 @@
 #include "config/errors.h"
 #include "models/llama/model.h"
 #include "models/mixtral/model.h"
+#include "util/strings.h"
 
 namespace fs = std::filesystem;
 
@@ -174,12 +175,6 @@ std::string flavor_from_shapes(const std::string& name, const std::map<std::stri
   throw UserError("checkpoint tool: the tensors of " + what + " match no " + name + " flavor; pass --flavor");
 }
 
-std::string shape_text(const std::vector<int64_t>& s) {
-  std::string o = "[";
-  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-  return o + "]";
-}
-
 // "step-<N>" -> N, else -1.
 int64_t step_of_folder_name(const std::string& path) {
   static const std::regex re("step-([0-9]+)");
@@ -197,7 +192,7 @@ void write_consolidated(const ModelTensors& m, const std::string& out_file, cons
   for (const auto& s : specs) {
     const at::Tensor t = m.read(s.name).to(scalar_type_named(s.dtype)).contiguous();
     TORCH_CHECK(t.sizes().vec() == s.shape, "[checkpoint tool] ", s.name, " read with shape ", t.sizes(),
-                ", declared ", shape_text(s.shape));
+                ", declared ", shape_str(s.shape));
     w.write(s.name, t.data_ptr(), t.nbytes());
   }
   w.commit();
@@ -402,7 +397,7 @@ std::string inspect_hf(const std::string& path, bool verify) {
   out << "  " << keys.size() << " tensors, " << bytes << " bytes\n";
   for (const auto& k : keys) {
     const auto& t = hf.info(k);
-    out << "  " << k << "  " << t.dtype << " " << shape_text(t.shape) << "  "
+    out << "  " << k << "  " << t.dtype << " " << shape_str(t.shape) << "  "
         << fs::path(hf.file_of(k)).filename().string() << "\n";
   }
   if (fs::exists(fs::path(path) / "COMPLETE")) {

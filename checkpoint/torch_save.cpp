@@ -11,6 +11,7 @@
 
 #include "checkpoint/format.h"
 #include "config/errors.h"
+#include "util/crc.h"
 
 namespace fs = std::filesystem;
 
@@ -363,7 +364,7 @@ void Writer::add_record(const std::string& record, const void* data, size_t n) {
     if (len >= 8 && rd(p, 4) == kDescriptorSig) combined_crc_ = hash_combine(combined_crc_, rd(p + 4, 4));
   };
   seen(name.data(), name.size());
-  const uint32_t crc = ckpt::crc32(data, n);
+  const uint32_t crc = crc::crc32(data, n);
   if (n) {
     seen(static_cast<const char*>(data), n);
     if (mem_)
@@ -580,7 +581,7 @@ Record check_entry(const char* p, size_t n, const CentralDirectory& cd, uint64_t
                         " run past the central directory (truncated or damaged)");
   if (method == 0) {
     if (comp != size) zip_fail(where, what + ": stored, but its sizes differ");
-    if (crc != 0 && ckpt::crc32(p + data, size) != crc)
+    if (crc != 0 && crc::crc32(p + data, size) != crc)
       zip_fail(where, what + ": its bytes do not match their CRC-32 (damaged)");
   }
   c += kCentralHeaderSize + nlen + xlen + clen;

@@ -1,4 +1,5 @@
 #include "components/cpu_allocator.h"
+#include "util/env.h"
 
 #include <unistd.h>
 
@@ -41,7 +42,7 @@ void* system_alloc(size_t n) {
 }
 
 int64_t default_max_cached() {
-  if (const char* e = std::getenv("CTITAN_CPU_CACHE_MAX_MIB")) return std::atoll(e) << 20;
+  if (const auto mib = runtime_env().cpu_cache_max_mib) return *mib << 20;
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
   const int64_t quarter = pages > 0 && page > 0 ? int64_t{pages} * page / 4 : int64_t{1} << 30;
   return std::min<int64_t>(quarter, int64_t{8} << 30);
@@ -171,7 +172,7 @@ bool install_caching_cpu_allocator() {
 #ifdef CTITAN_SANITIZE
   return false;
 #else
-  if (const char* e = std::getenv("CTITAN_CPU_ALLOCATOR"); e && std::string(e) == "system") return false;
+  if (runtime_env().cpu_allocator == "system") return false;
   static std::once_flag once;
   std::call_once(once, [] {
     auto& a = CachingCpuAllocator::self();

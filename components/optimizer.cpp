@@ -5,8 +5,8 @@
 #include <torch/torch.h>
 
 #include "config/errors.h"
-#include "models/device_route.h"
-#include "models/kernel_math.h"
+#include "kernels/device_route.h"
+#include "kernels/kernel_math.h"
 
 namespace ctitan {
 

@@ -1,6 +1,7 @@
 #include "components/system.h"
 
 #include "components/cpu_allocator.h"
+#include "util/env.h"
 
 #include <dlfcn.h>
 #include <malloc.h>
@@ -47,7 +48,7 @@ BlasInfo check_blas_and_warn() {
 
 int configure_threads(int64_t local_world_size) {
   int n = 0;
-  if (const char* env = std::getenv("OMP_NUM_THREADS"); env && *env) n = std::atoi(env);
+  if (const std::string& env = runtime_env().omp_num_threads; !env.empty()) n = std::atoi(env.c_str());
   if (n <= 0) {
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     n = std::max(1, cores / static_cast<int>(std::max<int64_t>(1, local_world_size)));

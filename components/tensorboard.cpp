@@ -13,22 +13,11 @@
 #include <spdlog/spdlog.h>
 
 #include "config/errors.h"
+#include "util/crc.h"
 
 namespace ctitan {
 namespace tensorboard {
 namespace {
-
-// Byte-at-a-time table of the reflected Castagnoli polynomial: metrics records are a few
-// hundred bytes per step, so the simplest correct form is fast enough.
-std::array<uint32_t, 256> make_crc32c_table() {
-  std::array<uint32_t, 256> t{};
-  for (uint32_t i = 0; i < 256; ++i) {
-    uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
-    t[i] = c;
-  }
-  return t;
-}
 
 // ---- protobuf wire format -------------------------------------------------------------
 enum WireType : uint32_t { kVarint = 0, kFixed64 = 1, kLengthDelimited = 2, kFixed32 = 5 };
@@ -84,16 +73,8 @@ double unix_seconds() {
 
 }  // namespace
 
-uint32_t crc32c(const void* data, size_t n, uint32_t crc) {
-  static const std::array<uint32_t, 256> table = make_crc32c_table();
-  const auto* p = static_cast<const unsigned char*>(data);
-  crc = ~crc;
-  for (size_t i = 0; i < n; ++i) crc = table[(crc ^ p[i]) & 0xff] ^ (crc >> 8);
-  return ~crc;
-}
-
 uint32_t masked_crc32c(const void* data, size_t n) {
-  const uint32_t c = crc32c(data, n);
+  const uint32_t c = crc::crc32c(data, n);
   return ((c >> 15) | (c << 17)) + 0xa282ead8u;
 }
 

@@ -25,8 +25,6 @@
 namespace ctitan {
 namespace tensorboard {
 
-// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78) of n bytes, continuing `crc`.
-uint32_t crc32c(const void* data, size_t n, uint32_t crc = 0);
 // The masked CRC TFRecord stores (so that a CRC of data holding CRCs is not degenerate).
 uint32_t masked_crc32c(const void* data, size_t n);
 

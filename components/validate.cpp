@@ -5,7 +5,7 @@
 
 #include "config/errors.h"
 #include "datasets/dataloader.h"
-#include "models/fused_ops.h"
+#include "kernels/fused_ops.h"
 
 namespace ctitan {
 namespace {

@@ -18,6 +18,7 @@
 
 #include "config/config_value.h"
 #include "config/errors.h"
+#include "util/strings.h"
 
 namespace ctitan {
 
@@ -51,12 +52,6 @@ std::string message(const std::string& where, const std::string& body) {
 
 std::string where_in_file(const std::string& file, size_t line) {
   return line ? file + ":" + std::to_string(line) : file;
-}
-
-std::string join(const std::vector<std::string>& items, const std::string& sep) {
-  std::string out;
-  for (size_t i = 0; i < items.size(); ++i) out += (i ? sep : "") + items[i];
-  return out;
 }
 
 // Problems found while reading one source; the one that comes first (TOML line, or

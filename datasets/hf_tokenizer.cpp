@@ -24,8 +24,8 @@
 #include <spdlog/spdlog.h>
 
 #include "config/errors.h"
-#include "config/text.h"
-#include "datasets/json_lite.h"
+#include "util/text.h"
+#include "util/json.h"
 
 namespace ctitan {
 namespace {

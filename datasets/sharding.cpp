@@ -5,7 +5,7 @@
 #include <tuple>
 
 #include "config/errors.h"
-#include "datasets/json_lite.h"
+#include "util/json.h"
 
 namespace ctitan {
 namespace {

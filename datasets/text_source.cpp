@@ -9,9 +9,10 @@
 #include <zlib.h>
 
 #include "config/errors.h"
-#include "config/text.h"
-#include "datasets/json_lite.h"
+#include "util/text.h"
+#include "util/json.h"
 #include "datasets/token_shard.h"
+#include "util/env.h"
 
 namespace ctitan {
 namespace fs = std::filesystem;
@@ -67,7 +68,7 @@ const std::vector<std::string>& known_datasets() {
 }
 
 std::string default_data_root(const std::string& repo_root) {
-  if (const char* env = std::getenv("CTITAN_DATA_DIR"); env != nullptr && *env != '\0') {
+  if (const std::string& env = runtime_env().data_dir; !env.empty()) {
     return env;
   }
   return repo_root + "/data";

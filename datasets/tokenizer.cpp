@@ -14,6 +14,7 @@
 #include "config/errors.h"
 #include "datasets/hf_tokenizer.h"
 #include "datasets/spm_shim.h"
+#include "util/env.h"
 
 namespace ctitan {
 namespace {
@@ -111,7 +112,7 @@ bool try_open(const std::string& path, ShimApi* api, std::string* tried) {
 
 ShimApi open_shim() {
   std::vector<std::pair<std::string, std::string>> candidates;  // (origin, path)
-  if (const char* env = std::getenv("CTITAN_SPM_SHIM"); env != nullptr && *env != '\0') {
+  if (const std::string& env = runtime_env().spm_shim; !env.empty()) {
     candidates.emplace_back("$CTITAN_SPM_SHIM", env);
   }
   if (const auto dir = executable_dir(); !dir.empty()) {

@@ -3,8 +3,8 @@
 #include <cmath>
 #include <limits>
 
-#include "models/flash_attention.h"
-#include "models/fused_ops.h"
+#include "kernels/flash_attention.h"
+#include "kernels/fused_ops.h"
 #include "models/init.h"
 #include "models/recompute.h"
 
@@ -50,7 +50,7 @@ void RMSNormImpl::reset_parameters() {
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  // One fused pass (models/fused_ops.h) computing the formula in the header.
+  // One fused pass (kernels/fused_ops.h) computing the formula in the header.
   return fused_rms_norm(x, weight, eps);
 }
 

@@ -84,7 +84,7 @@ struct KVCache {
 };
 
 // Grouped-query self-attention with RoPE; the attention itself is flash_causal_attention
-// (models/flash_attention.h), numerically the formula of causal_attention above. Parameters: wq [H*hd, D], wk/wv [KV*hd, D],
+// (kernels/flash_attention.h), numerically the formula of causal_attention above. Parameters: wq [H*hd, D], wk/wv [KV*hd, D],
 // wo [D, H*hd].
 class AttentionImpl : public torch::nn::Module {
  public:

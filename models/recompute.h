@@ -35,7 +35,7 @@
 #include <vector>
 
 #include <ATen/Tensor.h>
-#include "models/gemm.h"
+#include "kernels/gemm.h"
 
 namespace ctitan::recompute {
 

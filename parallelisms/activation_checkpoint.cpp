@@ -12,6 +12,7 @@
 #include "config/errors.h"
 #include "config/job_config.h"
 #include "models/recompute.h"
+#include "util/strings.h"
 
 namespace ctitan {
 
@@ -119,14 +120,6 @@ struct SuspendRecording {
   ~SuspendRecording() { --tl_recorder.suspended; }
 };
 
-std::string shape_text(const std::vector<int64_t>& s) {
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < s.size(); ++i) o << (i ? "," : "") << s[i];
-  o << "]";
-  return o.str();
-}
-
 // The first difference between what the forward and the recompute produced, as
 // "layers.3: recomputed tensor 18 has shape [1,50,32,128] but the forward saved [1,25,32,128]"
 // (positions count from 0, in the order the tensors were produced).
@@ -136,8 +129,8 @@ void check_same_metadata(const std::string& unit, const std::vector<TensorMeta>&
   for (size_t i = 0; i < n; ++i) {
     const std::string head = unit + ": recomputed tensor " + std::to_string(i);
     if (re[i].sizes != fwd[i].sizes)
-      throw RuntimeFailure(head + " has shape " + shape_text(re[i].sizes) + " but the forward saved " +
-                           shape_text(fwd[i].sizes));
+      throw RuntimeFailure(head + " has shape " + shape_str(re[i].sizes, ",") + " but the forward saved " +
+                           shape_str(fwd[i].sizes, ","));
     if (re[i].dtype != fwd[i].dtype)
       throw RuntimeFailure(head + " has dtype " + c10::toString(re[i].dtype) + " but the forward saved " +
                            c10::toString(fwd[i].dtype));
@@ -274,8 +267,8 @@ class RecomputeContext final : public recompute::Context {
       want.back() = w.size(0);
       if (kept.sizes().vec() != want)
         throw RuntimeFailure(r_.unit + ": recomputed matmul output " + std::to_string(k) +
-                             " has shape " + shape_text(want) + " but the forward saved " +
-                             shape_text(kept.sizes().vec()));
+                             " has shape " + shape_str(want, ",") + " but the forward saved " +
+                             shape_str(kept.sizes().vec(), ","));
       y = KeptLinear::apply(x, w, Kept{kept});
       ++r_.stats->reused_matmuls;
     } else {

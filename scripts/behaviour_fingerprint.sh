@@ -29,7 +29,7 @@ losses() {  # every step's loss as printed in metrics.jsonl (17 digits)
   python3 -c 'import json,sys
 for l in open(sys.argv[1]):
     r = json.loads(l)
-    if "loss" in r: print(r["step"], repr(r["loss"]))' "$1"
+    if "loss" in r: print(r["step"], "%.17g" % r["loss"])' "$1"
 }
 
 for cfg in debug_model mixtral_debug; do

@@ -16,6 +16,8 @@
 #include <sstream>
 #include <thread>
 
+#include "util/crc.h"
+#include "util/env.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/format.h"
 #include "checkpoint/tool.h"
@@ -180,26 +182,26 @@ struct RankState {
 // ---- format ----------------------------------------------------------------------------------
 
 TEST(CheckpointFormat, Crc32MatchesTheStandardCheckValue) {
-  EXPECT_EQ(ckpt::crc32("123456789", 9), 0xCBF43926u);
+  EXPECT_EQ(crc::crc32("123456789", 9), 0xCBF43926u);
   // Continuation equals one pass.
   const std::string s = "the quick brown fox jumps over the lazy dog, twice over";
-  EXPECT_EQ(ckpt::crc32(s.data() + 10, s.size() - 10, ckpt::crc32(s.data(), 10)), ckpt::crc32(s.data(), s.size()));
+  EXPECT_EQ(crc::crc32(s.data() + 10, s.size() - 10, crc::crc32(s.data(), 10)), crc::crc32(s.data(), s.size()));
   // Combining two parts' CRCs (what the writer does per chunk) equals one pass, any split.
   std::string big(70000, '\0');
   std::mt19937 rng(5);
   for (char& c : big) c = static_cast<char>(rng());
   for (size_t cut : {size_t{0}, size_t{1}, size_t{7}, size_t{4096}, size_t{69999}, big.size()})
-    EXPECT_EQ(ckpt::crc32_combine(ckpt::crc32(big.data(), cut), ckpt::crc32(big.data() + cut, big.size() - cut),
+    EXPECT_EQ(crc::crc32_combine(crc::crc32(big.data(), cut), crc::crc32(big.data() + cut, big.size() - cut),
                                   big.size() - cut),
-              ckpt::crc32(big.data(), big.size()))
+              crc::crc32(big.data(), big.size()))
         << cut;
   // And a file written through DurableFileWriter with precomputed chunk CRCs has the CRC of its bytes.
   const auto dir = temp_dir("crc");
   ckpt::DurableFileWriter w((dir / "f").string());
-  w.append(big.data(), 1000, ckpt::crc32(big.data(), 1000));
+  w.append(big.data(), 1000, crc::crc32(big.data(), 1000));
   w.append(big.data() + 1000, big.size() - 1000);
   w.commit();
-  EXPECT_EQ(w.crc(), ckpt::crc32(big.data(), big.size()));
+  EXPECT_EQ(w.crc(), crc::crc32(big.data(), big.size()));
   EXPECT_EQ(ckpt::read_whole_file((dir / "f").string()), big);
   fs::remove_all(dir);
 }
@@ -529,6 +531,7 @@ TEST(CheckpointFaults, ARankRaisingDuringSaveFailsEveryRankAndKeepsThePrevious) 
   const auto o = options_for(dir);
   const auto globals = global_params();
   setenv("CTITAN_CHECKPOINT_FAULT", "raise:2:2", 1);
+  reload_runtime_env();
   auto errs = run_ranks(3, [&](int r, CheckpointComm c) {
     RankState s(r, 3, o, c, globals);
     s.step(1);
@@ -537,6 +540,7 @@ TEST(CheckpointFaults, ARankRaisingDuringSaveFailsEveryRankAndKeepsThePrevious) 
     s.mgr->save(2, false);
   });
   unsetenv("CTITAN_CHECKPOINT_FAULT");
+  reload_runtime_env();
   for (int r = 0; r < 3; ++r)
     EXPECT_NE(errs[r].find("checkpoint save of step 2 failed on rank 2: injected fault"), std::string::npos)
         << errs[r];
@@ -556,6 +560,7 @@ TEST(CheckpointFaults, DcpSavesAreCompleteOnlyWithTheirMarker) {
   o.dcp = true;
   const auto globals = global_params();
   setenv("CTITAN_CHECKPOINT_FAULT", "raise:1:2", 1);
+  reload_runtime_env();
   auto errs = run_ranks(2, [&](int r, CheckpointComm c) {
     RankState s(r, 2, o, c, globals);
     s.step(1);
@@ -564,6 +569,7 @@ TEST(CheckpointFaults, DcpSavesAreCompleteOnlyWithTheirMarker) {
     s.mgr->save(2, false);
   });
   unsetenv("CTITAN_CHECKPOINT_FAULT");
+  reload_runtime_env();
   EXPECT_NE(errs[0].find("checkpoint save of step 2 failed on rank 1: injected fault"), std::string::npos) << errs[0];
   auto scan = ckpt::scan_folder(o.folder);
   EXPECT_EQ(scan.complete, (std::vector<int64_t>{1}));

@@ -10,7 +10,7 @@
 #include "config/config_value.h"
 #include "config/errors.h"
 #include "config/job_config.h"
-#include "config/text.h"
+#include "util/text.h"
 
 namespace ctitan {
 namespace {

@@ -26,6 +26,7 @@
 #include <zlib.h>
 
 #include "config/errors.h"
+#include "util/env.h"
 #include "datasets/dataloader.h"
 #include "datasets/text_source.h"
 #include "datasets/token_shard.h"
@@ -544,10 +545,13 @@ TEST(TextSource, ResolveDatasetPath) {
   const char* prior = std::getenv("CTITAN_DATA_DIR");
   const std::string saved = prior ? prior : "";
   ::setenv("CTITAN_DATA_DIR", "/custom/data", 1);
+  ctitan::reload_runtime_env();
   EXPECT_EQ(ctitan::default_data_root("/repo"), "/custom/data");
   ::unsetenv("CTITAN_DATA_DIR");
+  ctitan::reload_runtime_env();
   EXPECT_EQ(ctitan::default_data_root("/repo"), "/repo/data");
   if (prior != nullptr) ::setenv("CTITAN_DATA_DIR", saved.c_str(), 1);
+  ctitan::reload_runtime_env();
 }
 
 // Writes `content` gzip-compressed with zlib, as `members` concatenated gzip members (C4's

@@ -26,7 +26,7 @@
 
 #include "config/errors.h"
 #include "datasets/hf_tokenizer.h"
-#include "datasets/json_lite.h"
+#include "util/json.h"
 #include "datasets/text_source.h"
 #include "datasets/tokenizer.h"
 

@@ -22,6 +22,7 @@
 #include "checkpoint/tool.h"
 #include "components/metrics.h"
 #include "components/tensorboard.h"
+#include "util/crc.h"
 #include "datasets/dataloader.h"
 #include "datasets/tokenizer.h"
 #include "tests/e2e.h"
@@ -97,12 +98,12 @@ std::vector<std::map<std::string, double>> jsonl_records(const std::string& path
 
 TEST(TensorBoard, Crc32cMatchesTheStandardCheckValues) {
   // The CRC-32C check value, and RFC 3720's 32 zero bytes / 32 bytes 0xff vectors.
-  EXPECT_EQ(tensorboard::crc32c("123456789", 9), 0xE3069283u);
+  EXPECT_EQ(crc::crc32c("123456789", 9), 0xE3069283u);
   const std::string zeros(32, '\0'), ones(32, '\xff');
-  EXPECT_EQ(tensorboard::crc32c(zeros.data(), 32), 0x8A9136AAu);
-  EXPECT_EQ(tensorboard::crc32c(ones.data(), 32), 0x62A8AB43u);
+  EXPECT_EQ(crc::crc32c(zeros.data(), 32), 0x8A9136AAu);
+  EXPECT_EQ(crc::crc32c(ones.data(), 32), 0x62A8AB43u);
   // Continuing a CRC equals the CRC of the concatenation.
-  EXPECT_EQ(tensorboard::crc32c("6789", 4, tensorboard::crc32c("12345", 5)), 0xE3069283u);
+  EXPECT_EQ(crc::crc32c("6789", 4, crc::crc32c("12345", 5)), 0xE3069283u);
   const uint32_t c = 0xE3069283u;
   EXPECT_EQ(tensorboard::masked_crc32c("123456789", 9), ((c >> 15) | (c << 17)) + 0xa282ead8u);
 }

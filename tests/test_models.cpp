@@ -15,11 +15,11 @@
 #include <vector>
 
 #include "config/errors.h"
-#include "models/flash_attention.h"
-#include "models/fused_ops.h"
-#include "models/gemm.h"
+#include "kernels/flash_attention.h"
+#include "kernels/fused_ops.h"
+#include "kernels/gemm.h"
 #include "models/init.h"
-#include "models/kernel_math.h"
+#include "kernels/kernel_math.h"
 #include "models/layers.h"
 #include "models/llama/args.h"
 #include "models/llama/model.h"
@@ -579,7 +579,7 @@ TEST(Init, TruncNormalBoundsAndMean) {
   EXPECT_NEAR(w.to(torch::kDouble).std().item<double>(), 0.02, 0.0003);
 }
 
-// ---- Fused causal attention (models/flash_attention.h) ---------------------------------
+// ---- Fused causal attention (kernels/flash_attention.h) ---------------------------------
 namespace {
 
 struct AttnCase {
@@ -733,7 +733,7 @@ TEST(FlashAttention, NeverMaterialisesTheScoreMatrix) {
   EXPECT_GE(tl_max_output_numel, full_scores);
 }
 
-// ---- Fused element-wise layers (models/fused_ops.h) against their ATen formulas ---------
+// ---- Fused element-wise layers (kernels/fused_ops.h) against their ATen formulas ---------
 namespace {
 
 // The formulas the fused loops replace, in plain ATen ops (float32 math for bf16 inputs).
@@ -912,7 +912,7 @@ TEST(KernelMath, LanesComputeExactlyWhatTheScalarHelpersDo) {
   EXPECT_EQ(visited, n);
 }
 
-// ---- GEMM (models/gemm.h) against at::mm / at::linear -------------------------------------
+// ---- GEMM (kernels/gemm.h) against at::mm / at::linear -------------------------------------
 namespace {
 
 // op(M) as a [rows, cols] view of a row-major buffer with leading dimension ld (> the row

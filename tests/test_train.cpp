@@ -18,7 +18,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "config/job_config.h"
-#include "config/text.h"
+#include "util/text.h"
 #include "train.h"
 #include "tests/e2e.h"
 #include "tests/multiprocess.h"

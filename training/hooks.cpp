@@ -4,25 +4,20 @@
 
 #include <chrono>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <thread>
 
 #include "components/preemption.h"
 #include "config/errors.h"
+#include "util/env.h"
 
 namespace ctitan {
 namespace {
 
 void maybe_inject_oom(const RunProgress& at) {
-  static const char* f = std::getenv("CTITAN_FAULT");
-  if (!f || std::strncmp(f, "oom:", 4) != 0) return;
-  long r = -1, s = -1;
-  char phase[64] = {0};
-  if (std::sscanf(f + 4, "%ld:%ld:%63[^\n]", &r, &s, phase) != 3) return;
-  if (r != at.rank || s != at.step || at.phase != phase) return;
+  const auto& hook = runtime_env().fault;
+  if (!hook || hook->kind != "oom" || hook->detail.empty() || !hook->at(at.rank, at.step)) return;
+  if (at.phase != hook->detail) return;
   (void)torch::empty({int64_t{1} << 48}, torch::kFloat);  // 2^48 floats = 1 PiB
 }
 
@@ -35,14 +30,9 @@ void enter_phase(RunProgress& at, int64_t step, std::string name) {
 }
 
 void maybe_inject_fault(int64_t rank, int64_t step, double& loss, const std::vector<torch::Tensor>& params) {
-  const char* f = std::getenv("CTITAN_FAULT");
-  if (!f || !*f) return;
-  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  if (attempt && std::atoi(attempt) > 0) return;
-  char kind[16] = {0};
-  long r = -1, s = -1;
-  if (std::sscanf(f, "%15[^:]:%ld:%ld", kind, &r, &s) != 3 || r != rank || s != step) return;
-  const std::string k = kind;
+  const auto& hook = runtime_env().fault;
+  if (!hook || runtime_env().restart_count > 0 || !hook->at(rank, step)) return;
+  const std::string& k = hook->kind;
   if (k == "oom") return;  // maybe_inject_oom's
   if (k == "kill") raise(SIGKILL);
   if (k == "hang") std::this_thread::sleep_for(std::chrono::hours(1));
@@ -61,13 +51,13 @@ void maybe_inject_fault(int64_t rank, int64_t step, double& loss, const std::vec
         return;
       }
   }
-  throw RuntimeFailure("injected fault (CTITAN_FAULT=" + std::string(f) + ")");
+  throw RuntimeFailure("injected fault (CTITAN_FAULT=" + hook->spec + ")");
 }
 
 void maybe_trace_batch(const Batch& b, int64_t rank, int64_t step) {
-  static const char* prefix = std::getenv("CTITAN_TRACE_WINDOWS");
-  if (!prefix || !*prefix) return;
-  static std::ofstream out(std::string(prefix) + ".rank" + std::to_string(rank), std::ios::app);
+  const std::string& prefix = runtime_env().trace_windows;
+  if (prefix.empty()) return;
+  static std::ofstream out(prefix + ".rank" + std::to_string(rank), std::ios::app);
   for (int64_t i = 0; i < b.batch; ++i) {
     out << step;
     for (int64_t t = 0; t < b.seq; ++t) out << ' ' << b.inputs[i * b.seq + t];

@@ -17,7 +17,8 @@
 #include "components/system.h"
 #include "config/errors.h"
 #include "components/preemption.h"
-#include "models/fused_ops.h"
+#include "kernels/fused_ops.h"
+#include "util/strings.h"
 
 namespace fs = std::filesystem;
 
@@ -25,10 +26,6 @@ namespace ctitan {
 namespace {
 
 using Clock = Trainer::Clock;
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 // Seconds since this process started (/proc/self/stat's start time against /proc/uptime;
 // 10 ms resolution): start-up as the user waits for it, loading of shared libraries included.
@@ -189,7 +186,7 @@ void Trainer::forward_backward_step(int64_t step, int64_t micro, const torch::Te
   const double heap_before = heap_in_use_gib();
   enter_phase(p_.at, step, "forward" + of_micro(micro));
   // Token-sum cross-entropy / local_tokens, on float32 row statistics of the logits in
-  // their compute dtype (models/fused_ops.h: no float32 copy of [B·T, V]).
+  // their compute dtype (kernels/fused_ops.h: no float32 copy of [B·T, V]).
   auto logits = p_.model.forward(inputs);  // [B, T, V]
   auto loss = fused_cross_entropy(logits.view({B_ * T_, -1}), labels.view({B_ * T_}), 1.0 / local_tokens_);
   // What the forward left alive for backward (activations, logits): the heap growth.

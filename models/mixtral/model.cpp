@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "models/fused_ops.h"
+#include "kernels/fused_ops.h"
 #include "models/init.h"
 #include "models/transformer_math.h"
 #include "models/recompute.h"

@@ -1,5 +1,5 @@
-// Scalar helpers for ctitan's hand-written CPU loops (models/fused_ops.cpp,
-// models/flash_attention.cpp): branch-free, so GCC vectorises the loops that use them when
+// Scalar helpers for ctitan's hand-written CPU loops (kernels/fused_ops.cpp,
+// kernels/flash_attention.cpp): branch-free, so GCC vectorises the loops that use them when
 // the file is built with -fno-trapping-math (see CMakeLists.txt). Used by models/ and
 // components/optimizer.cpp.
 #pragma once

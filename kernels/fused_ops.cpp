@@ -1,6 +1,6 @@
-#include "models/fused_ops.h"
-#include "models/device_route.h"
-#include "models/kernel_math.h"
+#include "kernels/fused_ops.h"
+#include "kernels/device_route.h"
+#include "kernels/kernel_math.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>

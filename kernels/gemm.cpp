@@ -1,4 +1,5 @@
-#include "models/gemm.h"
+#include "kernels/gemm.h"
+#include "util/env.h"
 
 #include <ATen/record_function.h>
 #include <dlfcn.h>
@@ -103,8 +104,7 @@ Library find_library(Backend want) {
 
 const Library& library() {
   static const Library lib = [] {
-    const char* env = std::getenv("CTITAN_GEMM");
-    const std::string want = env ? env : "";
+    const std::string& want = runtime_env().gemm;
     if (want == "aten") return Library{};
     const Backend w = want == "onednn" ? Backend::OneDNN : want == "mkl" ? Backend::MKL : Backend::ATen;
     if (!want.empty() && w == Backend::ATen)

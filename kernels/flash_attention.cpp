@@ -1,7 +1,7 @@
-#include "models/flash_attention.h"
-#include "models/device_route.h"
-#include "models/gemm.h"
-#include "models/kernel_math.h"
+#include "kernels/flash_attention.h"
+#include "kernels/device_route.h"
+#include "kernels/gemm.h"
+#include "kernels/kernel_math.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>

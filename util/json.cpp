@@ -1,7 +1,7 @@
 // Strict recursive-descent JSON parser; see json_lite.h for what it accepts.
-#include "datasets/json_lite.h"
+#include "util/json.h"
 
-#include "config/text.h"
+#include "util/text.h"
 
 #include <cerrno>
 #include <cstdlib>

@@ -1,0 +1,91 @@
+// util/: the environment hooks' parser, the string helpers and the checksums, against
+// references written here (zlib itself for CRC-32, bit-at-a-time CRC-32C).
+#include <gtest/gtest.h>
+#include <zlib.h>
+
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "util/crc.h"
+#include "util/env.h"
+#include "util/strings.h"
+
+namespace ctitan {
+namespace {
+
+TEST(Util, FaultHookParsesKindRankStepAndDetail) {
+  const auto h = parse_fault_hook("oom:1:7:checkpoint save");
+  ASSERT_TRUE(h.has_value());
+  EXPECT_EQ(h->kind, "oom");
+  EXPECT_TRUE(h->at(1, 7));
+  EXPECT_FALSE(h->at(0, 7));
+  EXPECT_FALSE(h->at(1, 6));
+  EXPECT_EQ(h->detail, "checkpoint save");
+  EXPECT_EQ(h->spec, "oom:1:7:checkpoint save");
+  const auto k = parse_fault_hook("kill:0:3");
+  ASSERT_TRUE(k.has_value());
+  EXPECT_EQ(k->kind, "kill");
+  EXPECT_TRUE(k->detail.empty());
+  EXPECT_FALSE(parse_fault_hook("").has_value());
+  EXPECT_FALSE(parse_fault_hook("kill").has_value());
+  EXPECT_FALSE(parse_fault_hook("kill:x:3").has_value());
+}
+
+TEST(Util, RuntimeEnvIsReadOnceUntilReloaded) {
+  ::setenv("CTITAN_TRACE_WINDOWS", "/tmp/a", 1);
+  reload_runtime_env();
+  EXPECT_EQ(runtime_env().trace_windows, "/tmp/a");
+  ::setenv("CTITAN_TRACE_WINDOWS", "/tmp/b", 1);
+  EXPECT_EQ(runtime_env().trace_windows, "/tmp/a") << "read once";
+  reload_runtime_env();
+  EXPECT_EQ(runtime_env().trace_windows, "/tmp/b");
+  ::setenv("CTITAN_CHECKPOINT_FAULT", "raise:2:5", 1);
+  ::setenv("TORCHELASTIC_RESTART_COUNT", "3", 1);
+  reload_runtime_env();
+  ASSERT_TRUE(runtime_env().checkpoint_fault.has_value());
+  EXPECT_TRUE(runtime_env().checkpoint_fault->at(2, 5));
+  EXPECT_EQ(runtime_env().restart_count, 3);
+  ::unsetenv("CTITAN_TRACE_WINDOWS");
+  ::unsetenv("CTITAN_CHECKPOINT_FAULT");
+  ::unsetenv("TORCHELASTIC_RESTART_COUNT");
+  reload_runtime_env();
+  EXPECT_TRUE(runtime_env().trace_windows.empty());
+  EXPECT_FALSE(runtime_env().checkpoint_fault.has_value());
+  EXPECT_EQ(runtime_env().restart_count, 0);
+}
+
+TEST(Util, JoinAndShape) {
+  EXPECT_EQ(join({}, ", "), "");
+  EXPECT_EQ(join({"a", "b", "c"}, ", or "), "a, or b, or c");
+  EXPECT_EQ(shape_str({}), "[]");
+  EXPECT_EQ(shape_str({2, 3}), "[2, 3]");
+  EXPECT_EQ(shape_str({2, 3}, ","), "[2,3]");
+}
+
+uint32_t crc32c_bitwise(const std::string& s) {
+  uint32_t c = ~0u;
+  for (unsigned char b : s) {
+    c ^= b;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+  }
+  return ~c;
+}
+
+TEST(Util, CrcMatchesReferences) {
+  std::mt19937 rng(5);
+  std::string s(100003, '\0');
+  for (auto& ch : s) ch = static_cast<char>(rng());
+  const auto* p = reinterpret_cast<const Bytef*>(s.data());
+  EXPECT_EQ(crc::crc32("123456789", 9), 0xCBF43926u);
+  EXPECT_EQ(crc::crc32(s.data(), s.size()), static_cast<uint32_t>(::crc32(0, p, s.size())));
+  const size_t cut = 4097;
+  EXPECT_EQ(crc::crc32_combine(crc::crc32(s.data(), cut), crc::crc32(s.data() + cut, s.size() - cut), s.size() - cut),
+            crc::crc32(s.data(), s.size()));
+  EXPECT_EQ(crc::crc32c("123456789", 9), 0xE3069283u);
+  EXPECT_EQ(crc::crc32c(s.data(), s.size()), crc32c_bitwise(s));
+}
+
+}  // namespace
+}  // namespace ctitan
