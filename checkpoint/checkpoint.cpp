@@ -406,6 +406,47 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   }
 }
 
+namespace {
+
+// A DCP tensor item as ctitan's entry: its chunks, dim-0 slices covering its rows exactly once
+// (replicated when one chunk holds them all); the items' files are added to `files`.
+EntryMeta dcp_tensor_entry(const std::string& dir, const std::string& key, const dcp::Item& it,
+                           std::set<std::string>& files) {
+  EntryMeta e;
+  e.key = key;
+  e.dtype = it.dtype;
+  e.shape = it.size;
+  for (const auto& c : it.chunks) {
+    for (size_t d = 1; d < it.size.size(); ++d)
+      if (c.offsets[d] != 0 || c.sizes[d] != it.size[d])
+        throw RuntimeFailure("checkpoint " + dir + ": " + key + " is split along dimension " + std::to_string(d) +
+                             " (tensor parallel?); ctitan re-slices tensors sharded along dimension 0 (FSDP) only");
+    ChunkMeta cm;
+    cm.file = c.file;
+    cm.offset = c.offset;
+    cm.nbytes = c.length;
+    cm.encoding = ChunkMeta::Encoding::TorchSave;
+    cm.row_begin = it.size.empty() ? 0 : c.offsets[0];
+    cm.row_end = it.size.empty() ? 1 : c.offsets[0] + c.sizes[0];
+    if (cm.row_end > cm.row_begin) e.chunks.push_back(cm);
+    files.insert(c.file);
+  }
+  std::sort(e.chunks.begin(), e.chunks.end(),
+            [](const ChunkMeta& a, const ChunkMeta& b) { return a.row_begin < b.row_begin; });
+  int64_t next = 0;
+  for (const auto& c : e.chunks) {
+    if (c.row_begin != next) break;
+    next = c.row_end;
+  }
+  if (next != e.rows())
+    throw RuntimeFailure("checkpoint " + dir + " is corrupt: the chunks of " + key + " do not cover its " +
+                         std::to_string(e.rows()) + " rows exactly once");
+  e.rule = e.chunks.size() > 1 ? Rule::Sharded : Rule::Replicated;
+  return e;
+}
+
+}  // namespace
+
 // A DCP folder as ctitan's metadata: one entry per key, its chunks pointing at the items'
 // torch.save archives (dim-0 slices: FSDP's sharding, the only one re-sliced here).
 void CheckpointReader::open_dcp() {
@@ -450,34 +491,7 @@ void CheckpointReader::open_dcp() {
       e.chunks.push_back(cm);
       files.insert(c.file);
     } else {
-      e.dtype = it.dtype;
-      e.shape = it.size;
-      for (const auto& c : it.chunks) {
-        for (size_t d = 1; d < it.size.size(); ++d)
-          if (c.offsets[d] != 0 || c.sizes[d] != it.size[d])
-            throw RuntimeFailure("checkpoint " + dir_ + ": " + key + " is split along dimension " + std::to_string(d) +
-                                 " (tensor parallel?); ctitan re-slices tensors sharded along dimension 0 (FSDP) only");
-        ChunkMeta cm;
-        cm.file = c.file;
-        cm.offset = c.offset;
-        cm.nbytes = c.length;
-        cm.encoding = ChunkMeta::Encoding::TorchSave;
-        cm.row_begin = it.size.empty() ? 0 : c.offsets[0];
-        cm.row_end = it.size.empty() ? 1 : c.offsets[0] + c.sizes[0];
-        if (cm.row_end > cm.row_begin) e.chunks.push_back(cm);
-        files.insert(c.file);
-      }
-      std::sort(e.chunks.begin(), e.chunks.end(),
-                [](const ChunkMeta& a, const ChunkMeta& b) { return a.row_begin < b.row_begin; });
-      int64_t next = 0;
-      for (const auto& c : e.chunks) {
-        if (c.row_begin != next) break;
-        next = c.row_end;
-      }
-      if (next != e.rows())
-        throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: the chunks of " + key + " do not cover its " +
-                             std::to_string(e.rows()) + " rows exactly once");
-      e.rule = e.chunks.size() > 1 ? Rule::Sharded : Rule::Replicated;
+      e = dcp_tensor_entry(dir_, key, it, files);
     }
     meta_.entries.emplace(key, std::move(e));
   }
@@ -983,15 +997,34 @@ void CheckpointManager::finalize() {
 
 void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool model_only, bool async, bool hf) {
   const auto t0 = std::chrono::steady_clock::now();
-  const std::string tag = "checkpoint_save:step-" + std::to_string(step);
-  const std::string what = "checkpoint save of step " + std::to_string(step);
-  // What this rank will write: its own entries (replicated ones only on rank 0).
+  uint64_t bytes = 0;
+  std::vector<StateEntry> entries = collect_entries(model_only, hf, bytes);
+  const std::string stage = ckpt::staging_dir(folder, step);
+  agree_to_begin(folder, stage, step, bytes);
+  pending_ = std::make_unique<Pending>();
+  Pending& p = *pending_;
+  p.folder = folder;
+  p.stage = stage;
+  p.final_dir = ckpt::step_dir(folder, step);
+  p.step = step;
+  p.model_only = model_only;
+  p.hf = hf;
+  p.dcp = opt_.dcp && !hf;  // an HF final save is assembled from ctitan's own shard files
+  p.t0 = t0;
+  p.bytes = bytes;
+  stage_entries(entries, async, p);
+  p.entries = std::move(entries);
+  start_write(p, async);
+  p.blocked_s = seconds_since(t0);  // async: staging and starting the writer; sync: the whole write
+}
+
+// What this rank will write: its own entries (replicated ones only on rank 0), and their bytes.
+std::vector<StateEntry> CheckpointManager::collect_entries(bool model_only, bool hf, uint64_t& bytes) {
   StateDict sd;
   for (const auto& [name, s] : components_)
     if (!model_only || name == "model") s->state_dict(sd);
   if (opt_.dcp && !hf && !model_only && dcp_extras_) dcp_extras_(sd);
   std::vector<StateEntry> entries;
-  uint64_t bytes = 0;
   for (auto& e : sd.entries()) {
     if (e.rule == Rule::Replicated) e.save_here = comm_.rank == 0;
     if (!e.save_here) continue;
@@ -1003,12 +1036,17 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
     }
     entries.push_back(std::move(e));
   }
+  return entries;
+}
 
-  // Round 1: every rank agrees it saves this step (a rank on another path is reported, not
-  // waited for), rank 0 has prepared an empty staging folder, and every file system has room
-  // for what the ranks writing to it will write. Nothing is written before this passes.
+// Round 1: every rank agrees it saves this step (a rank on another path is reported, not
+// waited for), rank 0 has prepared an empty staging folder, and every file system has room
+// for what the ranks writing to it will write. Nothing is written before this passes.
+void CheckpointManager::agree_to_begin(const std::string& folder, const std::string& stage, int64_t step,
+                                       uint64_t bytes) {
+  const std::string tag = "checkpoint_save:step-" + std::to_string(step);
+  const std::string what = "checkpoint save of step " + std::to_string(step);
   std::string prep = "ok";
-  const std::string stage = ckpt::staging_dir(folder, step);
   if (comm_.rank == 0) {
     try {
       fs::create_directories(folder);
@@ -1023,16 +1061,12 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
   const std::string mine = "begin " + std::to_string(step) + " " + std::to_string(need) + " " +
                            std::to_string(space.free) + " " + space.id + " " + prep;
   auto all = agree(mine, tag + ":begin");
-  struct Begin {
-    uint64_t need = 0, free = 0;
-    std::string fs, prep;
-  };
-  std::vector<Begin> begins(static_cast<size_t>(comm_.world_size));
+  std::vector<SaveBegin> begins(static_cast<size_t>(comm_.world_size));
   for (int64_t r = 0; r < comm_.world_size; ++r) {
     std::istringstream in(all[r]);
     std::string word;
     int64_t their_step = -1;
-    Begin& b = begins[static_cast<size_t>(r)];
+    SaveBegin& b = begins[static_cast<size_t>(r)];
     if (!(in >> word >> their_step >> b.need >> b.free >> b.fs) || word != "begin" || their_step != step)
       throw RuntimeFailure(what + ": rank " + std::to_string(r) + " is not saving this step (it sent \"" +
                            one_line(all[r]) + "\"): the ranks took different paths");
@@ -1046,7 +1080,14 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
     throw RuntimeFailure(what + " " + why + " (" + previous_checkpoint_note(folder) + ")" + hint);
   };
   if (begins[0].prep != "ok") abandon("failed on rank 0: " + begins[0].prep.substr(6), "");
-  // Ranks sharing a file system (same host and device) need the sum of their bytes there.
+  const std::string short_of = space_shortage(folder, begins);
+  if (!short_of.empty())
+    abandon(short_of, " HINT: free space, lower checkpoint.keep_latest_k or move checkpoint.folder");
+}
+
+// Ranks sharing a file system (same host and device) need the sum of their bytes there: ""
+// when every file system has room, else why not.
+std::string CheckpointManager::space_shortage(const std::string& folder, const std::vector<SaveBegin>& begins) const {
   std::map<std::string, std::pair<uint64_t, std::vector<int64_t>>> per_fs;
   for (int64_t r = 0; r < comm_.world_size; ++r) {
     auto& [sum, ranks] = per_fs[begins[r].fs];
@@ -1054,31 +1095,22 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
     ranks.push_back(r);
   }
   for (const auto& [id, use] : per_fs) {
-    const Begin& b = begins[static_cast<size_t>(use.second.front())];
+    const SaveBegin& b = begins[static_cast<size_t>(use.second.front())];
     if (id == "unknown" || use.first <= b.free) continue;
     std::vector<std::string> rs;
     for (int64_t r : use.second) rs.push_back(std::to_string(r));
-    abandon("refused: not enough free space for " + folder + " on " + (rs.size() == 1 ? "rank " : "ranks ") +
-            join(rs, ", ") + ": needs " + ckpt::bytes_text(use.first) + ", " + ckpt::bytes_text(b.free) +
-            " free; nothing was written",
-            " HINT: free space, lower checkpoint.keep_latest_k or move checkpoint.folder");
+    return "refused: not enough free space for " + folder + " on " + (rs.size() == 1 ? "rank " : "ranks ") +
+           join(rs, ", ") + ": needs " + ckpt::bytes_text(use.first) + ", " + ckpt::bytes_text(b.free) +
+           " free; nothing was written";
   }
+  return "";
+}
 
-  pending_ = std::make_unique<Pending>();
-  Pending& p = *pending_;
-  p.folder = folder;
-  p.stage = stage;
-  p.final_dir = ckpt::step_dir(folder, step);
-  p.step = step;
-  p.model_only = model_only;
-  p.hf = hf;
-  p.dcp = opt_.dcp && !hf;  // an HF final save is assembled from ctitan's own shard files
-  p.t0 = t0;
-  p.bytes = bytes;
-  // A copy when the write runs in the background (training goes on modifying the tensors),
-  // into staging buffers kept from the previous async save when the layout is unchanged:
-  // copying into memory already mapped costs a fraction of fresh allocations' page faults
-  // (torchtitan keeps a pinned staging copy for the same reason).
+// A copy when the write runs in the background (training goes on modifying the tensors),
+// into staging buffers kept from the previous async save when the layout is unchanged:
+// copying into memory already mapped costs a fraction of fresh allocations' page faults
+// (torchtitan keeps a pinned staging copy for the same reason).
+void CheckpointManager::stage_entries(std::vector<StateEntry>& entries, bool async, Pending& p) {
   torch::NoGradGuard no_grad;
   // GPU tensors: copied to the pinned staging buffer, the copy the writer reads (either mode).
   std::vector<size_t> gpu;
@@ -1108,7 +1140,10 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
     e.tensor = buf;
   }
   if (async) staging_.resize(k);
-  p.entries = std::move(entries);
+}
+
+// Round 2 begins: this rank's files, written now or by a background thread.
+void CheckpointManager::start_write(Pending& p, bool async) {
   auto work = [this, &p] {
     const auto tw = std::chrono::steady_clock::now();
     try {
@@ -1131,7 +1166,6 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
     });
   else
     work();
-  p.blocked_s = seconds_since(t0);  // async: staging and starting the writer; sync: the whole write
 }
 
 void CheckpointManager::complete_save() {
@@ -1140,10 +1174,48 @@ void CheckpointManager::complete_save() {
   if (p.thread.joinable()) p.thread.join();
   const std::string tag = "checkpoint_save:step-" + std::to_string(p.step);
   const std::string what = "checkpoint save of step " + std::to_string(p.step);
-  std::vector<std::string> all;
+  const std::vector<std::string> all = agree_written(p);
+  const std::string previous = previous_checkpoint_note(p.folder);
+  std::vector<std::string> failed;
+  for (int64_t r = 0; r < comm_.world_size; ++r)
+    if (all[r].rfind("ok\n", 0) != 0) failed.push_back("rank " + std::to_string(r) + ": " + all[r].substr(6));
+  if (!failed.empty()) {
+    if (comm_.rank == 0) {
+      std::error_code ec;
+      fs::remove_all(p.stage, ec);
+    }
+    pending_.reset();
+    throw RuntimeFailure(what + " failed on " + join(failed, "; ") + " (" + previous + ")");
+  }
+  // Round 3: rank 0 writes metadata and the marker, then moves the folder into place.
+  const std::string commit = comm_.rank == 0 ? commit_on_rank0(p, all) : "ok";
+  auto committed = agree(commit, tag + ":commit");
+  if (committed[0] != "ok") {
+    pending_.reset();
+    throw RuntimeFailure(what + " failed on rank 0 while committing: " + committed[0].substr(6) + " (" + previous +
+                         ")");
+  }
+  // Sync: the total is the whole collective save; async: it spans the training steps in between.
+  p.blocked_s += seconds_since(t_complete);
+  spdlog::info("checkpoint: saved step {}{} to {} ({:.1f} MiB on this rank, {:.2f} s; file written in {:.2f} s; "
+               "training blocked {:.2f} s)",
+               p.step, p.hf ? " (model only, HF safetensors)" : p.model_only ? " (model only)" : "", p.final_dir,
+               p.bytes / double(1 << 20), seconds_since(p.t0), p.write_s, p.blocked_s);
+  last_saved_step_ = p.step;
+  const std::string folder = p.folder;
+  const bool regular = folder == opt_.folder;
+  pending_.reset();
+  if (regular && comm_.rank == 0) purge(folder);
+}
+
+// Every rank's write status ("ok\n<its file, chunk and entry records>" or "error ..."). A rank
+// that never arrives (died or stalled) is named, and the save abandoned.
+std::vector<std::string> CheckpointManager::agree_written(Pending& p) {
+  const std::string tag = "checkpoint_save:step-" + std::to_string(p.step);
+  const std::string what = "checkpoint save of step " + std::to_string(p.step);
   if (comm_.arrive) comm_.arrive(tag + ":written");
   try {
-    all = agree(p.status, tag + ":written");
+    return agree(p.status, tag + ":written");
   } catch (const CollectiveFailure& e) {
     std::string who;
     if (comm_.missing) {
@@ -1160,98 +1232,75 @@ void CheckpointManager::complete_save() {
     pending_.reset();
     throw CollectiveFailure(what + " failed: " + who + e.what());
   }
-  std::vector<std::string> failed;
-  for (int64_t r = 0; r < comm_.world_size; ++r)
-    if (all[r].rfind("ok\n", 0) != 0) failed.push_back("rank " + std::to_string(r) + ": " + all[r].substr(6));
-  const std::string previous = previous_checkpoint_note(p.folder);
-  if (!failed.empty()) {
-    if (comm_.rank == 0) {
-      std::error_code ec;
-      fs::remove_all(p.stage, ec);
-    }
-    pending_.reset();
-    throw RuntimeFailure(what + " failed on " + join(failed, "; ") + " (" + previous + ")");
-  }
+}
 
-  // Round 3: rank 0 writes metadata and the marker, then moves the folder into place.
-  std::string commit = "ok";
-  if (comm_.rank == 0 && p.dcp) {
-    try {
+// Rank 0's part of round 3: the metadata (ctitan's or DCP's), the marker, the HF assembly of a
+// final HF save, the folder moved into place. Returns "ok" or "error <why>".
+std::string CheckpointManager::commit_on_rank0(Pending& p, const std::vector<std::string>& all) {
+  try {
+    if (p.dcp) {
       write_dcp_metadata(all, p.stage, p.step);
       publish_stage(p.stage, p.final_dir, p.folder);
-    } catch (const std::exception& e) {
-      commit = "error " + one_line(e.what());
+      return "ok";
     }
-  } else if (comm_.rank == 0) {
-    try {
-      Metadata m;
-      m.step = p.step;
-      m.world_size = comm_.world_size;
-      m.dp_replicate = opt_.dp_replicate;
-      m.dp_shard = opt_.dp_shard;
-      m.model_name = opt_.model_name;
-      m.model_flavor = opt_.model_flavor;
-      m.model_only = p.model_only;
-      std::string head = "ctitan-checkpoint " + std::to_string(ckpt::kFormatVersion) + "\nstep " +
-                         std::to_string(m.step) + "\nworld_size " + std::to_string(m.world_size) + "\ndp " +
-                         std::to_string(m.dp_replicate) + " " + std::to_string(m.dp_shard) + "\nmodel " +
-                         m.model_name + " " + m.model_flavor + "\nmodel_only " + (m.model_only ? "1" : "0") + "\n";
-      std::string files, chunks;
-      std::map<std::string, std::string> entries;  // key → entry record (identical on every rank)
-      for (int64_t r = 0; r < comm_.world_size; ++r) {
-        std::istringstream in(all[r].substr(3));
-        for (std::string line; std::getline(in, line);) {
-          if (line.rfind("file ", 0) == 0) {
-            files += line + "\n";
-          } else if (line.rfind("chunk ", 0) == 0) {
-            chunks += line + "\n";
-          } else if (line.rfind("entry ", 0) == 0) {
-            const std::string key = line.substr(6, line.find(' ', 6) - 6);
-            auto [it, fresh] = entries.emplace(key, line);
-            TORCH_CHECK(fresh || it->second == line, "[checkpoint] ranks disagree on ", key, ": ", it->second,
-                        " vs ", line);
-          }
-        }
+    const std::string text = metadata_text(p, all);
+    Metadata::parse(text, "checkpoint metadata of step " + std::to_string(p.step));  // validates coverage
+    ckpt::write_file_durable((fs::path(p.stage) / "metadata").string(), text);
+    ckpt::write_file_durable((fs::path(p.stage) / "COMPLETE").string(), ckpt::complete_marker_text(p.step, text));
+    if (p.hf) {
+      // As torchtitan's HF storage writer with consolidation: every rank wrote its shards,
+      // one rank assembles the full tensors into the safetensors file. The shard files go;
+      // the marker then covers the HF index instead of the metadata.
+      const std::string index = write_hf_from_checkpoint(CheckpointReader(p.stage), p.stage, "");
+      for (const auto& de : fs::directory_iterator(p.stage)) {
+        const std::string n = de.path().filename().string();
+        if (n.rfind("rank", 0) == 0 || n == "metadata") fs::remove(de.path());
       }
-      std::string text = head + files;
-      for (const auto& kv : entries) text += kv.second + "\n";
-      text += chunks + "end\n";
-      Metadata::parse(text, "checkpoint metadata of step " + std::to_string(p.step));  // validates coverage
-      ckpt::write_file_durable((fs::path(p.stage) / "metadata").string(), text);
-      ckpt::write_file_durable((fs::path(p.stage) / "COMPLETE").string(), ckpt::complete_marker_text(p.step, text));
-      if (p.hf) {
-        // As torchtitan's HF storage writer with consolidation: every rank wrote its shards,
-        // one rank assembles the full tensors into the safetensors file. The shard files go;
-        // the marker then covers the HF index instead of the metadata.
-        const std::string index = write_hf_from_checkpoint(CheckpointReader(p.stage), p.stage, "");
-        for (const auto& de : fs::directory_iterator(p.stage)) {
-          const std::string n = de.path().filename().string();
-          if (n.rfind("rank", 0) == 0 || n == "metadata") fs::remove(de.path());
-        }
-        ckpt::write_file_durable((fs::path(p.stage) / "COMPLETE").string(), ckpt::hf_complete_marker_text(p.step, index));
+      ckpt::write_file_durable((fs::path(p.stage) / "COMPLETE").string(), ckpt::hf_complete_marker_text(p.step, index));
+    }
+    // An older checkpoint of the same step (load_step rewound the run) is replaced only now.
+    publish_stage(p.stage, p.final_dir, p.folder);
+    return "ok";
+  } catch (const std::exception& e) {
+    return "error " + one_line(e.what());
+  }
+}
+
+// The metadata file's text: the header, then every rank's file records, the entries (which
+// every rank must describe alike) and the chunks.
+std::string CheckpointManager::metadata_text(const Pending& p, const std::vector<std::string>& all) const {
+  Metadata m;
+  m.step = p.step;
+  m.world_size = comm_.world_size;
+  m.dp_replicate = opt_.dp_replicate;
+  m.dp_shard = opt_.dp_shard;
+  m.model_name = opt_.model_name;
+  m.model_flavor = opt_.model_flavor;
+  m.model_only = p.model_only;
+  std::string head = "ctitan-checkpoint " + std::to_string(ckpt::kFormatVersion) + "\nstep " +
+                     std::to_string(m.step) + "\nworld_size " + std::to_string(m.world_size) + "\ndp " +
+                     std::to_string(m.dp_replicate) + " " + std::to_string(m.dp_shard) + "\nmodel " + m.model_name +
+                     " " + m.model_flavor + "\nmodel_only " + (m.model_only ? "1" : "0") + "\n";
+  std::string files, chunks;
+  std::map<std::string, std::string> entries;  // key → entry record (identical on every rank)
+  for (int64_t r = 0; r < comm_.world_size; ++r) {
+    std::istringstream in(all[r].substr(3));
+    for (std::string line; std::getline(in, line);) {
+      if (line.rfind("file ", 0) == 0) {
+        files += line + "\n";
+      } else if (line.rfind("chunk ", 0) == 0) {
+        chunks += line + "\n";
+      } else if (line.rfind("entry ", 0) == 0) {
+        const std::string key = line.substr(6, line.find(' ', 6) - 6);
+        auto [it, fresh] = entries.emplace(key, line);
+        TORCH_CHECK(fresh || it->second == line, "[checkpoint] ranks disagree on ", key, ": ", it->second, " vs ",
+                    line);
       }
-      // An older checkpoint of the same step (load_step rewound the run) is replaced only now.
-      publish_stage(p.stage, p.final_dir, p.folder);
-    } catch (const std::exception& e) {
-      commit = "error " + one_line(e.what());
     }
   }
-  auto committed = agree(commit, tag + ":commit");
-  if (committed[0] != "ok") {
-    pending_.reset();
-    throw RuntimeFailure(what + " failed on rank 0 while committing: " + committed[0].substr(6) + " (" + previous + ")");
-  }
-  // Sync: the total is the whole collective save; async: it spans the training steps in between.
-  p.blocked_s += seconds_since(t_complete);
-  spdlog::info("checkpoint: saved step {}{} to {} ({:.1f} MiB on this rank, {:.2f} s; file written in {:.2f} s; "
-               "training blocked {:.2f} s)",
-               p.step, p.hf ? " (model only, HF safetensors)" : p.model_only ? " (model only)" : "", p.final_dir,
-               p.bytes / double(1 << 20), seconds_since(p.t0), p.write_s, p.blocked_s);
-  last_saved_step_ = p.step;
-  const std::string folder = p.folder;
-  const bool regular = folder == opt_.folder;
-  pending_.reset();
-  if (regular && comm_.rank == 0) purge(folder);
+  std::string text = head + files;
+  for (const auto& kv : entries) text += kv.second + "\n";
+  return text + chunks + "end\n";
 }
 
 void CheckpointManager::purge(const std::string& folder) {
@@ -1272,197 +1321,248 @@ void CheckpointManager::purge(const std::string& folder) {
   }
 }
 
-LoadResult CheckpointManager::load() {
-  LoadResult res;
-  if (!opt_.enable) return res;
-  const auto scan = ckpt::scan_folder(opt_.folder);
-  if (comm_.rank == 0) {
-    for (const auto& [dir, why] : scan.incomplete)
-      spdlog::warn("checkpoint: ignoring {}: {}", dir, why);
-    for (const auto& dir : scan.staging) {
-      spdlog::warn("checkpoint: removing {} (a save that did not finish)", dir);
-      std::error_code ec;
-      fs::remove_all(dir, ec);
-    }
+// ---- load: find the step, decide what to load, read, apply, fall back ----------------------
+
+namespace {
+
+// Rank 0: what the folder holds that is not a complete checkpoint (an unfinished save's
+// staging folder is removed).
+void report_unfinished(const ckpt::FolderScan& scan) {
+  for (const auto& [dir, why] : scan.incomplete)
+    spdlog::warn("checkpoint: ignoring {}: {}", dir, why);
+  for (const auto& dir : scan.staging) {
+    spdlog::warn("checkpoint: removing {} (a save that did not finish)", dir);
+    std::error_code ec;
+    fs::remove_all(dir, ec);
   }
-  std::string path;
+}
+
+// "; or set checkpoint.load_step = <s>" for the newest complete checkpoint before `step`.
+std::string earlier_hint(const std::string& folder, const std::vector<int64_t>& complete, int64_t step) {
+  for (auto it = complete.rbegin(); it != complete.rend(); ++it)
+    if (*it < step && !ckpt::is_hf_step(ckpt::step_dir(folder, *it)))
+      return "; or set checkpoint.load_step = " + std::to_string(*it) + " to resume the earlier checkpoint";
+  return std::string();
+}
+
+// A folder of HF safetensors (checkpoint.last_save_in_hf) cannot resume training.
+void check_not_hf_weights(const std::string& path, const std::string& folder, const std::vector<int64_t>& complete) {
+  std::error_code ec;
+  if (!ckpt::is_hf_step(path) && !(is_hf_folder(path) && !fs::exists(fs::path(path) / "metadata", ec))) return;
+  std::smatch sm;
+  const std::string name = fs::path(path).filename().string();
+  static const std::regex step_re("step-([0-9]+)");
+  const int64_t step = std::regex_match(name, sm, step_re) ? std::stoll(sm[1]) : -1;
+  throw UserError("checkpoint " + path + " holds model weights only, as HF safetensors (checkpoint.last_save_in_hf), "
+                  "not the optimizer, schedule and data state needed to resume training; to start a new run from "
+                  "these weights, set checkpoint.initial_load_path = \"" + path +
+                  "\" and checkpoint.initial_load_in_hf = true with another checkpoint.folder" +
+                  (step >= 0 ? earlier_hint(folder, complete, step) : ""));
+}
+
+}  // namespace
+
+// The checkpoint load() chose: where, how, and the older ones to fall back to.
+struct CheckpointManager::LoadChoice {
+  std::string path;  // empty: nothing to load
   bool model_only_requested = false;
   bool from_hf = false;
-  std::string choose_error;
+  std::string error;                // load_step names no complete checkpoint
+  std::vector<std::string> older;   // complete checkpoints older than path, newest first
+  std::vector<int64_t> complete;    // the folder's complete steps, ascending
+};
+
+// One try at loading a checkpoint: its reader and the components it loads.
+struct CheckpointManager::LoadAttempt {
+  std::unique_ptr<CheckpointReader> reader;
+  std::vector<std::pair<std::string, Stateful*>> todo;
+  bool model_only = false;
+  std::chrono::steady_clock::time_point t0;
+};
+
+LoadResult CheckpointManager::load() {
+  if (!opt_.enable) return LoadResult();
+  const auto scan = ckpt::scan_folder(opt_.folder);
+  if (comm_.rank == 0) report_unfinished(scan);
+  LoadChoice choice = choose_checkpoint(scan);
+  agree_on_choice(choice);
+  if (choice.path.empty()) {
+    if (comm_.rank == 0) spdlog::info("checkpoint: no checkpoint in {}: training starts from scratch", opt_.folder);
+    return LoadResult();
+  }
+  if (choice.from_hf) return load_hf(choice.path);
+  LoadAttempt a;
+  load_with_fallback(choice, a);
+  return finish_load(a, choice.path);
+}
+
+// Finds the step: load_step, else the newest complete checkpoint of the folder, else
+// initial_load_path. The newest complete checkpoint, chosen automatically, may still be
+// damaged: `older` lists the ones to fall back to.
+CheckpointManager::LoadChoice CheckpointManager::choose_checkpoint(const ckpt::FolderScan& scan) const {
+  LoadChoice c;
+  c.complete = scan.complete;
   if (opt_.load_step >= 0) {
-    path = ckpt::step_dir(opt_.folder, opt_.load_step);
+    c.path = ckpt::step_dir(opt_.folder, opt_.load_step);
     std::error_code ec;
     const std::string why =
-        fs::is_directory(path, ec) ? ckpt::incomplete_reason(path, opt_.load_step) : "it does not exist";
+        fs::is_directory(c.path, ec) ? ckpt::incomplete_reason(c.path, opt_.load_step) : "it does not exist";
     if (!why.empty()) {
       std::vector<std::string> have;
       for (int64_t s : scan.complete) have.push_back("step-" + std::to_string(s));
-      choose_error = "checkpoint.load_step = " + std::to_string(opt_.load_step) + ": " + path +
-                     " is not a complete checkpoint (" + why + "); complete checkpoints in " + opt_.folder + ": " +
-                     (have.empty() ? "none" : join(have, ", "));
+      c.error = "checkpoint.load_step = " + std::to_string(opt_.load_step) + ": " + c.path +
+                " is not a complete checkpoint (" + why + "); complete checkpoints in " + opt_.folder + ": " +
+                (have.empty() ? "none" : join(have, ", "));
     }
   } else if (!scan.complete.empty()) {
-    path = ckpt::step_dir(opt_.folder, scan.complete.back());
+    c.path = ckpt::step_dir(opt_.folder, scan.complete.back());
     if (!opt_.initial_load_path.empty() && comm_.rank == 0)
       spdlog::warn("checkpoint: {} holds checkpoints, so checkpoint.initial_load_path = {} is not used",
                    opt_.folder, opt_.initial_load_path);
+    for (auto it = scan.complete.rbegin() + 1; it != scan.complete.rend(); ++it)
+      if (!ckpt::is_hf_step(ckpt::step_dir(opt_.folder, *it))) c.older.push_back(ckpt::step_dir(opt_.folder, *it));
   } else if (!opt_.initial_load_path.empty()) {
-    path = opt_.initial_load_path;
-    model_only_requested = opt_.initial_load_model_only;
-    from_hf = opt_.initial_load_in_hf;
+    c.path = opt_.initial_load_path;
+    c.model_only_requested = opt_.initial_load_model_only;
+    c.from_hf = opt_.initial_load_in_hf;
   }
-  // Every rank must have chosen the same checkpoint (a folder not shared by all ranks
-  // would otherwise load different states).
-  auto chosen = agree(path + "\n" + choose_error, "checkpoint_load:choose");
+  return c;
+}
+
+// Every rank must have chosen the same checkpoint (a folder not shared by all ranks would
+// otherwise load different states). Collective; then a bad load_step is the user's error.
+void CheckpointManager::agree_on_choice(const LoadChoice& c) {
+  auto chosen = agree(c.path + "\n" + c.error, "checkpoint_load:choose");
   for (int64_t r = 1; r < comm_.world_size; ++r)
     if (chosen[r] != chosen[0])
       throw RuntimeFailure("checkpoint: ranks chose different checkpoints (rank 0: \"" + one_line(chosen[0]) +
                            "\", rank " + std::to_string(r) + ": \"" + one_line(chosen[r]) +
                            "\"); is checkpoint.folder on a file system every rank shares?");
-  if (!choose_error.empty()) throw UserError(choose_error);
-  if (path.empty()) {
-    if (comm_.rank == 0) spdlog::info("checkpoint: no checkpoint in {}: training starts from scratch", opt_.folder);
-    return res;
+  if (!c.error.empty()) throw UserError(c.error);
+}
+
+// Runs fn on every rank, then agrees: when any rank failed, every rank throws (its own
+// error, or the first failing rank's), so none is left waiting in a later collective.
+void CheckpointManager::agreed(const std::string& tag, const std::function<void()>& fn) {
+  std::string status = "ok";
+  std::exception_ptr mine;
+  try {
+    fn();
+  } catch (const CollectiveFailure&) {
+    throw;
+  } catch (const UserError& e) {
+    status = "user " + one_line(e.what());
+    mine = std::current_exception();
+  } catch (const std::exception& e) {
+    status = "fail " + one_line(e.what());
+    mine = std::current_exception();
   }
+  auto all = agree(status, tag);
+  if (mine) std::rethrow_exception(mine);
+  for (int64_t r = 0; r < comm_.world_size; ++r) {
+    if (all[r] == "ok") continue;
+    const std::string msg = "checkpoint load failed on rank " + std::to_string(r) + ": " + all[r].substr(5);
+    if (all[r].rfind("user ", 0) == 0) throw UserError(msg);
+    throw RuntimeFailure(msg);
+  }
+}
 
-  // Runs fn on every rank, then agrees: when any rank failed, every rank throws (its own
-  // error, or the first failing rank's), so none is left waiting in a later collective.
-  auto agreed = [&](const std::string& tag, const std::function<void()>& fn) {
-    std::string status = "ok";
-    std::exception_ptr mine;
-    try {
-      fn();
-    } catch (const CollectiveFailure&) {
-      throw;
-    } catch (const UserError& e) {
-      status = "user " + one_line(e.what());
-      mine = std::current_exception();
-    } catch (const std::exception& e) {
-      status = "fail " + one_line(e.what());
-      mine = std::current_exception();
-    }
-    auto all = agree(status, tag);
-    if (mine) std::rethrow_exception(mine);
-    for (int64_t r = 0; r < comm_.world_size; ++r) {
-      if (all[r] == "ok") continue;
-      const std::string msg = "checkpoint load failed on rank " + std::to_string(r) + ": " + all[r].substr(5);
-      if (all[r].rfind("user ", 0) == 0) throw UserError(msg);
-      throw RuntimeFailure(msg);
-    }
-  };
-
-  // "; or set checkpoint.load_step = <s>" for the newest complete checkpoint before `step`.
-  auto earlier_hint = [&](int64_t step) {
-    for (auto it = scan.complete.rbegin(); it != scan.complete.rend(); ++it)
-      if (*it < step && !ckpt::is_hf_step(ckpt::step_dir(opt_.folder, *it)))
-        return "; or set checkpoint.load_step = " + std::to_string(*it) + " to resume the earlier checkpoint";
-    return std::string();
-  };
-
-  if (from_hf) return load_hf(path, agreed);
-
-  // Checks `path` against this job on every rank, then loads it (both agreed).
-  std::unique_ptr<CheckpointReader> reader;
-  std::vector<std::pair<std::string, Stateful*>> todo;
-  bool model_only = false;
-  std::chrono::steady_clock::time_point t0;
-  auto load_path = [&] {
-    reader.reset();
-    todo.clear();
-    agreed("checkpoint_load:check", [&] {
-      std::error_code ec;
-      if (ckpt::is_hf_step(path) || (is_hf_folder(path) && !fs::exists(fs::path(path) / "metadata", ec))) {
-        std::smatch sm;
-        const std::string name = fs::path(path).filename().string();
-        static const std::regex step_re("step-([0-9]+)");
-        const int64_t step = std::regex_match(name, sm, step_re) ? std::stoll(sm[1]) : -1;
-        throw UserError("checkpoint " + path + " holds model weights only, as HF safetensors (checkpoint.last_save_in_hf), "
-                        "not the optimizer, schedule and data state needed to resume training; to start a new run from "
-                        "these weights, set checkpoint.initial_load_path = \"" + path +
-                        "\" and checkpoint.initial_load_in_hf = true with another checkpoint.folder" +
-                        (step >= 0 ? earlier_hint(step) : ""));
-      }
-      reader = std::make_unique<CheckpointReader>(path);
-      const Metadata& m = reader->meta();
-      if (!reader->is_dcp() && (m.model_name != opt_.model_name || m.model_flavor != opt_.model_flavor))
-        throw UserError("checkpoint " + path + " holds a " + m.model_name + " \"" + m.model_flavor +
-                        "\" model; this run builds " + opt_.model_name + " \"" + opt_.model_flavor +
-                        "\" (model.name / model.flavor must match)");
-      if (m.model_only && !model_only_requested && m.step != 0) {
-        const std::string hint = earlier_hint(m.step);
-        throw UserError("checkpoint " + path + " holds model weights only (checkpoint.last_save_model_only), not the "
-                        "optimizer, schedule and data state needed to resume training; to start a new run from these "
-                        "weights, set checkpoint.initial_load_path = \"" + path +
-                        "\" and checkpoint.initial_load_model_only = true with another checkpoint.folder" + hint);
-      }
-      model_only = model_only_requested || m.model_only;
-      for (const auto& [name, s] : components_) {
-        const bool excluded = std::find(opt_.exclude_from_loading.begin(), opt_.exclude_from_loading.end(), name) !=
-                              opt_.exclude_from_loading.end();
-        if (model_only && name != "model") continue;
-        if (excluded) {
-          if (comm_.rank == 0)
-            spdlog::warn("checkpoint: not loading {} (checkpoint.exclude_from_loading){}", name,
-                         name == "dataloader" ? ": the data order starts afresh" : "");
-          continue;
-        }
-        todo.emplace_back(name, s);
-      }
-      if (reader->is_foreign_dcp())
-        for (const auto& t : todo)
-          if (t.first == "dataloader")
-            throw UserError("checkpoint " + path + " is a torch.distributed.checkpoint folder ctitan did not write "
-                            "(torchtitan's?): its dataloader state (a pickled Python data-loader state) is not "
-                            "transferable to ctitan; set checkpoint.exclude_from_loading = [\"dataloader\"] to load "
-                            "the rest and start a fresh data order");
-      for (const auto& [name, s] : todo) s->check_load(*reader);
-    });
-    t0 = std::chrono::steady_clock::now();
-    agreed("checkpoint_load:load", [&] {
-      for (const auto& [name, s] : todo) s->load_state_dict(*reader);
-    });
-  };
-
-  // The newest complete checkpoint, chosen automatically, may still be damaged (a flipped
-  // byte, a truncated file, an unreadable disk): then every rank (the failure is agreed)
-  // warns and falls back to the next older complete checkpoint, so a re-run resumes from the
-  // newest checkpoint that loads. A checkpoint named by load_step or initial_load_path fails.
-  std::vector<std::string> older;
-  if (opt_.load_step < 0 && !scan.complete.empty() && path == ckpt::step_dir(opt_.folder, scan.complete.back()))
-    for (auto it = scan.complete.rbegin() + 1; it != scan.complete.rend(); ++it)
-      if (!ckpt::is_hf_step(ckpt::step_dir(opt_.folder, *it))) older.push_back(ckpt::step_dir(opt_.folder, *it));
+// A checkpoint that fails to load for another reason than the user's input (a flipped byte,
+// a truncated file, an unreadable disk) makes every rank (the failure is agreed) warn and
+// fall back to the next older complete checkpoint, so a re-run resumes from the newest one
+// that loads. A checkpoint named by load_step or initial_load_path has no older ones: it fails.
+void CheckpointManager::load_with_fallback(LoadChoice& c, LoadAttempt& a) {
   for (size_t next_older = 0;; ++next_older) {
     try {
-      load_path();
-      break;
+      load_from(c, a);
+      return;
     } catch (const CollectiveFailure&) {
       throw;
     } catch (const UserError&) {
       throw;
     } catch (const std::exception& e) {
-      if (next_older >= older.size()) throw;
+      if (next_older >= c.older.size()) throw;
       if (comm_.rank == 0)
-        spdlog::warn("checkpoint: {} cannot be loaded ({}); falling back to {}", path, one_line(e.what()),
-                     older[next_older]);
-      path = older[next_older];
+        spdlog::warn("checkpoint: {} cannot be loaded ({}); falling back to {}", c.path, one_line(e.what()),
+                     c.older[next_older]);
+      c.path = c.older[next_older];
     }
   }
-  const Metadata& m = reader->meta();
+}
+
+// Reads c.path and checks it against this job on every rank, then applies it (both agreed).
+void CheckpointManager::load_from(const LoadChoice& c, LoadAttempt& a) {
+  a.reader.reset();
+  a.todo.clear();
+  agreed("checkpoint_load:check", [&] {
+    check_not_hf_weights(c.path, opt_.folder, c.complete);
+    a.reader = std::make_unique<CheckpointReader>(c.path);
+    check_checkpoint(c, a);
+    for (const auto& [name, s] : a.todo) s->check_load(*a.reader);
+  });
+  a.t0 = std::chrono::steady_clock::now();
+  agreed("checkpoint_load:load", [&] {
+    for (const auto& [name, s] : a.todo) s->load_state_dict(*a.reader);
+  });
+}
+
+// Decides what to load from the opened checkpoint: the model's name and flavor must be this
+// run's; a model-only checkpoint resumes nothing else; exclude_from_loading is left out.
+void CheckpointManager::check_checkpoint(const LoadChoice& c, LoadAttempt& a) const {
+  const std::string& path = c.path;
+  const Metadata& m = a.reader->meta();
+  if (!a.reader->is_dcp() && (m.model_name != opt_.model_name || m.model_flavor != opt_.model_flavor))
+    throw UserError("checkpoint " + path + " holds a " + m.model_name + " \"" + m.model_flavor +
+                    "\" model; this run builds " + opt_.model_name + " \"" + opt_.model_flavor +
+                    "\" (model.name / model.flavor must match)");
+  if (m.model_only && !c.model_only_requested && m.step != 0) {
+    const std::string hint = earlier_hint(opt_.folder, c.complete, m.step);
+    throw UserError("checkpoint " + path + " holds model weights only (checkpoint.last_save_model_only), not the "
+                    "optimizer, schedule and data state needed to resume training; to start a new run from these "
+                    "weights, set checkpoint.initial_load_path = \"" + path +
+                    "\" and checkpoint.initial_load_model_only = true with another checkpoint.folder" + hint);
+  }
+  a.model_only = c.model_only_requested || m.model_only;
+  for (const auto& [name, s] : components_) {
+    const bool excluded = std::find(opt_.exclude_from_loading.begin(), opt_.exclude_from_loading.end(), name) !=
+                          opt_.exclude_from_loading.end();
+    if (a.model_only && name != "model") continue;
+    if (excluded) {
+      if (comm_.rank == 0)
+        spdlog::warn("checkpoint: not loading {} (checkpoint.exclude_from_loading){}", name,
+                     name == "dataloader" ? ": the data order starts afresh" : "");
+      continue;
+    }
+    a.todo.emplace_back(name, s);
+  }
+  if (a.reader->is_foreign_dcp())
+    for (const auto& t : a.todo)
+      if (t.first == "dataloader")
+        throw UserError("checkpoint " + path + " is a torch.distributed.checkpoint folder ctitan did not write "
+                        "(torchtitan's?): its dataloader state (a pickled Python data-loader state) is not "
+                        "transferable to ctitan; set checkpoint.exclude_from_loading = [\"dataloader\"] to load "
+                        "the rest and start a fresh data order");
+}
+
+// What was loaded, logged; the CTITAN_CHECKPOINT_DUMP_LOADED test hook.
+LoadResult CheckpointManager::finish_load(const LoadAttempt& a, const std::string& path) {
+  const Metadata& m = a.reader->meta();
+  LoadResult res;
   res.loaded = true;
   res.step = m.step;
   res.path = path;
-  res.model_only = model_only;
-  for (const auto& t : todo) res.components.push_back(t.first);
+  res.model_only = a.model_only;
+  for (const auto& t : a.todo) res.components.push_back(t.first);
   spdlog::info("checkpoint: loaded step {} from {} in {:.2f} s, {:.1f} MiB read on this rank (saved by {} ranks, dp "
                "{}×{}; now {} ranks): {}",
-               m.step, path, seconds_since(t0), reader->bytes_read() / double(1 << 20), m.world_size, m.dp_replicate,
-               m.dp_shard, comm_.world_size, join(res.components, ", "));
+               m.step, path, seconds_since(a.t0), a.reader->bytes_read() / double(1 << 20), m.world_size,
+               m.dp_replicate, m.dp_shard, comm_.world_size, join(res.components, ", "));
   // Test hook: write what was just loaded, as this job holds it, to another folder, so a
   // test can compare it with the checkpoint it came from.
   if (const std::string& dump = runtime_env().checkpoint_dump_loaded; !dump.empty()) {
     auto keep = components_;
-    components_ = todo;
-    save_to(dump, m.step, model_only);
+    components_ = a.todo;
+    save_to(dump, m.step, a.model_only);
     components_ = keep;
   }
   return res;
@@ -1471,7 +1571,7 @@ LoadResult CheckpointManager::load() {
 // Model weights from a Hugging Face folder (checkpoint.initial_load_in_hf): every rank checks
 // that config.json describes this run's model and that every tensor is there, then reads
 // its own rows. Nothing else is loaded (torchtitan: HF loads are model-only).
-LoadResult CheckpointManager::load_hf(const std::string& path, const Agreed& agreed) {
+LoadResult CheckpointManager::load_hf(const std::string& path) {
   ModelState* ms = model_state();
   std::unique_ptr<HFCheckpoint> hf;
   agreed("checkpoint_load:check", [&] {

@@ -341,10 +341,32 @@ class CheckpointManager {
 
  private:
   struct Pending;  // a save whose files are being written
-  using Agreed = std::function<void(const std::string& tag, const std::function<void()>& fn)>;
-  LoadResult load_hf(const std::string& path, const Agreed& agreed);
+  // load(), step by step (checkpoint.cpp).
+  struct LoadChoice;
+  struct LoadAttempt;
+  LoadChoice choose_checkpoint(const ckpt::FolderScan& scan) const;
+  void agree_on_choice(const LoadChoice& c);
+  void agreed(const std::string& tag, const std::function<void()>& fn);
+  void load_with_fallback(LoadChoice& c, LoadAttempt& a);
+  void load_from(const LoadChoice& c, LoadAttempt& a);
+  void check_checkpoint(const LoadChoice& c, LoadAttempt& a) const;
+  LoadResult finish_load(const LoadAttempt& a, const std::string& path);
+  LoadResult load_hf(const std::string& path);
   void begin_save(const std::string& folder, int64_t step, bool model_only, bool async, bool hf = false);
   void complete_save();
+  // Saving, step by step (checkpoint.cpp).
+  struct SaveBegin {  // a rank's answer in round 1
+    uint64_t need = 0, free = 0;
+    std::string fs, prep;
+  };
+  std::vector<StateEntry> collect_entries(bool model_only, bool hf, uint64_t& bytes);
+  void agree_to_begin(const std::string& folder, const std::string& stage, int64_t step, uint64_t bytes);
+  std::string space_shortage(const std::string& folder, const std::vector<SaveBegin>& begins) const;
+  void stage_entries(std::vector<StateEntry>& entries, bool async, Pending& p);
+  void start_write(Pending& p, bool async);
+  std::vector<std::string> agree_written(Pending& p);
+  std::string commit_on_rank0(Pending& p, const std::vector<std::string>& all);
+  std::string metadata_text(const Pending& p, const std::vector<std::string>& all) const;
   void purge(const std::string& folder);
   std::vector<std::string> agree(const std::string& status, const std::string& tag);
 

@@ -220,6 +220,86 @@ bool is_dcp_folder(const std::string& dir) {
   return fs::is_regular_file(fs::path(dir) / kMetadataFile, ec);
 }
 
+namespace {
+
+// A TensorStorageMetadata: the tensor's dtype, size and chunks (offsets and sizes).
+void read_tensor_metadata(const Value& v, const std::string& where, Item& it) {
+  const std::string key_where = where + " (" + it.key + ")";
+  const Value& t = object_of(v, kMd + "TensorStorageMetadata", key_where);
+  it.dtype = dtype_of(object_of(need(t, "properties", where), kMd + "TensorProperties", where), key_where);
+  it.size = size_of(need(t, "size", where), key_where);
+  const Value& chunks = need(t, "chunks", where);
+  if (!chunks.is(K::List)) bad(where, it.key + ": chunks is not a list");
+  for (const auto& c : chunks.items) {
+    const Value& cm = object_of(*c, kMd + "ChunkStorageMetadata", key_where);
+    Chunk ch;
+    ch.offsets = size_of(need(cm, "offsets", where), where);
+    ch.sizes = size_of(need(cm, "sizes", where), where);
+    if (ch.offsets.size() != it.size.size() || ch.sizes.size() != it.size.size())
+      bad(where, it.key + ": a chunk of rank " + std::to_string(ch.sizes.size()) + " in a tensor of rank " +
+                     std::to_string(it.size.size()));
+    for (size_t d = 0; d < it.size.size(); ++d)
+      if (ch.offsets[d] + ch.sizes[d] > it.size[d]) bad(where, it.key + ": a chunk lies outside the tensor");
+    it.chunks.push_back(std::move(ch));
+  }
+}
+
+// One storage_data record (MetadataIndex → _StorageInfo): where a chunk of an item lives, which
+// must lie within its file (a truncated file is reported here, by name). file_sizes caches the
+// sizes of the files seen.
+void locate_chunk(const Value& k, const Value& v, const std::string& dir, Metadata& out,
+                  std::map<std::string, uint64_t>& file_sizes) {
+  const std::string where = (fs::path(dir) / kMetadataFile).string();
+  const Value& idx = object_of(k, kMd + "MetadataIndex", where);
+  const Value& info = object_of(v, "torch.distributed.checkpoint.filesystem._StorageInfo", where);
+  const Value& fqn = need(idx, "fqn", where);
+  if (!fqn.is(K::Str)) bad(where, "a MetadataIndex fqn is " + pickle::describe(fqn));
+  auto it = out.items.find(fqn.s);
+  if (it == out.items.end()) bad(where, "storage_data names " + fqn.s + ", which state_dict_metadata lacks");
+  const std::string key_where = where + " (" + fqn.s + ")";
+  if (const Value* td = field(info, "transform_descriptors"); td && !td->is(K::None) && !td->items.empty())
+    bad(key_where, "stored with transforms " + pickle::describe(*td) + " (compression extensions are not supported)");
+  const Value& rel = need(info, "relative_path", key_where);
+  const Value& off = need(info, "offset", key_where);
+  const Value& len = need(info, "length", key_where);
+  if (!rel.is(K::Str) || !off.is(K::Int) || !len.is(K::Int) || off.i < 0 || len.i <= 0)
+    bad(key_where, "a _StorageInfo of " + pickle::describe(rel) + ", " + pickle::describe(off) + ", " +
+                       pickle::describe(len));
+  if (rel.s.find('/') != std::string::npos || rel.s == ".." || rel.s.empty())
+    bad(key_where, "a storage file outside the folder: " + rel.s);
+  Chunk* target = nullptr;
+  Item& item = it->second;
+  if (item.is_bytes) {
+    if (item.chunks.empty()) item.chunks.emplace_back();
+    target = &item.chunks[0];
+  } else {
+    const Value* o = field(idx, "offset");
+    if (!o || o->is(K::None)) bad(key_where, "a tensor's MetadataIndex without chunk offsets");
+    const std::vector<int64_t> offs = size_of(*o, key_where);
+    for (auto& c : item.chunks)
+      if (c.offsets == offs) target = &c;
+    if (!target) bad(key_where, "storage_data names a chunk the tensor does not have");
+  }
+  if (!target->file.empty()) bad(key_where, "two storage entries for one chunk");
+  target->file = rel.s;
+  target->offset = static_cast<uint64_t>(off.i);
+  target->length = static_cast<uint64_t>(len.i);
+  // The item must lie within its file (a truncated file is reported here, by name).
+  auto fsz = file_sizes.find(rel.s);
+  if (fsz == file_sizes.end()) {
+    std::error_code ec;
+    const fs::path fp = fs::path(dir) / rel.s;
+    if (!fs::exists(fp, ec)) bad("checkpoint " + dir + " is corrupt", rel.s + " is missing (named by .metadata for " + fqn.s + ")");
+    fsz = file_sizes.emplace(rel.s, fs::file_size(fp, ec)).first;
+  }
+  if (target->offset + target->length > fsz->second)
+    bad("checkpoint " + dir + " is corrupt", rel.s + " has " + std::to_string(fsz->second) + " bytes, but " + fqn.s + " is stored at bytes [" +
+                 std::to_string(target->offset) + ", " + std::to_string(target->offset + target->length) +
+                 ") (truncated?)");
+}
+
+}  // namespace
+
 Metadata read_metadata(const std::string& dir) {
   const std::string path = (fs::path(dir) / kMetadataFile).string();
   const std::string where = path;
@@ -242,23 +322,7 @@ Metadata read_metadata(const std::string& dir) {
     if (v->is(K::Object) && v->s == kMd + "BytesStorageMetadata") {
       it.is_bytes = true;
     } else {
-      const Value& t = object_of(*v, kMd + "TensorStorageMetadata", where + " (" + k->s + ")");
-      it.dtype = dtype_of(object_of(need(t, "properties", where), kMd + "TensorProperties", where), where + " (" + k->s + ")");
-      it.size = size_of(need(t, "size", where), where + " (" + k->s + ")");
-      const Value& chunks = need(t, "chunks", where);
-      if (!chunks.is(K::List)) bad(where, k->s + ": chunks is not a list");
-      for (const auto& c : chunks.items) {
-        const Value& cm = object_of(*c, kMd + "ChunkStorageMetadata", where + " (" + k->s + ")");
-        Chunk ch;
-        ch.offsets = size_of(need(cm, "offsets", where), where);
-        ch.sizes = size_of(need(cm, "sizes", where), where);
-        if (ch.offsets.size() != it.size.size() || ch.sizes.size() != it.size.size())
-          bad(where, k->s + ": a chunk of rank " + std::to_string(ch.sizes.size()) + " in a tensor of rank " +
-                         std::to_string(it.size.size()));
-        for (size_t d = 0; d < it.size.size(); ++d)
-          if (ch.offsets[d] + ch.sizes[d] > it.size[d]) bad(where, k->s + ": a chunk lies outside the tensor");
-        it.chunks.push_back(std::move(ch));
-      }
+      read_tensor_metadata(*v, where, it);
     }
     out.items.emplace(it.key, std::move(it));
   }
@@ -268,53 +332,8 @@ Metadata read_metadata(const std::string& dir) {
   std::map<std::string, uint64_t> file_sizes;
   size_t located = 0;
   for (const auto& [k, v] : sd.dict) {
-    const Value& idx = object_of(*k, kMd + "MetadataIndex", where);
-    const Value& info = object_of(*v, "torch.distributed.checkpoint.filesystem._StorageInfo", where);
-    const Value& fqn = need(idx, "fqn", where);
-    if (!fqn.is(K::Str)) bad(where, "a MetadataIndex fqn is " + pickle::describe(fqn));
-    auto it = out.items.find(fqn.s);
-    if (it == out.items.end()) bad(where, "storage_data names " + fqn.s + ", which state_dict_metadata lacks");
-    const std::string key_where = where + " (" + fqn.s + ")";
-    if (const Value* td = field(info, "transform_descriptors"); td && !td->is(K::None) && !td->items.empty())
-      bad(key_where, "stored with transforms " + pickle::describe(*td) + " (compression extensions are not supported)");
-    const Value& rel = need(info, "relative_path", key_where);
-    const Value& off = need(info, "offset", key_where);
-    const Value& len = need(info, "length", key_where);
-    if (!rel.is(K::Str) || !off.is(K::Int) || !len.is(K::Int) || off.i < 0 || len.i <= 0)
-      bad(key_where, "a _StorageInfo of " + pickle::describe(rel) + ", " + pickle::describe(off) + ", " +
-                         pickle::describe(len));
-    if (rel.s.find('/') != std::string::npos || rel.s == ".." || rel.s.empty())
-      bad(key_where, "a storage file outside the folder: " + rel.s);
-    Chunk* target = nullptr;
-    Item& item = it->second;
-    if (item.is_bytes) {
-      if (item.chunks.empty()) item.chunks.emplace_back();
-      target = &item.chunks[0];
-    } else {
-      const Value* o = field(idx, "offset");
-      if (!o || o->is(K::None)) bad(key_where, "a tensor's MetadataIndex without chunk offsets");
-      const std::vector<int64_t> offs = size_of(*o, key_where);
-      for (auto& c : item.chunks)
-        if (c.offsets == offs) target = &c;
-      if (!target) bad(key_where, "storage_data names a chunk the tensor does not have");
-    }
-    if (!target->file.empty()) bad(key_where, "two storage entries for one chunk");
-    target->file = rel.s;
-    target->offset = static_cast<uint64_t>(off.i);
-    target->length = static_cast<uint64_t>(len.i);
+    locate_chunk(*k, *v, dir, out, file_sizes);
     ++located;
-    // The item must lie within its file (a truncated file is reported here, by name).
-    auto fsz = file_sizes.find(rel.s);
-    if (fsz == file_sizes.end()) {
-      std::error_code ec;
-      const fs::path fp = fs::path(dir) / rel.s;
-      if (!fs::exists(fp, ec)) bad("checkpoint " + dir + " is corrupt", rel.s + " is missing (named by .metadata for " + fqn.s + ")");
-      fsz = file_sizes.emplace(rel.s, fs::file_size(fp, ec)).first;
-    }
-    if (target->offset + target->length > fsz->second)
-      bad("checkpoint " + dir + " is corrupt", rel.s + " has " + std::to_string(fsz->second) + " bytes, but " + fqn.s + " is stored at bytes [" +
-                   std::to_string(target->offset) + ", " + std::to_string(target->offset + target->length) +
-                   ") (truncated?)");
   }
   for (const auto& [key, item] : out.items) {
     if (item.chunks.empty() && !item.is_bytes && numel(item.size) > 0) bad(where, key + " has no chunks");
@@ -324,6 +343,76 @@ Metadata read_metadata(const std::string& dir) {
   (void)located;
   return out;
 }
+
+namespace {
+
+// A TensorStorageMetadata dataclass: properties (dtype, layout, requires_grad, memory format,
+// pin_memory), size, chunks.
+void pickle_tensor_metadata(Out& o, const std::string& md, const Item& it) {
+  o.dataclass(md, "TensorStorageMetadata");
+  o.s += "}(";
+  o.str("properties");
+  o.dataclass(md, "TensorProperties");
+  o.s += '(';  // state tuple: dtype, layout, requires_grad, memory format, pin_memory
+  o.global("torch", it.dtype);
+  o.global("torch.serialization", "_get_layout");
+  o.str("torch.strided");
+  o.s += "\x85R";
+  o.s += '\x89';
+  o.global(md, "_MEM_FORMAT_ENCODING");
+  o.integer(0);  // TORCH_CONTIGUOUS_FORMAT
+  o.s += "\x85R";
+  o.s += '\x89';
+  o.s += "tb";
+  o.str("size");
+  o.torch_size(it.size);
+  o.str("chunks");
+  o.s += "](";
+  for (const auto& c : it.chunks) {
+    o.dataclass(md, "ChunkStorageMetadata");
+    o.s += "}(";
+    o.str("offsets");
+    o.torch_size(c.offsets);
+    o.str("sizes");
+    o.torch_size(c.sizes);
+    o.s += "ub";
+  }
+  o.s += "e";  // APPENDS
+  o.s += "ub";
+}
+
+// The storage_data records of one item: per chunk, its MetadataIndex and its _StorageInfo.
+void pickle_storage_data(Out& o, const std::string& md, const std::string& key, const Item& it) {
+  for (size_t i = 0; i < it.chunks.size(); ++i) {
+    const Chunk& c = it.chunks[i];
+    o.dataclass(md, "MetadataIndex");
+    o.s += "}(";
+    o.str("fqn");
+    o.str(key);
+    o.str("offset");
+    if (it.is_bytes)
+      o.s += 'N';
+    else
+      o.torch_size(c.offsets);
+    o.str("index");
+    if (it.is_bytes)
+      o.s += 'N';
+    else
+      o.integer(static_cast<int64_t>(i));
+    o.s += "ub";
+    o.dataclass("torch.distributed.checkpoint.filesystem", "_StorageInfo");
+    o.s += "}(";
+    o.str("relative_path");
+    o.str(c.file);
+    o.str("offset");
+    o.integer(static_cast<int64_t>(c.offset));
+    o.str("length");
+    o.integer(static_cast<int64_t>(c.length));
+    o.s += "ub";
+  }
+}
+
+}  // namespace
 
 std::string metadata_pickle(const Metadata& m) {
   const std::string md = "torch.distributed.checkpoint.metadata";
@@ -338,36 +427,7 @@ std::string metadata_pickle(const Metadata& m) {
       o.dataclass(md, "BytesStorageMetadata");
       continue;
     }
-    o.dataclass(md, "TensorStorageMetadata");
-    o.s += "}(";
-    o.str("properties");
-    o.dataclass(md, "TensorProperties");
-    o.s += '(';  // state tuple: dtype, layout, requires_grad, memory format, pin_memory
-    o.global("torch", it.dtype);
-    o.global("torch.serialization", "_get_layout");
-    o.str("torch.strided");
-    o.s += "\x85R";
-    o.s += '\x89';
-    o.global(md, "_MEM_FORMAT_ENCODING");
-    o.integer(0);  // TORCH_CONTIGUOUS_FORMAT
-    o.s += "\x85R";
-    o.s += '\x89';
-    o.s += "tb";
-    o.str("size");
-    o.torch_size(it.size);
-    o.str("chunks");
-    o.s += "](";
-    for (const auto& c : it.chunks) {
-      o.dataclass(md, "ChunkStorageMetadata");
-      o.s += "}(";
-      o.str("offsets");
-      o.torch_size(c.offsets);
-      o.str("sizes");
-      o.torch_size(c.sizes);
-      o.s += "ub";
-    }
-    o.s += "e";  // APPENDS
-    o.s += "ub";
+    pickle_tensor_metadata(o, md, it);
   }
   o.s += 'u';
   o.str("planner_data");
@@ -380,35 +440,7 @@ std::string metadata_pickle(const Metadata& m) {
   o.s += 'u';
   o.str("storage_data");
   o.s += "}(";
-  for (const auto& [key, it] : m.items) {
-    for (size_t i = 0; i < it.chunks.size(); ++i) {
-      const Chunk& c = it.chunks[i];
-      o.dataclass(md, "MetadataIndex");
-      o.s += "}(";
-      o.str("fqn");
-      o.str(key);
-      o.str("offset");
-      if (it.is_bytes)
-        o.s += 'N';
-      else
-        o.torch_size(c.offsets);
-      o.str("index");
-      if (it.is_bytes)
-        o.s += 'N';
-      else
-        o.integer(static_cast<int64_t>(i));
-      o.s += "ub";
-      o.dataclass("torch.distributed.checkpoint.filesystem", "_StorageInfo");
-      o.s += "}(";
-      o.str("relative_path");
-      o.str(c.file);
-      o.str("offset");
-      o.integer(static_cast<int64_t>(c.offset));
-      o.str("length");
-      o.integer(static_cast<int64_t>(c.length));
-      o.s += "ub";
-    }
-  }
+  for (const auto& [key, it] : m.items) pickle_storage_data(o, md, key, it);
   o.s += 'u';
   o.str("storage_meta");
   o.s += 'N';

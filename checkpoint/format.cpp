@@ -204,108 +204,150 @@ std::string Metadata::to_text() const {
   return s;
 }
 
-Metadata Metadata::parse(const std::string& text, const std::string& where) {
-  Metadata m;
+namespace {
+
+// Reads a metadata file's records, one line at a time; every error names the line.
+class MetadataParser {
+ public:
+  explicit MetadataParser(const std::string& where) : where_(where) {}
+  Metadata parse(const std::string& text);
+
+ private:
+  [[noreturn]] void bad(const std::string& what) const {
+    throw RuntimeFailure(where_ + ": " + what + " (line " + std::to_string(n_) + ")");
+  }
+  int64_t to_i64(const std::string& s) const;
+  uint32_t to_crc(const std::string& s) const;
+  Rule to_rule(const std::string& s) const;
+  void header(const std::vector<std::string>& f);
+  void record(const std::vector<std::string>& f);
+  void entry(const std::vector<std::string>& f);
+  void chunk(const std::vector<std::string>& f);
+
+  const std::string& where_;
+  Metadata m_;
+  int64_t n_ = 0;  // the line being read, from 1
+  bool ended_ = false, header_ = false;
+  std::set<std::string> file_names_;
+};
+
+Metadata MetadataParser::parse(const std::string& text) {
   std::istringstream in(text);
   std::string line;
-  int64_t n = 0;
-  bool ended = false, header = false;
-  auto bad = [&](const std::string& what) -> void {
-    throw RuntimeFailure(where + ": " + what + " (line " + std::to_string(n) + ")");
-  };
-  auto to_i64 = [&](const std::string& s) {
-    try {
-      size_t pos = 0;
-      const long long v = std::stoll(s, &pos);
-      if (pos != s.size()) bad("not an integer: " + s);
-      return static_cast<int64_t>(v);
-    } catch (const std::logic_error&) {
-      bad("not an integer: " + s);
-    }
-    return int64_t{0};
-  };
-  auto to_crc = [&](const std::string& s) {
-    if (s.size() != 8 || s.find_first_not_of("0123456789abcdef") != std::string::npos) bad("bad CRC " + s);
-    return static_cast<uint32_t>(std::stoul(s, nullptr, 16));
-  };
-  auto to_rule = [&](const std::string& s) {
-    if (s == "sharded") return Rule::Sharded;
-    if (s == "replicated") return Rule::Replicated;
-    if (s == "per_rank") return Rule::PerRank;
-    bad("unknown rule " + s);
-    return Rule::Replicated;
-  };
-  std::set<std::string> file_names;
   while (std::getline(in, line)) {
-    ++n;
-    if (ended) bad("text after 'end'");
+    ++n_;
+    if (ended_) bad("text after 'end'");
     std::istringstream ls(line);
     std::vector<std::string> f;
     for (std::string w; ls >> w;) f.push_back(w);
     if (f.empty()) bad("empty line");
-    const std::string& k = f[0];
-    if (!header) {
-      if (k != "ctitan-checkpoint" || f.size() != 2) bad("not a ctitan checkpoint metadata file");
-      m.version = to_i64(f[1]);
-      if (m.version != kFormatVersion)
-        bad("format version " + f[1] + "; this build reads version " + std::to_string(kFormatVersion));
-      header = true;
-    } else if (k == "step" && f.size() == 2) {
-      m.step = to_i64(f[1]);
-    } else if (k == "world_size" && f.size() == 2) {
-      m.world_size = to_i64(f[1]);
-    } else if (k == "dp" && f.size() == 3) {
-      m.dp_replicate = to_i64(f[1]);
-      m.dp_shard = to_i64(f[2]);
-    } else if (k == "model" && f.size() == 3) {
-      m.model_name = f[1];
-      m.model_flavor = f[2];
-    } else if (k == "model_only" && f.size() == 2) {
-      m.model_only = f[1] == "1";
-    } else if (k == "file" && f.size() == 4) {
-      FileMeta fm{f[1], static_cast<uint64_t>(to_i64(f[2])), to_crc(f[3])};
-      if (f[1].find('/') != std::string::npos || !file_names.insert(f[1]).second) bad("bad file name " + f[1]);
-      m.files.push_back(fm);
-    } else if (k == "entry" && (f.size() == 4 || f.size() == 6)) {
-      EntryMeta e;
-      e.key = f[1];
-      e.is_bytes = f[2] == "bytes";
-      if (!e.is_bytes && f[2] != "tensor") bad("unknown entry kind " + f[2]);
-      if (e.is_bytes != (f.size() == 4)) bad("malformed entry " + e.key);
-      e.rule = to_rule(f[3]);
-      if (!e.is_bytes) {
-        e.dtype = f[4];
-        if (dtype_size(e.dtype) == 0) bad("unknown dtype " + e.dtype);
-        if (f[5] != "scalar")
-          for (const auto& d : split(f[5], ',')) {
-            const int64_t v = to_i64(d);
-            if (v < 0) bad("negative dimension in " + e.key);
-            e.shape.push_back(v);
-          }
-      }
-      if (!m.entries.emplace(e.key, e).second) bad("duplicate entry " + e.key);
-    } else if (k == "chunk" && f.size() == 8) {
-      auto it = m.entries.find(f[1]);
-      if (it == m.entries.end()) bad("chunk of undeclared entry " + f[1]);
-      ChunkMeta c;
-      c.file = f[2];
-      c.offset = static_cast<uint64_t>(to_i64(f[3]));
-      c.nbytes = static_cast<uint64_t>(to_i64(f[4]));
-      c.row_begin = to_i64(f[5]);
-      c.row_end = to_i64(f[6]);
-      c.crc = to_crc(f[7]);
-      if (!file_names.count(c.file)) bad("chunk in unlisted file " + c.file);
-      it->second.chunks.push_back(c);
-    } else if (k == "end" && f.size() == 1) {
-      ended = true;
-    } else {
-      bad("unexpected record '" + k + "'");
-    }
+    if (!header_)
+      header(f);
+    else
+      record(f);
   }
-  if (!header) throw RuntimeFailure(where + ": empty metadata file");
-  if (!ended) throw RuntimeFailure(where + ": truncated (no 'end' record)");
-  // Consistency: every chunk inside its file, tensor chunks the size of their rows, sharded
-  // chunks covering each row exactly once.
+  if (!header_) throw RuntimeFailure(where_ + ": empty metadata file");
+  if (!ended_) throw RuntimeFailure(where_ + ": truncated (no 'end' record)");
+  return std::move(m_);
+}
+
+int64_t MetadataParser::to_i64(const std::string& s) const {
+  try {
+    size_t pos = 0;
+    const long long v = std::stoll(s, &pos);
+    if (pos != s.size()) bad("not an integer: " + s);
+    return static_cast<int64_t>(v);
+  } catch (const std::logic_error&) {
+    bad("not an integer: " + s);
+  }
+}
+
+uint32_t MetadataParser::to_crc(const std::string& s) const {
+  if (s.size() != 8 || s.find_first_not_of("0123456789abcdef") != std::string::npos) bad("bad CRC " + s);
+  return static_cast<uint32_t>(std::stoul(s, nullptr, 16));
+}
+
+Rule MetadataParser::to_rule(const std::string& s) const {
+  if (s == "sharded") return Rule::Sharded;
+  if (s == "replicated") return Rule::Replicated;
+  if (s == "per_rank") return Rule::PerRank;
+  bad("unknown rule " + s);
+}
+
+void MetadataParser::header(const std::vector<std::string>& f) {
+  if (f[0] != "ctitan-checkpoint" || f.size() != 2) bad("not a ctitan checkpoint metadata file");
+  m_.version = to_i64(f[1]);
+  if (m_.version != kFormatVersion)
+    bad("format version " + f[1] + "; this build reads version " + std::to_string(kFormatVersion));
+  header_ = true;
+}
+
+void MetadataParser::record(const std::vector<std::string>& f) {
+  const std::string& k = f[0];
+  if (k == "step" && f.size() == 2) {
+    m_.step = to_i64(f[1]);
+  } else if (k == "world_size" && f.size() == 2) {
+    m_.world_size = to_i64(f[1]);
+  } else if (k == "dp" && f.size() == 3) {
+    m_.dp_replicate = to_i64(f[1]);
+    m_.dp_shard = to_i64(f[2]);
+  } else if (k == "model" && f.size() == 3) {
+    m_.model_name = f[1];
+    m_.model_flavor = f[2];
+  } else if (k == "model_only" && f.size() == 2) {
+    m_.model_only = f[1] == "1";
+  } else if (k == "file" && f.size() == 4) {
+    FileMeta fm{f[1], static_cast<uint64_t>(to_i64(f[2])), to_crc(f[3])};
+    if (f[1].find('/') != std::string::npos || !file_names_.insert(f[1]).second) bad("bad file name " + f[1]);
+    m_.files.push_back(fm);
+  } else if (k == "entry" && (f.size() == 4 || f.size() == 6)) {
+    entry(f);
+  } else if (k == "chunk" && f.size() == 8) {
+    chunk(f);
+  } else if (k == "end" && f.size() == 1) {
+    ended_ = true;
+  } else {
+    bad("unexpected record '" + k + "'");
+  }
+}
+
+void MetadataParser::entry(const std::vector<std::string>& f) {
+  EntryMeta e;
+  e.key = f[1];
+  e.is_bytes = f[2] == "bytes";
+  if (!e.is_bytes && f[2] != "tensor") bad("unknown entry kind " + f[2]);
+  if (e.is_bytes != (f.size() == 4)) bad("malformed entry " + e.key);
+  e.rule = to_rule(f[3]);
+  if (!e.is_bytes) {
+    e.dtype = f[4];
+    if (dtype_size(e.dtype) == 0) bad("unknown dtype " + e.dtype);
+    if (f[5] != "scalar")
+      for (const auto& d : split(f[5], ',')) {
+        const int64_t v = to_i64(d);
+        if (v < 0) bad("negative dimension in " + e.key);
+        e.shape.push_back(v);
+      }
+  }
+  if (!m_.entries.emplace(e.key, e).second) bad("duplicate entry " + e.key);
+}
+
+void MetadataParser::chunk(const std::vector<std::string>& f) {
+  auto it = m_.entries.find(f[1]);
+  if (it == m_.entries.end()) bad("chunk of undeclared entry " + f[1]);
+  ChunkMeta c;
+  c.file = f[2];
+  c.offset = static_cast<uint64_t>(to_i64(f[3]));
+  c.nbytes = static_cast<uint64_t>(to_i64(f[4]));
+  c.row_begin = to_i64(f[5]);
+  c.row_end = to_i64(f[6]);
+  c.crc = to_crc(f[7]);
+  if (!file_names_.count(c.file)) bad("chunk in unlisted file " + c.file);
+  it->second.chunks.push_back(c);
+}
+
+// Consistency: every chunk inside its file, tensor chunks the size of their rows, sharded
+// chunks covering each row exactly once (sorted by row).
+void check_consistency(Metadata& m, const std::string& where) {
   std::map<std::string, uint64_t> sizes;
   for (const auto& f : m.files) sizes[f.name] = f.size;
   for (auto& [key, e] : m.entries) {
@@ -339,6 +381,13 @@ Metadata Metadata::parse(const std::string& text, const std::string& where) {
       throw RuntimeFailure(where + ": rows of " + key + " end at " + std::to_string(next) + " of " +
                            std::to_string(e.rows()));
   }
+}
+
+}  // namespace
+
+Metadata Metadata::parse(const std::string& text, const std::string& where) {
+  Metadata m = MetadataParser(where).parse(text);
+  check_consistency(m, where);
   return m;
 }
 

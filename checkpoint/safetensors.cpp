@@ -77,6 +77,67 @@ const TensorInfo* Header::find(const std::string& name) const {
   return nullptr;
 }
 
+namespace {
+
+// One tensor's header entry: dtype, shape and data_offsets, its bytes within the data and
+// the size its dtype and shape need.
+TensorInfo tensor_entry(const std::string& path, const std::string& name, const json::Value& v, uint64_t data_size) {
+  if (v.type != json::Value::Type::Object) fail(path, "entry is not an object", name);
+  const json::Value *dt = nullptr, *shape = nullptr, *off = nullptr;
+  for (const auto& [k, x] : v.members) {
+    if (k == "dtype" && !dt) dt = &x;
+    else if (k == "shape" && !shape) shape = &x;
+    else if (k == "data_offsets" && !off) off = &x;
+    else fail(path, "unexpected or repeated field \"" + k + "\"", name);
+  }
+  if (!dt || !shape || !off) fail(path, "entry lacks dtype, shape or data_offsets", name);
+  TensorInfo t;
+  t.name = name;
+  if (dt->type != json::Value::Type::String || dtype_size(dt->text) == 0)
+    fail(path, "unknown dtype " + (dt->type == json::Value::Type::String ? dt->text : std::string("(not a string)")), name);
+  t.dtype = dt->text;
+  if (shape->type != json::Value::Type::Array) fail(path, "shape is not an array", name);
+  uint64_t numel = 1;
+  for (const auto& d : shape->items) {
+    const uint64_t x = as_u64(d, path, "shape", name);
+    if (x != 0 && numel > (uint64_t{1} << 62) / x) fail(path, "shape is too large", name);
+    numel *= x;
+    t.shape.push_back(static_cast<int64_t>(x));
+  }
+  if (off->type != json::Value::Type::Array || off->items.size() != 2)
+    fail(path, "data_offsets is not a [begin, end] pair", name);
+  t.begin = as_u64(off->items[0], path, "data_offsets", name);
+  t.end = as_u64(off->items[1], path, "data_offsets", name);
+  if (t.end < t.begin) fail(path, "data_offsets end before they begin", name);
+  if (t.end > data_size)
+    fail(path, "data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
+                   ") run past the end of the data (" + std::to_string(data_size) + " bytes; truncated?)",
+         name);
+  const uint64_t want = numel * dtype_size(t.dtype);
+  if (t.end - t.begin != want)
+    fail(path, "holds " + std::to_string(t.end - t.begin) + " bytes but its dtype and shape need " +
+                   std::to_string(want),
+         name);
+  return t;
+}
+
+// The tensors, sorted by offset, cover the data exactly: no overlap, no gap, nothing after.
+void check_coverage(Header& h, uint64_t data_size) {
+  const std::string& path = h.file;
+  std::stable_sort(h.tensors.begin(), h.tensors.end(),
+                   [](const TensorInfo& a, const TensorInfo& b) { return a.begin < b.begin || (a.begin == b.begin && a.end < b.end); });
+  uint64_t next = 0;
+  for (const auto& t : h.tensors) {
+    if (t.begin < next) fail(path, "data_offsets overlap the previous tensor's", t.name);
+    if (t.begin > next) fail(path, "a gap of " + std::to_string(t.begin - next) + " bytes precedes its data", t.name);
+    next = t.end;
+  }
+  if (next != data_size)
+    fail(path, std::to_string(data_size - next) + " bytes after the last tensor belong to none");
+}
+
+}  // namespace
+
 Header read_header(const std::string& path) {
   Header h;
   h.file = path;
@@ -115,54 +176,9 @@ Header read_header(const std::string& path) {
       }
       continue;
     }
-    if (v.type != json::Value::Type::Object) fail(path, "entry is not an object", name);
-    const json::Value *dt = nullptr, *shape = nullptr, *off = nullptr;
-    for (const auto& [k, x] : v.members) {
-      if (k == "dtype" && !dt) dt = &x;
-      else if (k == "shape" && !shape) shape = &x;
-      else if (k == "data_offsets" && !off) off = &x;
-      else fail(path, "unexpected or repeated field \"" + k + "\"", name);
-    }
-    if (!dt || !shape || !off) fail(path, "entry lacks dtype, shape or data_offsets", name);
-    TensorInfo t;
-    t.name = name;
-    if (dt->type != json::Value::Type::String || dtype_size(dt->text) == 0)
-      fail(path, "unknown dtype " + (dt->type == json::Value::Type::String ? dt->text : std::string("(not a string)")), name);
-    t.dtype = dt->text;
-    if (shape->type != json::Value::Type::Array) fail(path, "shape is not an array", name);
-    uint64_t numel = 1;
-    for (const auto& d : shape->items) {
-      const uint64_t x = as_u64(d, path, "shape", name);
-      if (x != 0 && numel > (uint64_t{1} << 62) / x) fail(path, "shape is too large", name);
-      numel *= x;
-      t.shape.push_back(static_cast<int64_t>(x));
-    }
-    if (off->type != json::Value::Type::Array || off->items.size() != 2)
-      fail(path, "data_offsets is not a [begin, end] pair", name);
-    t.begin = as_u64(off->items[0], path, "data_offsets", name);
-    t.end = as_u64(off->items[1], path, "data_offsets", name);
-    if (t.end < t.begin) fail(path, "data_offsets end before they begin", name);
-    if (t.end > data_size)
-      fail(path, "data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
-                     ") run past the end of the data (" + std::to_string(data_size) + " bytes; truncated?)",
-           name);
-    const uint64_t want = numel * dtype_size(t.dtype);
-    if (t.end - t.begin != want)
-      fail(path, "holds " + std::to_string(t.end - t.begin) + " bytes but its dtype and shape need " +
-                     std::to_string(want),
-           name);
-    h.tensors.push_back(std::move(t));
+    h.tensors.push_back(tensor_entry(path, name, v, data_size));
   }
-  std::stable_sort(h.tensors.begin(), h.tensors.end(),
-                   [](const TensorInfo& a, const TensorInfo& b) { return a.begin < b.begin || (a.begin == b.begin && a.end < b.end); });
-  uint64_t next = 0;
-  for (const auto& t : h.tensors) {
-    if (t.begin < next) fail(path, "data_offsets overlap the previous tensor's", t.name);
-    if (t.begin > next) fail(path, "a gap of " + std::to_string(t.begin - next) + " bytes precedes its data", t.name);
-    next = t.end;
-  }
-  if (next != data_size)
-    fail(path, std::to_string(data_size - next) + " bytes after the last tensor belong to none");
+  check_coverage(h, data_size);
   return h;
 }
 

@@ -470,8 +470,18 @@ void Writer::commit() {
 
 bool looks_like_zip(const char* data, size_t n) { return n >= 4 && rd(data, 4) == kLocalSig; }
 
-std::vector<Record> check_archive(const char* p, size_t n, const std::string& where) {
-  auto fail = [&](const std::string& what) -> void { throw UserError(where + ": " + what); };
+namespace {
+
+[[noreturn]] void zip_fail(const std::string& where, const std::string& what) { throw UserError(where + ": " + what); }
+
+// Where the central directory is: its entry count, offset and size (zip64 when the end
+// records say so), checked to end where the end records start.
+struct CentralDirectory {
+  uint64_t entries = 0, size = 0, ofs = 0;
+};
+
+CentralDirectory find_central_directory(const char* p, size_t n, const std::string& where) {
+  auto fail = [&](const std::string& what) { zip_fail(where, what); };
   auto in_file = [&](uint64_t ofs, uint64_t len) { return ofs <= n && len <= n - ofs; };
   if (n < kEndSize) fail("too short for a zip archive (" + std::to_string(n) + " bytes)");
   // The end record: the last one whose comment reaches the end of the file exactly.
@@ -483,89 +493,111 @@ std::vector<Record> check_archive(const char* p, size_t n, const std::string& wh
     }
   }
   if (end == UINT64_MAX) fail("no zip end-of-central-directory record (truncated or not a zip archive)");
-  uint64_t entries = rd(p + end + 10, 2), cd_size = rd(p + end + 12, 4), cd_ofs = rd(p + end + 16, 4);
+  CentralDirectory cd;
+  cd.entries = rd(p + end + 10, 2), cd.size = rd(p + end + 12, 4), cd.ofs = rd(p + end + 16, 4);
   uint64_t cd_limit = end;  // the central directory ends before the end records
-  if (rd(p + end + 4, 2) != 0 || rd(p + end + 6, 2) != 0 || rd(p + end + 8, 2) != entries)
+  if (rd(p + end + 4, 2) != 0 || rd(p + end + 6, 2) != 0 || rd(p + end + 8, 2) != cd.entries)
     fail("a multi-disk zip archive");
   if (end >= kZip64LocatorSize && rd(p + end - kZip64LocatorSize, 4) == kZip64LocatorSig) {
     const uint64_t z = rd(p + end - kZip64LocatorSize + 8, 8);
     if (!in_file(z, kZip64EndSize) || z + kZip64EndSize > end - kZip64LocatorSize || rd(p + z, 4) != kZip64EndSig)
       fail("the zip64 end-of-central-directory locator points outside the file or at no zip64 record");
-    entries = rd(p + z + 32, 8);
-    cd_size = rd(p + z + 40, 8);
-    cd_ofs = rd(p + z + 48, 8);
+    cd.entries = rd(p + z + 32, 8);
+    cd.size = rd(p + z + 40, 8);
+    cd.ofs = rd(p + z + 48, 8);
     cd_limit = z;
-  } else if (entries == 0xffff || cd_size == kU32Max || cd_ofs == kU32Max) {
+  } else if (cd.entries == 0xffff || cd.size == kU32Max || cd.ofs == kU32Max) {
     fail("zip64 sizes without a zip64 end-of-central-directory record");
   }
-  if (cd_ofs > cd_limit || cd_size != cd_limit - cd_ofs)
-    fail("the central directory (offset " + std::to_string(cd_ofs) + ", " + std::to_string(cd_size) +
+  if (cd.ofs > cd_limit || cd.size != cd_limit - cd.ofs)
+    fail("the central directory (offset " + std::to_string(cd.ofs) + ", " + std::to_string(cd.size) +
          " bytes) does not end where the end records start (" + std::to_string(cd_limit) +
          "): truncated or damaged");
-  if (entries == 0) fail("an empty zip archive");
+  if (cd.entries == 0) fail("an empty zip archive");
+  return cd;
+}
 
+// zip64 extended information in the extra fields [x, x_end): the fields that are all ones,
+// in the order the format gives.
+void read_zip64_extra(const char* p, uint64_t x, uint64_t x_end, uint64_t& size, uint64_t& comp, uint64_t& local,
+                      const std::string& where, const std::string& what) {
+  while (x + 4 <= x_end) {
+    const uint64_t id = rd(p + x, 2), len = rd(p + x + 2, 2);
+    if (x + 4 + len > x_end) zip_fail(where, what + ": an extra field runs past its header");
+    if (id == 1) {
+      uint64_t f = x + 4;
+      auto take = [&](uint64_t& v) {
+        if (v != kU32Max) return;
+        if (f + 8 > x + 4 + len) zip_fail(where, what + ": its zip64 extra field is too short");
+        v = rd(p + f, 8);
+        f += 8;
+      };
+      take(size);
+      take(comp);
+      take(local);
+    }
+    x += 4 + len;
+  }
+}
+
+// Central directory entry k at offset c: checked against its local header and, when stored,
+// its CRC-32; returns its record (name within the archive's folder `prefix`, set by entry 0)
+// and moves c to the next entry.
+Record check_entry(const char* p, size_t n, const CentralDirectory& cd, uint64_t k, uint64_t& c, std::string& prefix,
+                   const std::string& where) {
+  auto in_file = [&](uint64_t ofs, uint64_t len) { return ofs <= n && len <= n - ofs; };
+  const std::string which = "zip entry " + std::to_string(k);
+  if (c + kCentralHeaderSize > cd.ofs + cd.size || rd(p + c, 4) != kCentralSig)
+    zip_fail(where, which + ": no central directory header where one should be");
+  const uint64_t flags = rd(p + c + 8, 2), method = rd(p + c + 10, 2);
+  const uint32_t crc = static_cast<uint32_t>(rd(p + c + 16, 4));
+  uint64_t comp = rd(p + c + 20, 4), size = rd(p + c + 24, 4);
+  const uint64_t nlen = rd(p + c + 28, 2), xlen = rd(p + c + 30, 2), clen = rd(p + c + 32, 2);
+  uint64_t local = rd(p + c + 42, 4);
+  if (c + kCentralHeaderSize + nlen + xlen + clen > cd.ofs + cd.size)
+    zip_fail(where, which + ": its central directory header runs past the directory");
+  const std::string name(p + c + kCentralHeaderSize, nlen);
+  const std::string what = "zip entry " + name;
+  read_zip64_extra(p, c + kCentralHeaderSize + nlen, c + kCentralHeaderSize + nlen + xlen, size, comp, local, where,
+                   what);
+  if (k == 0) {
+    const size_t slash = name.find('/');
+    if (slash == std::string::npos) zip_fail(where, what + " is not in a folder, as every record of a .pt file is");
+    prefix = name.substr(0, slash + 1);
+  } else if (name.compare(0, prefix.size(), prefix) != 0) {
+    zip_fail(where, what + " is not in the archive's folder " + prefix);
+  }
+  if (flags & 1) zip_fail(where, what + " is encrypted");
+  if (!in_file(local, kLocalHeaderSize) || local + kLocalHeaderSize > cd.ofs || rd(p + local, 4) != kLocalSig)
+    zip_fail(where, what + ": no local header at offset " + std::to_string(local) + " (damaged or truncated)");
+  const uint64_t lnlen = rd(p + local + 26, 2), lxlen = rd(p + local + 28, 2);
+  const uint64_t data = local + kLocalHeaderSize + lnlen + lxlen;
+  if (lnlen != nlen || !in_file(local + kLocalHeaderSize, lnlen) ||
+      std::memcmp(p + local + kLocalHeaderSize, name.data(), nlen) != 0)
+    zip_fail(where, what + ": its local header names another file (damaged)");
+  if (rd(p + local + 8, 2) != method) zip_fail(where, what + ": local and central headers disagree on the compression");
+  if (data > cd.ofs || comp > cd.ofs - data)
+    zip_fail(where, what + ": its " + std::to_string(comp) + " bytes at offset " + std::to_string(data) +
+                        " run past the central directory (truncated or damaged)");
+  if (method == 0) {
+    if (comp != size) zip_fail(where, what + ": stored, but its sizes differ");
+    if (crc != 0 && crc::crc32(p + data, size) != crc)
+      zip_fail(where, what + ": its bytes do not match their CRC-32 (damaged)");
+  }
+  c += kCentralHeaderSize + nlen + xlen + clen;
+  return {name.substr(prefix.size()), data, size};
+}
+
+}  // namespace
+
+std::vector<Record> check_archive(const char* p, size_t n, const std::string& where) {
+  const CentralDirectory cd = find_central_directory(p, n, where);
   std::vector<Record> out;
   std::string prefix;
-  uint64_t c = cd_ofs;
-  for (uint64_t k = 0; k < entries; ++k) {
-    const std::string which = "zip entry " + std::to_string(k);
-    if (c + kCentralHeaderSize > cd_ofs + cd_size || rd(p + c, 4) != kCentralSig)
-      fail(which + ": no central directory header where one should be");
-    const uint64_t flags = rd(p + c + 8, 2), method = rd(p + c + 10, 2);
-    const uint32_t crc = static_cast<uint32_t>(rd(p + c + 16, 4));
-    uint64_t comp = rd(p + c + 20, 4), size = rd(p + c + 24, 4);
-    const uint64_t nlen = rd(p + c + 28, 2), xlen = rd(p + c + 30, 2), clen = rd(p + c + 32, 2);
-    uint64_t local = rd(p + c + 42, 4);
-    if (c + kCentralHeaderSize + nlen + xlen + clen > cd_ofs + cd_size)
-      fail(which + ": its central directory header runs past the directory");
-    const std::string name(p + c + kCentralHeaderSize, nlen);
-    const std::string what = "zip entry " + name;
-    // zip64 extended information: the fields that are all ones, in the order the format gives.
-    for (uint64_t x = c + kCentralHeaderSize + nlen; x + 4 <= c + kCentralHeaderSize + nlen + xlen;) {
-      const uint64_t id = rd(p + x, 2), len = rd(p + x + 2, 2);
-      if (x + 4 + len > c + kCentralHeaderSize + nlen + xlen) fail(what + ": an extra field runs past its header");
-      if (id == 1) {
-        uint64_t f = x + 4;
-        auto take = [&](uint64_t& v) {
-          if (v != kU32Max) return;
-          if (f + 8 > x + 4 + len) fail(what + ": its zip64 extra field is too short");
-          v = rd(p + f, 8);
-          f += 8;
-        };
-        take(size);
-        take(comp);
-        take(local);
-      }
-      x += 4 + len;
-    }
-    if (k == 0) {
-      const size_t slash = name.find('/');
-      if (slash == std::string::npos) fail(what + " is not in a folder, as every record of a .pt file is");
-      prefix = name.substr(0, slash + 1);
-    } else if (name.compare(0, prefix.size(), prefix) != 0) {
-      fail(what + " is not in the archive's folder " + prefix);
-    }
-    if (flags & 1) fail(what + " is encrypted");
-    if (!in_file(local, kLocalHeaderSize) || local + kLocalHeaderSize > cd_ofs || rd(p + local, 4) != kLocalSig)
-      fail(what + ": no local header at offset " + std::to_string(local) + " (damaged or truncated)");
-    const uint64_t lnlen = rd(p + local + 26, 2), lxlen = rd(p + local + 28, 2);
-    const uint64_t data = local + kLocalHeaderSize + lnlen + lxlen;
-    if (lnlen != nlen || !in_file(local + kLocalHeaderSize, lnlen) ||
-        std::memcmp(p + local + kLocalHeaderSize, name.data(), nlen) != 0)
-      fail(what + ": its local header names another file (damaged)");
-    if (rd(p + local + 8, 2) != method) fail(what + ": local and central headers disagree on the compression");
-    if (data > cd_ofs || comp > cd_ofs - data)
-      fail(what + ": its " + std::to_string(comp) + " bytes at offset " + std::to_string(data) +
-           " run past the central directory (truncated or damaged)");
-    if (method == 0) {
-      if (comp != size) fail(what + ": stored, but its sizes differ");
-      if (crc != 0 && crc::crc32(p + data, size) != crc)
-        fail(what + ": its bytes do not match their CRC-32 (damaged)");
-    }
-    out.push_back({name.substr(prefix.size()), data, size});
-    c += kCentralHeaderSize + nlen + xlen + clen;
-  }
-  if (c != cd_ofs + cd_size) fail("the central directory holds more than its " + std::to_string(entries) + " entries");
+  uint64_t c = cd.ofs;
+  for (uint64_t k = 0; k < cd.entries; ++k) out.push_back(check_entry(p, n, cd, k, c, prefix, where));
+  if (c != cd.ofs + cd.size)
+    zip_fail(where, "the central directory holds more than its " + std::to_string(cd.entries) + " entries");
   return out;
 }
 

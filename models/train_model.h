@@ -30,6 +30,18 @@ struct TrainModel {
   std::function<torch::Tensor()> tokens_per_expert;    // [L, E] since the last step
   std::function<void(const torch::Tensor&)> step_load_balance;  // after the optimizer step
   bool moe() const { return static_cast<bool>(step_load_balance); }
+
+  // FSDP installs its runner and AC its transform, each in its own slot (models/unit_runner.h):
+  // applied in either order, the model runs FSDP(AC(unit)).
+  UnitSlots unit_slots;
+  void set_unit_runner(UnitWrapper runner) {
+    unit_slots.runner = std::move(runner);
+    set_unit_wrapper(unit_slots.wrapper());
+  }
+  void set_unit_transform(UnitTransform transform) {
+    unit_slots.transform = std::move(transform);
+    set_unit_wrapper(unit_slots.wrapper());
+  }
 };
 
 // How build_model leaves the parameters.

@@ -38,7 +38,9 @@
 // the recompute, and the state backward found is restored after it (dropout masks repeat,
 // the outer random stream is as without AC). CUDA generators are not handled.
 //
-// With FSDP the model's wrapper is FSDP(AC(block)): compose(fsdp->wrapper(), ac). FSDP's
+// With FSDP the model's wrapper is FSDP(AC(block)): AC's transform() and FSDP's wrapper() go
+// into their own slots (models/unit_runner.h: UnitSlots, TrainModel::set_unit_transform and
+// set_unit_runner), so either order of applying them builds this nesting. FSDP's
 // pre-backward hook on the unit's output has re-gathered the parameters before the AC
 // backward recomputes, so a recompute costs no extra all-gather, and the recompute's
 // parameter gradients complete the unit's gradients once: one reduce-scatter per unit.
@@ -76,9 +78,6 @@ struct ACStats {
   int64_t kept_bytes = 0;             // bytes of the inputs + matmul outputs kept by forwards
 };
 
-// Turns a unit's function into its checkpointed version.
-using UnitTransform = std::function<UnitFn(const std::string& unit, const UnitFn& fn)>;
-
 class ActivationCheckpoint {
  public:
   // units: the model's units (for the op-SAC force-recompute weight shapes). Throws
@@ -111,7 +110,8 @@ class ActivationCheckpoint {
 };
 
 // The model's wrapper for FSDP(AC(unit)): `outer` (FSDP's wrapper, or empty for plain
-// calls) runs the unit function that `inner` (AC's transform, or empty) made of it.
+// calls) runs the unit function that `inner` (AC's transform, or empty) made of it; the same
+// as UnitSlots{outer, inner}.wrapper() except that it is never empty.
 UnitWrapper compose(UnitWrapper outer, UnitTransform inner);
 
 }  // namespace ctitan

@@ -67,7 +67,8 @@ class FSDP {
   FSDP(const FSDP&) = delete;
   FSDP& operator=(const FSDP&) = delete;
 
-  // The model's UnitWrapper: install with model->set_unit_wrapper(fsdp->wrapper()).
+  // The model's UnitWrapper, its unit runner: install with TrainModel::set_unit_runner (with AC:
+  // in either order, models/unit_runner.h), or model->set_unit_wrapper(fsdp->wrapper()) alone.
   at::Tensor run(const std::string& unit, const UnitFn& fn, const at::Tensor& input);
   UnitWrapper wrapper() {
     return [this](const std::string& u, const UnitFn& fn, const at::Tensor& x) { return run(u, fn, x); };

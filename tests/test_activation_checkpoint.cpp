@@ -18,6 +18,7 @@
 #include "config/errors.h"
 #include "models/llama/model.h"
 #include "models/recompute.h"
+#include "models/train_model.h"
 #include "parallelisms/activation_checkpoint.h"
 #include "parallelisms/comm.h"
 #include "parallelisms/fsdp.h"
@@ -67,21 +68,41 @@ struct TrainRun {
   std::vector<int64_t> gathers, reduce_scatters;  // FSDP collectives per step
 };
 
+// How AC and FSDP go onto the model: compose() by hand (FSDP's wrapper over AC's transform,
+// the reference), or through TrainModel's unit slots, as train.cpp does, in either order.
+enum class Order { Compose, AcThenFsdp, FsdpThenAc };
+
 // world == nullptr: one process, no FSDP. Else FSDP over the world (fp32 parameters).
-TrainRun train(Comm* world, const Mode& m) {
+TrainRun train(Comm* world, const Mode& m, Order order = Order::Compose) {
   at::globalContext().setDeterministicAlgorithms(true, false);
   torch::manual_seed(7);
   llama::Transformer model(debug_args(kSeq));
   model->init_weights();
   model->train();
   const int64_t N = world ? world->size() : 1, r = world ? world->rank() : 0;
+  TrainModel slots;  // only its unit slots, installing into `model`
+  slots.set_unit_wrapper = [model](UnitWrapper w) mutable { model->set_unit_wrapper(std::move(w)); };
   std::shared_ptr<FSDP> fsdp;
-  if (world) {
+  const auto apply_fsdp = [&] {
+    if (!world) return;
     std::shared_ptr<Comm> shard(world, [](Comm*) {});
     fsdp = std::make_shared<FSDP>(model->units(), shard, nullptr, fsdp_options("default", "float32", "float32"));
+    if (order != Order::Compose) slots.set_unit_runner(fsdp->wrapper());
+  };
+  std::unique_ptr<ActivationCheckpoint> ac;
+  const auto apply_ac = [&] {
+    ac = std::make_unique<ActivationCheckpoint>(options_of(m), model->units());
+    if (order != Order::Compose) slots.set_unit_transform(ac->transform());
+  };
+  if (order == Order::AcThenFsdp) {
+    apply_ac();
+    apply_fsdp();
+  } else {
+    apply_fsdp();
+    apply_ac();
   }
-  ActivationCheckpoint ac(options_of(m), model->units());
-  model->set_unit_wrapper(compose(fsdp ? fsdp->wrapper() : UnitWrapper(), ac.transform()));
+  if (order == Order::Compose)
+    model->set_unit_wrapper(compose(fsdp ? fsdp->wrapper() : UnitWrapper(), ac->transform()));
   std::vector<torch::Tensor> params = fsdp ? fsdp->sharded_parameters() : model->parameters();
   auto opt = build_optimizer(params, OptimizerSpec{"AdamW", 8e-4, 0.9, 0.95, 1e-8, 0.1});
   std::function<double(double)> reduce;
@@ -112,7 +133,7 @@ TrainRun train(Comm* world, const Mode& m) {
     out.losses.push_back(loss.item<double>());
   }
   for (auto& p : params) out.params.push_back(p.detach().clone());
-  out.ac = ac.stats();
+  out.ac = ac->stats();
   return out;
 }
 
@@ -222,6 +243,55 @@ TEST(ACParity, TwoRanksFSDPAllModesBitwiseEqualSameCollectives) {
       EXPECT_EQ(runs[k].gathers, std::vector<int64_t>(kSteps, 15)) << kModes[k].label << where;
       EXPECT_EQ(runs[k].reduce_scatters, std::vector<int64_t>(kSteps, 8)) << kModes[k].label << where;
     }
+  }
+}
+
+// ---- AC and FSDP compose by construction: either order, the same model -------------------------
+namespace {
+const std::vector<Mode> kOrderModes = {kModes[1], kModes[3]};  // full, selective op
+const std::vector<std::pair<Order, std::string>> kOrders = {
+    {Order::Compose, "compose(FSDP, AC)"}, {Order::AcThenFsdp, "AC then FSDP"}, {Order::FsdpThenAc, "FSDP then AC"}};
+}  // namespace
+
+CTITAN_CHILD(ac_fsdp_order) {
+  auto env = detect_launch_env(environment_map());
+  auto d = init_distributed(env, std::chrono::seconds(60));
+  std::vector<torch::Tensor> all;
+  for (const auto& m : kOrderModes)
+    for (const auto& o : kOrders)
+      for (auto& t : flatten(train(d->world.get(), m, o.first))) all.push_back(t);
+  torch::save(all, std::string(std::getenv("CTITAN_TEST_OUT")) + "." + std::to_string(d->world->rank()));
+  d->world->barrier("done");
+  return 0;
+}
+
+// torchtitan applies AC, then FSDP; the reverse once silently dropped AC (its compose() replaced
+// FSDP's wrapper). Through the unit slots both orders give the hand-composed FSDP(AC(block)):
+// bitwise the same losses, step-1 gradients and parameters, the same AC work and collectives.
+TEST(ACComposition, AcThenFsdpAndFsdpThenAcBitwiseEqualOnTwoRanks) {
+  const std::string out = "/tmp/ctitan_ac_order_" + std::to_string(getpid()) + ".pt";
+  auto rs = spawn_ranks("ac_fsdp_order", 2, {{"CTITAN_TEST_OUT", out}}, 300);
+  ASSERT_TRUE(all_ok(rs));
+  const size_t n_params = 9 * 6 + 3;
+  for (int rank = 0; rank < 2; ++rank) {
+    std::vector<torch::Tensor> ts;
+    const std::string path = out + "." + std::to_string(rank);
+    torch::load(ts, path);
+    std::remove(path.c_str());
+    size_t at = 0;
+    for (const auto& m : kOrderModes) {
+      std::vector<TrainRun> runs;
+      for (size_t k = 0; k < kOrders.size(); ++k) runs.push_back(unflatten(ts, at, n_params));
+      const std::string where = " (" + m.label + ", rank " + std::to_string(rank) + " of 2)";
+      EXPECT_LT(runs[0].losses.back(), runs[0].losses.front()) << where;
+      for (size_t k = 0; k < kOrders.size(); ++k) {
+        expect_ac_activity(m, runs[k].ac);  // AC is not lost, whichever came first
+        if (k > 0) expect_bitwise_equal(runs[0], runs[k], kOrders[k].second + " vs " + kOrders[0].second + where);
+        EXPECT_EQ(runs[k].gathers, runs[0].gathers) << kOrders[k].second << where;
+        EXPECT_EQ(runs[k].reduce_scatters, runs[0].reduce_scatters) << kOrders[k].second << where;
+      }
+    }
+    ASSERT_EQ(at, ts.size());
   }
 }
 

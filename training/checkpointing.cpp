@@ -1,0 +1,66 @@
+#include "training/checkpointing.h"
+
+#include <spdlog/spdlog.h>
+
+#include "config/errors.h"
+#include "training/adapters.h"
+
+namespace ctitan {
+namespace {
+
+// The loader's own state string (datasets/sharding.h owns its format and redistribution).
+std::unique_ptr<DataLoaderState> dataloader_state(const JobConfig& cfg, const Parallelism& par, DataLoader& loader) {
+  DataLoader* l = &loader;
+  return std::make_unique<DataLoaderState>(
+      [l] { return l->state_dict(); }, [l](const std::string& s) { l->load_state_dict(s); }, par.dp_rank,
+      par.dims.dp(), cfg.checkpoint.dataloader_reshard,
+      [l](const std::vector<std::string>& saved, int64_t, int64_t) { return l->redistributed_state(saved); });
+}
+
+}  // namespace
+
+std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const Parallelism& par, TrainModel& model,
+                                                   FSDP* fsdp, torch::optim::Optimizer& opt, LRScheduler& lr,
+                                                   DataLoader& loader, TrainState& ts, uint64_t seed) {
+  auto c = std::make_unique<Checkpointing>();
+  CheckpointOptions o = checkpoint_options(cfg);
+  o.dp_replicate = par.dims.dp_replicate;
+  o.dp_shard = par.dims.dp_shard;
+  c->manager = std::make_unique<CheckpointManager>(
+      o, par.dist ? checkpoint_comm(par.dist->world, par.dist->store) : CheckpointComm::single_process());
+  // HSDP replicas hold the same rows: the first replica stores them.
+  const bool first_replica = par.dims.replicate_index(par.env.rank) == 0;
+  const std::vector<ShardedParam> sp = sharded_params(*model.module, fsdp);
+  c->model = std::make_unique<ModelState>(sp, first_replica);
+  c->optimizer = std::make_unique<OptimizerState>(opt, sp, first_replica);
+  c->lr_scheduler = std::make_unique<ScalarsState>(
+      "lr_scheduler", std::vector<std::pair<std::string, int64_t*>>{{"last_step", &lr.last_step}});
+  c->train_state = std::make_unique<ScalarsState>(
+      "train_state",
+      std::vector<std::pair<std::string, int64_t*>>{{"step", &ts.step}, {"ntokens_seen", &ts.ntokens_seen}});
+  c->dataloader = dataloader_state(cfg, par, loader);
+  c->rng = std::make_unique<RngState>(par.env.rank, seed);
+  std::vector<std::string> fqns;
+  for (const auto& p : sp) fqns.push_back(p.fqn);
+  c->manager->set_dcp_extras(torchtitan_dcp_extras(opt, fqns, lr));
+  c->manager->add("model", c->model.get());
+  c->manager->add("optimizer", c->optimizer.get());
+  c->manager->add("lr_scheduler", c->lr_scheduler.get());
+  c->manager->add("dataloader", c->dataloader.get());
+  c->manager->add("train_state", c->train_state.get());
+  c->manager->add("rng", c->rng.get());
+  return c;
+}
+
+void maybe_save(CheckpointManager& manager, int64_t step, bool last_step, const std::string& on_failure) {
+  try {
+    manager.save(step, last_step);
+  } catch (const CollectiveFailure&) {
+    throw;
+  } catch (const RuntimeFailure& e) {
+    if (on_failure != "continue" || last_step) throw;
+    spdlog::warn("{}; training continues (checkpoint.on_save_failure = \"continue\")", e.what());
+  }
+}
+
+}  // namespace ctitan

@@ -1,0 +1,377 @@
+#include "training/trainer.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+
+#include <spdlog/spdlog.h>
+#include <torch/csrc/autograd/profiler_legacy.h>
+
+#include "components/gpu_metrics.h"
+#include "components/optimizer.h"
+#include "components/system.h"
+#include "config/errors.h"
+#include "components/preemption.h"
+#include "kernels/fused_ops.h"
+#include "util/strings.h"
+
+namespace fs = std::filesystem;
+
+namespace ctitan {
+namespace {
+
+using Clock = Trainer::Clock;
+
+// Seconds since this process started (/proc/self/stat's start time against /proc/uptime;
+// 10 ms resolution): start-up as the user waits for it, loading of shared libraries included.
+double process_age_s() {
+  std::ifstream stat("/proc/self/stat"), up("/proc/uptime");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const auto paren = text.rfind(')');
+  if (paren == std::string::npos) return 0;
+  std::istringstream fields(text.substr(paren + 2));
+  std::string f;
+  for (int i = 3; i <= 22 && fields >> f; ++i) {
+  }
+  double uptime = 0;
+  up >> uptime;
+  if (f.empty() || f.find_first_not_of("0123456789") != std::string::npos) return 0;
+  return uptime - std::stod(f) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// Bytes this process has read through read(2) and friends (/proc/self/io rchar), 0 if unknown.
+int64_t process_rchar() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  int64_t v = 0;
+  while (io >> key >> v)
+    if (key == "rchar:") return v;
+  return 0;
+}
+
+// profiling.enable_profiling: every profile_freq-th step is recorded by LibTorch's profiler
+// (op names, shapes off) into a Chrome trace, in torchtitan's folder layout.
+std::string profile_path(const JobConfig& cfg, int64_t rank, int64_t step) {
+  return (fs::path(cfg.job.dump_folder) / cfg.profiling.save_traces_folder / ("iteration_" + std::to_string(step)) /
+          ("rank" + std::to_string(rank) + "_trace.json"))
+      .string();
+}
+
+std::unique_ptr<torch::autograd::profiler::RecordProfile> maybe_profile(const JobConfig& cfg, int64_t rank,
+                                                                         int64_t step) {
+  if (!cfg.profiling.enable_profiling || step % cfg.profiling.profile_freq != 0) return nullptr;
+  const std::string path = profile_path(cfg, rank, step);
+  fs::create_directories(fs::path(path).parent_path());
+  return std::make_unique<torch::autograd::profiler::RecordProfile>(path);
+}
+
+// metrics.enable_tensorboard: an event file in <dump_folder>/<save_tb_folder>/<%Y%m%d-%H%M>/
+// (torchtitan's layout), written by rank 0, or by every rank into rank_<r>/ with
+// metrics.save_for_all_ranks. The minute is rank 0's, so all ranks of a job share the folder.
+void maybe_enable_tensorboard(MetricsLogger& metrics, const JobConfig& cfg, const Parallelism& par) {
+  if (!cfg.metrics.enable_tensorboard) return;
+  int64_t now = static_cast<int64_t>(std::time(nullptr));
+  if (par.dist) {
+    auto t = torch::tensor({now}, torch::kInt64);
+    par.dist->world->broadcast(t, 0, "tensorboard_folder");
+    now = t.item<int64_t>();
+  }
+  if (par.env.rank != 0 && !cfg.metrics.save_for_all_ranks) return;
+  const std::time_t tt = static_cast<std::time_t>(now);
+  std::tm local{};
+  localtime_r(&tt, &local);
+  char minute[32];
+  std::strftime(minute, sizeof minute, "%Y%m%d-%H%M", &local);
+  fs::path dir = fs::path(cfg.job.dump_folder) / cfg.metrics.save_tb_folder / minute;
+  if (cfg.metrics.save_for_all_ranks) dir /= "rank_" + std::to_string(par.env.rank);
+  metrics.enable_tensorboard(dir.string());
+}
+
+// One validation run in the training setup: evaluation mode (no router jitter), no-grad, FSDP
+// gathering units as in training. Afterwards the model is as the training step left it: every
+// unit resharded, the MoE routing counters (tokens_per_expert buffers, zeroed by the step's
+// load-balance update just before) zeroed again, so the next step is the same with or without
+// validation.
+ValidationMetrics run_validation(const Validator& validator, TrainModel& model, FSDP* fsdp, const Parallelism& par,
+                                 int64_t step) {
+  model.module->eval();
+  ValidationMetrics v = validator.validate(step, model.forward, [&par](std::vector<double>& x) {
+    world_sum(par, x, "validation");
+  });
+  model.module->train();
+  if (fsdp) fsdp->reshard_all();
+  torch::NoGradGuard no_grad;
+  for (auto& b : model.module->named_buffers())
+    if (b.key().size() >= 17 && b.key().compare(b.key().size() - 17, 17, "tokens_per_expert") == 0) b.value().zero_();
+  return v;
+}
+
+}  // namespace
+
+Trainer::Trainer(TrainerParts parts)
+    : p_(std::move(parts)),
+      metrics_(p_.cfg.job.dump_folder, /*write=*/p_.par.env.rank == 0, p_.cfg.training.steps),
+      B_(p_.cfg.training.local_batch_size),
+      T_(p_.cfg.training.seq_len),
+      local_tokens_(static_cast<double>(B_ * T_ * p_.accum)),
+      first_step_(p_.train_state.step + 1),
+      compute_device_(p_.device.cuda ? torch::Device(torch::kCUDA, p_.device.index) : torch::Device(torch::kCPU)),
+      spikes_(p_.cfg.training.loss_spike_factor),
+      last_step_(first_step_ - 1) {
+  maybe_enable_tensorboard(metrics_, p_.cfg, p_.par);
+  train_start_ = Clock::now();
+  window_start_ = Clock::now();
+  // MoE: each micro-batch's load-balance gradient is scaled like its cross-entropy.
+  if (p_.model.moe()) p_.model.set_aux_loss_scale(1.0 / static_cast<double>(p_.accum));
+  const int64_t dp_world = p_.par.dims.dp();
+  spdlog::info("training {} steps: global batch {} × {} tokens ({} ranks × {} micro-batches of {})",
+               p_.cfg.training.steps, B_ * dp_world * p_.accum, T_, dp_world, p_.accum, B_);
+}
+
+int Trainer::train() {
+  const JobConfig& cfg = p_.cfg;
+  for (int64_t step = first_step_; step <= cfg.training.steps; ++step) {
+    CommContext::set_step(step);
+    std::unique_ptr<torch::autograd::profiler::RecordProfile> profile = maybe_profile(cfg, p_.par.env.rank, step);
+    const StepResult r = train_step(step);
+    if (step == first_step_) after_first_step();
+    enter_phase(p_.at, step, "metrics");
+    if (step == 1 || step % cfg.metrics.log_freq == 0 || step == cfg.training.steps) maybe_log_metrics(step, r);
+    if (profile) {
+      profile.reset();  // writes the trace
+      spdlog::info("profiler trace of step {} written to {}", step, profile_path(cfg, p_.par.env.rank, step));
+    }
+    p_.train_state.step = step;
+    p_.train_state.ntokens_seen += B_ * T_ * p_.accum * p_.par.dims.dp();
+    enter_phase(p_.at, step, "checkpoint save");
+    maybe_save(p_.checkpoints, step, step == cfg.training.steps, cfg.checkpoint.on_save_failure);
+    maybe_validate(step);
+    last_step_ = step;
+    if (maybe_stop(step)) break;
+  }
+  return finish();
+}
+
+std::string Trainer::of_micro(int64_t micro) const {
+  // " (micro-batch m of n)" in the phase names when there are several.
+  return p_.accum > 1 ? " (micro-batch " + std::to_string(micro + 1) + " of " + std::to_string(p_.accum) + ")"
+                      : std::string();
+}
+
+void Trainer::next_batch(int64_t step, int64_t micro, torch::Tensor& inputs, torch::Tensor& labels) {
+  enter_phase(p_.at, step, "data" + of_micro(micro));
+  const auto t_data = Clock::now();
+  Batch batch = p_.loader.next();
+  if (step == first_step_ && micro == 0)
+    spdlog::info("first batch ready {:.2f} s after the process started (the data's part: {:.3f} s opening the "
+                 "tokenizer and corpus, {:.3f} s reading this batch)",
+                 process_age_s(), p_.data_setup_s, seconds_since(t_data));
+  maybe_trace_batch(batch, p_.par.env.rank, step);
+  inputs = torch::from_blob(batch.inputs.data(), {B_, T_}, torch::kInt64).clone();  // [B, T]
+  labels = torch::from_blob(batch.labels.data(), {B_, T_}, torch::kInt64).clone();  // [B, T]
+  if (p_.device.cuda) {  // from pinned host memory, queued behind nothing the host waits for
+    inputs = inputs.pin_memory().to(compute_device_, /*non_blocking=*/true);
+    labels = labels.pin_memory().to(compute_device_, /*non_blocking=*/true);
+  }
+  data_s_ += seconds_since(t_data);
+}
+
+void Trainer::forward_backward_step(int64_t step, int64_t micro, const torch::Tensor& inputs,
+                                    const torch::Tensor& labels, StepResult& r) {
+  const double heap_before = heap_in_use_gib();
+  enter_phase(p_.at, step, "forward" + of_micro(micro));
+  // Token-sum cross-entropy / local_tokens, on float32 row statistics of the logits in
+  // their compute dtype (kernels/fused_ops.h: no float32 copy of [B·T, V]).
+  auto logits = p_.model.forward(inputs);  // [B, T, V]
+  auto loss = fused_cross_entropy(logits.view({B_ * T_, -1}), labels.view({B_ * T_}), 1.0 / local_tokens_);
+  // What the forward left alive for backward (activations, logits): the heap growth.
+  activation_gib_ = std::max(activation_gib_, heap_in_use_gib() - heap_before);
+  enter_phase(p_.at, step, "backward" + of_micro(micro));
+  loss.backward();
+  if (p_.fsdp) p_.fsdp->finish_backward();
+  r.loss_sum += loss.item<double>();
+  if (p_.model.moe()) {  // the objective is CE + coeff · load-balance loss
+    r.loss_sum += p_.model.aux_loss() / static_cast<double>(p_.accum);
+    r.lb_sum += p_.model.load_balance_loss() / static_cast<double>(p_.accum);
+  }
+  window_tokens_ += B_ * T_;
+}
+
+StepResult Trainer::train_step(int64_t step) {
+  set_learning_rate(p_.optimizer, p_.lr.current_lr());
+  p_.optimizer.zero_grad();
+  StepResult r;
+  for (int64_t micro = 0; micro < p_.accum; ++micro) {
+    torch::Tensor inputs, labels;
+    next_batch(step, micro, inputs, labels);
+    forward_backward_step(step, micro, inputs, labels, r);
+  }
+  maybe_inject_fault(p_.par.env.rank, step, r.loss_sum, p_.params);
+  // Both values are the same on every rank (a world mean; a norm all-reduced over the
+  // shards, whose replicas hold equal gradients), so every rank takes the same branch.
+  enter_phase(p_.at, step, "optimizer");
+  r.loss_mean = world_mean(p_.par, r.loss_sum, "loss");
+  r.grad_norm = clip_grad_norm(p_.params, p_.cfg.training.max_norm, p_.grad_sq_all_reduce);
+  r.lr = p_.lr.current_lr();
+  apply_update(step, r);
+  p_.lr.step();
+  if (p_.model.moe()) {  // expert-bias update and counter reset, from every rank's load
+    expert_load_ = p_.model.tokens_per_expert();
+    if (p_.par.dist) p_.par.dist->world->all_reduce_sum(expert_load_, "expert_load").wait();
+    p_.model.step_load_balance(expert_load_);
+  }
+  return r;
+}
+
+// The optimizer step, or training.on_nonfinite's policy when the loss or the norm is not finite.
+void Trainer::apply_update(int64_t step, StepResult& r) {
+  const JobConfig& cfg = p_.cfg;
+  if (std::isfinite(r.loss_mean) && std::isfinite(r.grad_norm)) {
+    p_.optimizer.step();
+    double spike_mean = 0;
+    if (p_.par.env.rank == 0 && (spike_mean = spikes_.observe(r.loss_mean)) > 0)
+      spdlog::warn("step {}: loss spike: {:.4f} is {:.1f}x the mean of the previous steps ({:.4f}; "
+                   "training.loss_spike_factor = {})",
+                   step, r.loss_mean, r.loss_mean / spike_mean, spike_mean, cfg.training.loss_spike_factor);
+    return;
+  }
+  const std::string what = "step " + std::to_string(step) + ": " +
+                           (std::isfinite(r.loss_mean) ? "gradient norm is " + std::to_string(r.grad_norm)
+                                                       : "loss is " + std::to_string(r.loss_mean));
+  if (cfg.training.on_nonfinite == "stop")
+    throw RuntimeFailure(what + "; stopping (HINT: lower optimizer.lr or training.max_norm, or set "
+                                "training.on_nonfinite = \"skip\")");
+  ++skipped_steps_;  // the batch is dropped; the schedule and the step count go on
+  spdlog::warn("{}; skipped: no optimizer update ({} step{} skipped in this run)", what, skipped_steps_,
+               skipped_steps_ == 1 ? "" : "s");
+}
+
+void Trainer::after_first_step() {
+  CommContext::set_timeout(std::chrono::seconds(p_.cfg.comm.train_timeout_seconds));
+  const TrainingStateBytes sb = training_state_bytes(p_.optimizer);
+  state_gib_ = sb.total() / double(1 << 30);
+  spdlog::info("training state on this rank: params {:.1f} MiB + grads {:.1f} MiB + optimizer {:.1f} MiB",
+               sb.params / double(1 << 20), sb.grads / double(1 << 20), sb.optimizer / double(1 << 20));
+}
+
+void Trainer::maybe_log_metrics(int64_t step, const StepResult& r) {
+  metrics_.log(step_metrics(step, r));
+  window_start_ = Clock::now();
+  window_tokens_ = 0;
+  data_s_ = 0;
+  activation_gib_ = 0;
+}
+
+StepMetrics Trainer::step_metrics(int64_t step, const StepResult& r) {
+  const DeviceChoice& device = p_.device;
+  FSDP* fsdp = p_.fsdp;
+  if (device.cuda) gpu_synchronize(device.index);  // the window ends when the GPU's work does
+  const double dt = seconds_since(window_start_);
+  const double comm_s = fsdp ? fsdp->stats().comm_wait_s - comm_mark_ : 0.0;
+  comm_mark_ = fsdp ? fsdp->stats().comm_wait_s : 0.0;
+  // memory_gib: the peak RSS; on a GPU, torchtitan's memory/max_reserved(GiB) of the device.
+  const GpuMemory gpu_mem = device.cuda ? gpu_memory(device.index) : GpuMemory{};
+  const auto maxes = world_max(
+      p_.par, {device.cuda ? gpu_mem.peak_reserved_gib : peak_rss_gib(), comm_s, data_s_, activation_gib_, r.loss_sum});
+  const double flops_per_tok = p_.model.flops_per_token;  // MoE: active experts only
+  StepMetrics m;
+  m.step = step;
+  m.loss = r.loss_mean;
+  m.max_loss = maxes[4];
+  m.n_tokens_seen = static_cast<double>(p_.train_state.ntokens_seen + B_ * T_ * p_.accum * p_.par.dims.dp());
+  m.grad_norm = r.grad_norm;
+  m.lr = r.lr;
+  m.tps = window_tokens_ / dt;
+  m.tflops = m.tps * flops_per_tok / 1e12;
+  if (m.tps * flops_per_tok > p_.peak_flops && peak_remeasures_ < 3) {
+    // Training ran faster than the start-up peak: that measurement met a busy moment of a
+    // shared machine. Measure again (outside the timed window) rather than report MFU > 100%.
+    ++peak_remeasures_;
+    p_.peak_flops = std::max(p_.peak_flops, p_.measure_peak());
+    spdlog::info("step {} ran at {:.1f} GFLOP/s, above the start-up matmul peak: re-measured, {:.1f} GFLOP/s", step,
+                 m.tps * flops_per_tok / 1e9, p_.peak_flops / 1e9);
+  }
+  m.mfu = 100.0 * m.tps * flops_per_tok / p_.peak_flops;
+  m.memory_gib = maxes[0];
+  m.data_loading_s = maxes[2];
+  m.elapsed_s = seconds_since(train_start_);
+  add_extra_metrics(m, r, maxes, gpu_mem.peak_allocated_gib);
+  return m;
+}
+
+void Trainer::add_extra_metrics(StepMetrics& m, const StepResult& r, const std::vector<double>& maxes,
+                                double gpu_alloc) {
+  if (p_.fsdp) m.extra.emplace_back("comm_wait_s", maxes[1]);
+  m.extra.emplace_back("state_gib", state_gib_);
+  if (p_.device.cuda) m.extra.emplace_back("gpu_peak_allocated_gib", gpu_alloc);
+  m.extra.emplace_back("activation_gib", maxes[3]);
+  if (skipped_steps_) m.extra.emplace_back("skipped_steps", static_cast<double>(skipped_steps_));
+  if (p_.cfg.training.on_bad_document == "skip") {
+    // Over the dp ranks and the whole run (the count is in the loader's checkpointed state);
+    // ranks of one dp rank (TP/PP peers) share a loader: mean over all ranks × dp.
+    const double mine = static_cast<double>(p_.loader.skipped_documents());
+    m.extra.emplace_back("bad_documents_skipped", std::round(world_mean(p_.par, mine, "bad_docs") *
+                                                             static_cast<double>(p_.par.dims.dp())));
+  }
+  if (p_.model.moe()) {
+    // Load-balance loss (1 = balanced; mean over ranks) and the tokens-per-expert
+    // spread of the last step: max / mean load of the most unbalanced layer.
+    m.extra.emplace_back("lb_loss", world_mean(p_.par, r.lb_sum, "lb_loss"));
+    const auto spread = std::get<0>(expert_load_.max(1)) / expert_load_.mean(1);
+    m.extra.emplace_back("expert_spread", spread.max().item<double>());
+  }
+}
+
+void Trainer::maybe_validate(int64_t step) {
+  if (!p_.validator || !p_.validator->should_validate(step)) return;
+  enter_phase(p_.at, step, "validation");
+  // Validation time and communication are not the training window's.
+  const auto t_val = Clock::now();
+  const double comm_before = p_.fsdp ? p_.fsdp->stats().comm_wait_s : 0.0;
+  metrics_.log_validation(run_validation(*p_.validator, p_.model, p_.fsdp, p_.par, step));
+  window_start_ += Clock::now() - t_val;
+  if (p_.fsdp) comm_mark_ += p_.fsdp->stats().comm_wait_s - comm_before;
+}
+
+// A stop request agreed by every rank after `step`: save now and leave the loop.
+bool Trainer::maybe_stop(int64_t step) {
+  const JobConfig& cfg = p_.cfg;
+  if (step >= cfg.training.steps || !(stop_ = agree_on_stop(p_.par)).signal) return false;
+  spdlog::warn("stopping after step {} of {}: {} on rank {}", step, cfg.training.steps, stop_signal_name(stop_.signal),
+               stop_.rank);
+  stop_saved_ = p_.checkpoints.save_now(step);
+  if (!stop_saved_) spdlog::warn("no checkpoint is saved (checkpoint.enable is off or load_only is on)");
+  return true;
+}
+
+int Trainer::finish() {
+  const JobConfig& cfg = p_.cfg;
+  enter_phase(p_.at, last_step_, "checkpoint finalize");
+  p_.checkpoints.finalize();
+  if (p_.par.dist) p_.par.dist->world->barrier("end of training");
+  // The measured counterpart of the start-up estimate (bench/memory_estimate.sh reads it).
+  const double estimate_gib = p_.at.estimate_bytes / (1 << 30);
+  spdlog::info("peak RSS: {:.3f} GiB on this rank since the model was built (start-up estimate {:.3f} GiB: {:+.1f}%)",
+               peak_rss_gib(), estimate_gib, 100.0 * (estimate_gib - peak_rss_gib()) / peak_rss_gib());
+  if (stop_.signal) {
+    spdlog::info("stopped after step {} of {} ({} on rank {}) in {}{}", last_step_, cfg.training.steps,
+                 stop_signal_name(stop_.signal), stop_.rank, format_duration(seconds_since(train_start_)),
+                 stop_saved_ ? "; run the same command to resume from step-" + std::to_string(last_step_) : "");
+    spdlog::default_logger()->flush();
+    return 0;
+  }
+  spdlog::info("training done: {} steps in {}", cfg.training.steps, format_duration(seconds_since(train_start_)));
+  spdlog::info("data: dp rank {} read {} bytes of the corpus ({} documents parsed); the process read {} bytes "
+               "(rchar), peak RSS {:.0f} MiB",
+               p_.par.dp_rank, p_.loader.bytes_read(), p_.loader.documents_parsed(), process_rchar(),
+               peak_rss_gib() * 1024);
+  spdlog::default_logger()->flush();
+  return 0;
+}
+
+}  // namespace ctitan

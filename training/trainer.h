@@ -1,0 +1,110 @@
+// The training loop and its step, as torchtitan's Trainer: train_step runs one optimizer
+// step over the micro-batches (forward_backward_step each), then the loop logs the metrics,
+// saves, validates and agrees on stops. train.cpp builds the parts (config → parallelism →
+// model → data → optimizer → checkpoint) and hands them over.
+//
+// Dimensions used in comments: B = local batch size, T = seq_len, V = vocab size.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "checkpoint/checkpoint.h"
+#include "components/lr_scheduler.h"
+#include "components/metrics.h"
+#include "components/validate.h"
+#include "config/job_config.h"
+#include "datasets/dataloader.h"
+#include "models/train_model.h"
+#include "parallelisms/device.h"
+#include "parallelisms/fsdp.h"
+#include "training/checkpointing.h"
+#include "training/hooks.h"
+#include "training/world.h"
+
+namespace ctitan {
+
+// Everything the loop runs on, built by train.cpp; references outlive the Trainer.
+struct TrainerParts {
+  const JobConfig& cfg;
+  Parallelism& par;
+  const DeviceChoice& device;
+  TrainModel& model;
+  FSDP* fsdp;                              // null without FSDP
+  torch::optim::Optimizer& optimizer;
+  std::vector<torch::Tensor> params;       // the optimizer's (FSDP's local shards)
+  std::function<double(double)> grad_sq_all_reduce;  // empty: this rank's norm is the norm
+  LRScheduler& lr;
+  DataLoader& loader;
+  double data_setup_s;                     // tokenizer and corpus opened (first-batch line)
+  const Validator* validator;              // null without [validation]
+  CheckpointManager& checkpoints;
+  TrainState& train_state;
+  RunProgress& at;
+  int64_t accum;                           // micro-batches per step
+  double peak_flops;                       // the MFU reference measured at start-up
+  std::function<double()> measure_peak;    // measures it again
+};
+
+// What one step did, for the metrics.
+struct StepResult {
+  double loss_sum = 0;   // this rank's objective summed over its micro-batches
+  double lb_sum = 0;     // MoE: the load-balance loss, mean over the micro-batches
+  double loss_mean = 0;  // loss_sum's mean over the ranks
+  double grad_norm = 0;  // before clipping
+  double lr = 0;         // the step's learning rate
+};
+
+class Trainer {
+ public:
+  using Clock = std::chrono::steady_clock;
+  explicit Trainer(TrainerParts parts);
+  // The loop from the step after the loaded one to training.steps (or an agreed stop), then
+  // the checkpoint finalised; returns the exit code (0).
+  int train();
+  // One optimizer step: every micro-batch's forward and backward, the non-finite policy, the
+  // optimizer and the LR schedule, the MoE expert-bias update.
+  StepResult train_step(int64_t step);
+  // One micro-batch's forward and backward ([B, T] tokens and labels on the compute device);
+  // adds its share of the objective (and of the MoE load-balance loss) to r.
+  void forward_backward_step(int64_t step, int64_t micro, const torch::Tensor& inputs,
+                               const torch::Tensor& labels, StepResult& r);
+
+ private:
+  void next_batch(int64_t step, int64_t micro, torch::Tensor& inputs, torch::Tensor& labels);
+  void apply_update(int64_t step, StepResult& r);
+  void after_first_step();
+  void maybe_log_metrics(int64_t step, const StepResult& r);
+  StepMetrics step_metrics(int64_t step, const StepResult& r);
+  void add_extra_metrics(StepMetrics& m, const StepResult& r, const std::vector<double>& maxes, double gpu_alloc);
+  void maybe_validate(int64_t step);
+  bool maybe_stop(int64_t step);
+  int finish();
+  std::string of_micro(int64_t micro) const;
+
+  TrainerParts p_;
+  MetricsLogger metrics_;
+  const int64_t B_, T_;
+  // Each rank's loss is its token mean; FSDP averages gradients over the dp ranks, so the
+  // step follows the mean over every token of the global batch.
+  const double local_tokens_;
+  const int64_t first_step_;
+  torch::Device compute_device_;
+  Clock::time_point train_start_, window_start_;
+  // The logging window: tokens, data time, activation peak, FSDP's comm wait at its start.
+  int64_t window_tokens_ = 0;
+  double data_s_ = 0, comm_mark_ = 0, state_gib_ = 0, activation_gib_ = 0;
+  int peak_remeasures_ = 0;
+  torch::Tensor expert_load_;  // [L, E] tokens per expert of the last step, summed over ranks
+  LossSpikeDetector spikes_;
+  int64_t skipped_steps_ = 0;  // non-finite steps skipped (training.on_nonfinite = "skip")
+  StopRequest stop_;
+  bool stop_saved_ = false;
+  int64_t last_step_;
+};
+
+}  // namespace ctitan

@@ -1,0 +1,39 @@
+// The process groups a training job runs in, and the small agreements between its ranks
+// that the loop makes: means, sums and maxima for the metrics, and the stop request.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "parallelisms/comm.h"
+#include "parallelisms/launch_env.h"
+#include "parallelisms/parallel_dims.h"
+
+namespace ctitan {
+
+// The process groups of a job: world, FSDP shard group, HSDP replicate group.
+struct Parallelism {
+  LaunchEnv env;
+  ParallelDims dims;
+  std::unique_ptr<Distributed> dist;  // null for one process
+  std::shared_ptr<Comm> shard, replicate;
+  int64_t dp_rank = 0;
+};
+
+// Mean over ranks (sum / world) of a scalar, or the value itself on one process.
+double world_mean(const Parallelism& par, double v, const char* tag);
+// Max over ranks of each value (per-rank peak memory, communication wait).
+std::vector<double> world_max(const Parallelism& par, std::vector<double> v);
+// In place: each value summed over every rank (identity on one process).
+void world_sum(const Parallelism& par, std::vector<double>& v, const char* tag);
+
+// A stop request (preemption signal) seen by any rank, agreed at a step boundary so that
+// every rank stops after the same step: one tiny all-gather of each rank's signal number.
+struct StopRequest {
+  int signal = 0;
+  int64_t rank = -1;
+};
+
+StopRequest agree_on_stop(const Parallelism& par);
+
+}  // namespace ctitan
