@@ -209,13 +209,36 @@ std::string ids_json(const std::vector<int64_t>& ids) {
   return s + "]";
 }
 
-int run(const std::vector<std::string>& args) {
+// generate's command line (see kUsage).
+struct GenerateArgs {
   std::string source, config_file, tokenizer_arg, prompt, prompt_ids, ids_out, model_arg, flavor_arg;
-  bool have_prompt = false, have_ids = false, bos = true, ignore_eos = false;
+  bool have_prompt = false, have_ids = false, bos = true, ignore_eos = false, help = false;
   int64_t max_new = 64, max_seq_arg = 0, threads = 0;
   uint64_t seed = 0;
   SamplingOptions so;
-  const std::map<std::string, bool> takes_value = {
+};
+
+void set_option(GenerateArgs& g, const std::string& a, const std::string& v) {
+  if (a == "--config") g.config_file = v;
+  else if (a == "--tokenizer") g.tokenizer_arg = v;
+  else if (a == "--prompt") g.prompt = v, g.have_prompt = true;
+  else if (a == "--prompt-ids") g.prompt_ids = v, g.have_ids = true;
+  else if (a == "--max-new-tokens") g.max_new = parse_int(a, v);
+  else if (a == "--temperature") g.so.temperature = parse_real(a, v);
+  else if (a == "--top-k") g.so.top_k = parse_int(a, v);
+  else if (a == "--top-p") g.so.top_p = parse_real(a, v);
+  else if (a == "--seed") g.seed = static_cast<uint64_t>(parse_int(a, v));
+  else if (a == "--max-seq-len") g.max_seq_arg = parse_int(a, v);
+  else if (a == "--ids-out") g.ids_out = v;
+  else if (a == "--model") g.model_arg = v;
+  else if (a == "--flavor") g.flavor_arg = v;
+  else if (a == "--threads") g.threads = parse_int(a, v);
+}
+
+// The options in order; stops at --help (help set).
+GenerateArgs parse_args(const std::vector<std::string>& args) {
+  GenerateArgs g;
+  static const std::map<std::string, bool> takes_value = {
       {"--config", true},      {"--tokenizer", true},   {"--prompt", true},      {"--prompt-ids", true},
       {"--max-new-tokens", true}, {"--temperature", true}, {"--top-k", true},    {"--top-p", true},
       {"--seed", true},        {"--max-seq-len", true}, {"--ids-out", true},     {"--model", true},
@@ -223,67 +246,65 @@ int run(const std::vector<std::string>& args) {
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
-      std::cout << kUsage;
-      return 0;
+      g.help = true;
+      return g;
     }
     if (a.rfind("--", 0) != 0) {
-      if (!source.empty()) throw UserError("generate: a second checkpoint \"" + a + "\" (one is read; see --help)");
-      source = a;
+      if (!g.source.empty()) throw UserError("generate: a second checkpoint \"" + a + "\" (one is read; see --help)");
+      g.source = a;
       continue;
     }
     const auto it = takes_value.find(a);
     if (it == takes_value.end()) throw UserError("generate: unknown option " + a + " (see --help)");
     if (!it->second) {
-      if (a == "--no-bos") bos = false;
-      if (a == "--ignore-eos") ignore_eos = true;
+      if (a == "--no-bos") g.bos = false;
+      if (a == "--ignore-eos") g.ignore_eos = true;
       continue;
     }
     if (i + 1 >= args.size()) throw UserError("generate: " + a + " needs a value");
-    const std::string& v = args[++i];
-    if (a == "--config") config_file = v;
-    else if (a == "--tokenizer") tokenizer_arg = v;
-    else if (a == "--prompt") prompt = v, have_prompt = true;
-    else if (a == "--prompt-ids") prompt_ids = v, have_ids = true;
-    else if (a == "--max-new-tokens") max_new = parse_int(a, v);
-    else if (a == "--temperature") so.temperature = parse_real(a, v);
-    else if (a == "--top-k") so.top_k = parse_int(a, v);
-    else if (a == "--top-p") so.top_p = parse_real(a, v);
-    else if (a == "--seed") seed = static_cast<uint64_t>(parse_int(a, v));
-    else if (a == "--max-seq-len") max_seq_arg = parse_int(a, v);
-    else if (a == "--ids-out") ids_out = v;
-    else if (a == "--model") model_arg = v;
-    else if (a == "--flavor") flavor_arg = v;
-    else if (a == "--threads") threads = parse_int(a, v);
+    set_option(g, a, args[++i]);
   }
-  if (have_prompt == have_ids) throw UserError("generate: give exactly one of --prompt TEXT and --prompt-ids LIST (see --help)");
-  if (max_new < 1) throw UserError("generate: --max-new-tokens must be at least 1, got " + std::to_string(max_new));
-  if (so.temperature < 0) throw UserError("generate: --temperature must be >= 0");
-  if (so.top_k < 0) throw UserError("generate: --top-k must be >= 0");
-  if (!(so.top_p > 0 && so.top_p <= 1)) throw UserError("generate: --top-p must be in (0, 1]");
-  if (max_seq_arg < 0) throw UserError("generate: --max-seq-len must be positive");
-  if (threads < 0) throw UserError("generate: --threads must be positive");
-  if (threads > 0) torch::set_num_threads(static_cast<int>(threads));
+  return g;
+}
 
-  // Where the model and the tokenizer come from.
-  std::string tok_path;
+void check_args(const GenerateArgs& g) {
+  if (g.have_prompt == g.have_ids)
+    throw UserError("generate: give exactly one of --prompt TEXT and --prompt-ids LIST (see --help)");
+  if (g.max_new < 1) throw UserError("generate: --max-new-tokens must be at least 1, got " + std::to_string(g.max_new));
+  if (g.so.temperature < 0) throw UserError("generate: --temperature must be >= 0");
+  if (g.so.top_k < 0) throw UserError("generate: --top-k must be >= 0");
+  if (!(g.so.top_p > 0 && g.so.top_p <= 1)) throw UserError("generate: --top-p must be in (0, 1]");
+  if (g.max_seq_arg < 0) throw UserError("generate: --max-seq-len must be positive");
+  if (g.threads < 0) throw UserError("generate: --threads must be positive");
+}
+
+// Where the model and the tokenizer come from, and the sequence limit.
+struct Inputs {
+  std::string source, tok_path;
   int64_t max_seq = 0;
-  if (!config_file.empty()) {
-    if (!fs::exists(config_file)) throw UserError("generate: --config " + config_file + " does not exist");
-    const JobConfig cfg = load_job_config({"--job.config_file", config_file}).config;
+  ModelTensors m;
+};
+
+Inputs resolve_inputs(const GenerateArgs& g) {
+  std::string source = g.source, tok_path;
+  int64_t max_seq = 0;
+  if (!g.config_file.empty()) {
+    if (!fs::exists(g.config_file)) throw UserError("generate: --config " + g.config_file + " does not exist");
+    const JobConfig cfg = load_job_config({"--job.config_file", g.config_file}).config;
     if (source.empty()) source = (fs::path(cfg.job.dump_folder) / cfg.checkpoint.folder).string();
-    if (tokenizer_arg.empty() && have_prompt)
+    if (g.tokenizer_arg.empty() && g.have_prompt)
       tok_path = resolve_tokenizer_path(cfg.model.tokenizer_path, cfg.model.hf_assets_path);
     max_seq = cfg.training.seq_len;
   }
   if (source.empty()) throw UserError("generate: no checkpoint given (a path, or --config; see --help)");
   source = resolve_checkpoint(source);
-  if (!tokenizer_arg.empty()) {
+  if (!g.tokenizer_arg.empty()) {
     std::error_code ec;
-    tok_path = fs::is_directory(tokenizer_arg, ec) ? resolve_tokenizer_path("", tokenizer_arg)
-                                                   : resolve_tokenizer_path(tokenizer_arg, "");
+    tok_path = fs::is_directory(g.tokenizer_arg, ec) ? resolve_tokenizer_path("", g.tokenizer_arg)
+                                                     : resolve_tokenizer_path(g.tokenizer_arg, "");
   }
-  const ModelTensors m = open_model(source, model_arg, flavor_arg);
-  if (tok_path.empty() && have_prompt) {
+  ModelTensors m = open_model(source, g.model_arg, g.flavor_arg);
+  if (tok_path.empty() && g.have_prompt) {
     if (m.form == "hf" && (fs::exists(fs::path(source) / "tokenizer.json") || fs::exists(fs::path(source) / "vocab.json") ||
                            fs::exists(fs::path(source) / "tokenizer.model")))
       tok_path = resolve_tokenizer_path("", source);
@@ -292,51 +313,39 @@ int run(const std::vector<std::string>& args) {
   }
   if (m.hf_config && max_seq == 0 && m.hf_config->max_position_embeddings > 0)
     max_seq = m.hf_config->max_position_embeddings;
-  if (max_seq_arg > 0) max_seq = max_seq_arg;
-  if (max_seq == 0)
-    max_seq = model_spec(m.model_name).max_seq_len(m.flavor);
+  if (g.max_seq_arg > 0) max_seq = g.max_seq_arg;
+  if (max_seq == 0) max_seq = model_spec(m.model_name).max_seq_len(m.flavor);
+  return Inputs{source, tok_path, max_seq, std::move(m)};
+}
 
-  std::unique_ptr<Tokenizer> tok;
+// The prompt's ids: the text through the tokenizer (loaded into *tok), or --prompt-ids.
+std::vector<int64_t> prompt_tokens(const GenerateArgs& g, const Inputs& in, std::unique_ptr<Tokenizer>* tok) {
   std::vector<int64_t> ids;
-  if (have_prompt) {
-    tok = Tokenizer::load(tok_path);
-    if (tok->vocab_size() > m.vocab_size())
-      throw UserError("generate: tokenizer " + tok_path + " has " + std::to_string(tok->vocab_size()) +
-                      " ids, the model's vocabulary only " + std::to_string(m.vocab_size()));
-    for (int32_t id : tok->encode(prompt, bos, false)) ids.push_back(id);
+  const int64_t vocab = in.m.vocab_size();
+  if (g.have_prompt) {
+    *tok = Tokenizer::load(in.tok_path);
+    if ((*tok)->vocab_size() > vocab)
+      throw UserError("generate: tokenizer " + in.tok_path + " has " + std::to_string((*tok)->vocab_size()) +
+                      " ids, the model's vocabulary only " + std::to_string(vocab));
+    for (int32_t id : (*tok)->encode(g.prompt, g.bos, false)) ids.push_back(id);
   } else {
-    std::stringstream ss(prompt_ids);
+    std::stringstream ss(g.prompt_ids);
     for (std::string t; std::getline(ss, t, ',');) ids.push_back(parse_int("--prompt-ids", t));
     for (int64_t t : ids)
-      if (t < 0 || t >= m.vocab_size())
+      if (t < 0 || t >= vocab)
         throw UserError("generate: prompt id " + std::to_string(t) + " is outside the vocabulary [0, " +
-                        std::to_string(m.vocab_size()) + ")");
+                        std::to_string(vocab) + ")");
   }
   if (ids.empty()) throw UserError("generate: the prompt encodes to no tokens");
   const int64_t P = static_cast<int64_t>(ids.size());
-  if (P >= max_seq)
+  if (P >= in.max_seq)
     throw UserError("generate: the prompt is " + std::to_string(P) + " tokens, the sequence limit " +
-                    std::to_string(max_seq) + " (room for no new token; --max-seq-len raises it)");
+                    std::to_string(in.max_seq) + " (room for no new token; --max-seq-len raises it)");
+  return ids;
+}
 
-  const InferenceModel model = load_inference_model(m, std::min(max_seq, P + max_new));
-  std::cerr << "generate: " << m.model_name << " " << m.flavor << " from " << source << " (" << m.form
-            << (tok ? ", tokenizer " + tok_path : std::string()) << "); " << torch::get_num_threads()
-            << (torch::get_num_threads() == 1 ? " thread" : " threads") << "; prompt " << P << " tokens; "
-            << sampling_text(so, seed) << std::endl;
-  std::unique_ptr<TextStream> text;
-  if (tok) text = std::make_unique<TextStream>(*tok, std::vector<int32_t>(ids.begin(), ids.end()));
-  const int64_t eos = tok && !ignore_eos ? tok->eos_id() : -1;
-  const GenerateResult r = generate_tokens(model, ids, max_new, so, seed, eos, [&](int64_t id) {
-    if (id == eos) return;
-    if (text)
-      text->add(id);
-    else
-      std::cout << id << " " << std::flush;
-  });
-  if (text)
-    text->finish();
-  else
-    std::cout << std::endl;
+// The summary line (stderr) and, with --ids-out, the ids as JSON.
+void report(const GenerateResult& r, int64_t P, const std::string& ids_out) {
   const double n = static_cast<double>(r.generated.size());
   // The first new token comes from the prompt pass; the rest each from one cached step.
   const double decode_tps = r.generated.size() > 1 && r.decode_s > 0 ? (n - 1) / r.decode_s : 0;
@@ -354,6 +363,42 @@ int run(const std::vector<std::string>& args) {
       << ", \"stop\": \"" << r.stop << "\", \"tokens_per_s\": " << total_tps << "}\n";
     if (!f) throw RuntimeFailure("generate: cannot write " + ids_out);
   }
+}
+
+int run(const std::vector<std::string>& args) {
+  const GenerateArgs g = parse_args(args);
+  if (g.help) {
+    std::cout << kUsage;
+    return 0;
+  }
+  check_args(g);
+  if (g.threads > 0) torch::set_num_threads(static_cast<int>(g.threads));
+  const Inputs in = resolve_inputs(g);
+  const ModelTensors& m = in.m;
+  std::unique_ptr<Tokenizer> tok;
+  const std::vector<int64_t> ids = prompt_tokens(g, in, &tok);
+  const int64_t P = static_cast<int64_t>(ids.size());
+
+  const InferenceModel model = load_inference_model(m, std::min(in.max_seq, P + g.max_new));
+  std::cerr << "generate: " << m.model_name << " " << m.flavor << " from " << in.source << " (" << m.form
+            << (tok ? ", tokenizer " + in.tok_path : std::string()) << "); " << torch::get_num_threads()
+            << (torch::get_num_threads() == 1 ? " thread" : " threads") << "; prompt " << P << " tokens; "
+            << sampling_text(g.so, g.seed) << std::endl;
+  std::unique_ptr<TextStream> text;
+  if (tok) text = std::make_unique<TextStream>(*tok, std::vector<int32_t>(ids.begin(), ids.end()));
+  const int64_t eos = tok && !g.ignore_eos ? tok->eos_id() : -1;
+  const GenerateResult r = generate_tokens(model, ids, g.max_new, g.so, g.seed, eos, [&](int64_t id) {
+    if (id == eos) return;
+    if (text)
+      text->add(id);
+    else
+      std::cout << id << " " << std::flush;
+  });
+  if (text)
+    text->finish();
+  else
+    std::cout << std::endl;
+  report(r, P, g.ids_out);
   return 0;
 }
 

@@ -521,6 +521,36 @@ void dump_logits(const std::string& src, const std::vector<std::vector<int64_t>>
   w.commit();
 }
 
+// "1,2,3;4,5,6": sequences of token ids (logits' batch), each a comma-separated list.
+static std::vector<std::vector<int64_t>> parse_token_batch(const std::string& text) {
+  std::vector<std::vector<int64_t>> batch(1);
+  std::string cur;
+  auto flush = [&] {
+    size_t pos = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(cur, &pos);
+    } catch (const std::exception&) {
+      pos = std::string::npos;
+    }
+    if (pos != cur.size()) throw UserError("checkpoint tool: \"" + cur + "\" in the token list is not an integer");
+    batch.back().push_back(v);
+    cur.clear();
+  };
+  for (char c : text) {
+    if (c == ',') {
+      flush();
+    } else if (c == ';') {
+      flush();
+      batch.emplace_back();
+    } else {
+      cur += c;
+    }
+  }
+  flush();
+  return batch;
+}
+
 int checkpoint_tool_main(const std::vector<std::string>& args) {
   const std::string usage =
       "usage: checkpoint_tool inspect <checkpoint folder | step folder | HF folder> [--verify]\n"
@@ -568,31 +598,7 @@ int checkpoint_tool_main(const std::vector<std::string>& args) {
       return 0;
     }
     if (args.size() == 4 && args[0] == "logits") {
-      std::vector<std::vector<int64_t>> batch(1);
-      std::string cur;
-      auto flush = [&] {
-        size_t pos = 0;
-        long long v = 0;
-        try {
-          v = std::stoll(cur, &pos);
-        } catch (const std::exception&) {
-          pos = std::string::npos;
-        }
-        if (pos != cur.size()) throw UserError("checkpoint tool: \"" + cur + "\" in the token list is not an integer");
-        batch.back().push_back(v);
-        cur.clear();
-      };
-      for (char c : args[2]) {
-        if (c == ',') {
-          flush();
-        } else if (c == ';') {
-          flush();
-          batch.emplace_back();
-        } else {
-          cur += c;
-        }
-      }
-      flush();
+      const std::vector<std::vector<int64_t>> batch = parse_token_batch(args[2]);
       dump_logits(args[1], batch, args[3]);
       std::cout << "wrote " << args[3] << " (logits [" << (batch.size() > 1 ? std::to_string(batch.size()) + ", " : "")
                 << batch[0].size() << ", V] float32)\n";

@@ -7,6 +7,9 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 ctitan_ensure_deps
+# Issue 15's rule: no function in checkpoint/, train*.cpp or training/ over 80 lines.
+(cd "$CTITAN_ROOT" && python3 scripts/check_function_length.py checkpoint/*.cpp checkpoint/*.h train*.cpp train.h \
+  training/*.cpp training/*.h)
 start=$(date +%s)
 ctitan_build
 ctitan_log "build took $(( $(date +%s) - start )) s"
