@@ -35,7 +35,7 @@ using namespace ctitan;
 namespace {
 
 // ---- the test's own safetensors parser ------------------------------------------------------
-// Independent of checkpoint/safetensors.cpp and datasets/json_lite: a minimal JSON reader
+// Independent of checkpoint/safetensors.cpp and util/json: a minimal JSON reader
 // for what a safetensors header may hold (objects, arrays, strings, integers), strict about
 // everything the format requires. Throws std::runtime_error on any violation.
 

@@ -1,4 +1,4 @@
-// Strict recursive-descent JSON parser; see json_lite.h for what it accepts.
+// Strict recursive-descent JSON parser; see json.h for what it accepts.
 #include "util/json.h"
 
 #include "util/text.h"
