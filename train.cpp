@@ -11,6 +11,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <iostream>
 #include <random>
@@ -101,9 +102,9 @@ int64_t gradient_accumulation_steps(const JobConfig& cfg, int64_t dp) {
   const int64_t per_step = t.local_batch_size * dp;
   if (t.global_batch_size < 0) return 1;
   if (t.global_batch_size % per_step != 0)
-    throw UserError("config error: training.global_batch_size=" +
-                    std::to_string(t.global_batch_size) + " is not a multiple of local_batch_size (" +
-                    std::to_string(t.local_batch_size) + ") × dp (" + std::to_string(dp) + ")");
+    throw UserError("config error: training.global_batch_size=" + std::to_string(t.global_batch_size) +
+                    " is not a multiple of local_batch_size (" + std::to_string(t.local_batch_size) + ") × dp (" +
+                    std::to_string(dp) + ")");
   return t.global_batch_size / per_step;
 }
 
@@ -130,8 +131,8 @@ DataPipeline build_data(const JobConfig& cfg, int64_t dp_rank, int64_t dp_world)
   const std::string& env_root = runtime_env().data_dir;
   const std::string data_root = env_root.empty() ? "./data" : env_root;
   d.source = resolve_dataset_path(cfg.training.dataset, cfg.training.dataset_path, data_root);
-  d.loader = std::make_unique<DataLoader>(*d.tokenizer, d.source, cfg.training.seq_len,
-                                          cfg.training.local_batch_size, dp_rank, dp_world);
+  d.loader = std::make_unique<DataLoader>(*d.tokenizer, d.source, cfg.training.seq_len, cfg.training.local_batch_size,
+                                          dp_rank, dp_world);
   if (cfg.training.on_bad_document == "skip") d.loader->set_bad_documents(DataLoader::BadDocuments::kSkip);
   d.setup_s = seconds_since(t0);
   return d;
@@ -152,8 +153,8 @@ struct ModelArgs {
 void check_vocab_fits(const JobConfig& cfg, int64_t model_vocab, const Tokenizer& tok) {
   if (tok.vocab_size() <= model_vocab) return;
   throw UserError("tokenizer " + tok.model_path() + " has " + std::to_string(tok.vocab_size()) +
-                  " ids but model.flavor = \"" + cfg.model.flavor + "\" of " + cfg.model.name +
-                  " has vocab_size " + std::to_string(model_vocab) +
+                  " ids but model.flavor = \"" + cfg.model.flavor + "\" of " + cfg.model.name + " has vocab_size " +
+                  std::to_string(model_vocab) +
                   ": use a tokenizer with at most that many ids or a flavor with a larger vocabulary");
 }
 
@@ -245,19 +246,19 @@ std::string allocation_failure_line(const RunProgress& at, const std::string& wh
   char held[160];
   std::snprintf(held, sizeof held, "this rank's RSS %.3f GiB (peak %.3f GiB), start-up estimate %.3f GiB",
                 current_rss_gib(), peak_rss_gib(), at.estimate_bytes / G);
-  const std::string where = at.step > 0 ? "at step " + std::to_string(at.step) + " (" + at.phase + ")"
-                                        : "at start-up (" + at.phase + ")";
+  const std::string where =
+      at.step > 0 ? "at step " + std::to_string(at.step) + " (" + at.phase + ")" : "at start-up (" + at.phase + ")";
   const size_t nl = what.find('\n');
   return "error: out of memory on rank " + std::to_string(at.rank) + " " + where + ": " + asked + "; " + held +
          " (HINT: activation_checkpoint.mode = \"full\", a smaller training.local_batch_size or seq_len, or more "
-         "ranks) [" + what.substr(0, nl) + "]";
+         "ranks) [" +
+         what.substr(0, nl) + "]";
 }
 
 ParallelDims build_parallel_dims(const JobConfig& cfg, int64_t world_size) {
   const auto& c = cfg.parallelism;
-  return ParallelDims::build(c.data_parallel_replicate_degree, c.data_parallel_shard_degree,
-                             c.context_parallel_degree, c.tensor_parallel_degree, c.pipeline_parallel_degree,
-                             world_size);
+  return ParallelDims::build(c.data_parallel_replicate_degree, c.data_parallel_shard_degree, c.context_parallel_degree,
+                             c.tensor_parallel_degree, c.pipeline_parallel_degree, world_size);
 }
 
 Parallelism build_parallelism(const JobConfig& cfg) {
@@ -295,8 +296,7 @@ std::unique_ptr<Validator> maybe_build_validator(const JobConfig& cfg, const Tok
   if (!v.enable) return nullptr;
   const std::string& env_root = runtime_env().data_dir;
   ValidationSpec spec;
-  spec.source = resolve_dataset_path(v.dataset, v.dataset_path, env_root.empty() ? "./data" : env_root,
-                                     "validation");
+  spec.source = resolve_dataset_path(v.dataset, v.dataset_path, env_root.empty() ? "./data" : env_root, "validation");
   spec.local_batch_size = v.local_batch_size;
   spec.seq_len = v.seq_len;
   spec.freq = v.freq;
@@ -318,8 +318,11 @@ void check_validation_config(const JobConfig& cfg) {
 // GPU falls back to float32 in fsdp_applies, as on a CPU without native bf16.)
 void check_device_supports(const DeviceChoice& device, const LaunchEnv& launch) {
   if (!device.cuda || launch.world_size <= 1) return;
-  throw UserError("device: " + std::to_string(launch.world_size) + " ranks on GPUs (FSDP over NCCL) are not "
-                  "implemented yet (issue 17: one rank on " + device.name() + " is); run one rank, or the CPU "
+  throw UserError("device: " + std::to_string(launch.world_size) +
+                  " ranks on GPUs (FSDP over NCCL) are not "
+                  "implemented yet (issue 17: one rank on " +
+                  device.name() +
+                  " is); run one rank, or the CPU "
                   "(CUDA_VISIBLE_DEVICES=)");
 }
 
@@ -333,15 +336,17 @@ bool fsdp_applies(const JobConfig& cfg, const Parallelism& par, const DeviceChoi
   // elsewhere bf16 is emulated and slower than float32.
   if (cfg.training.mixed_precision_param == "float32") return false;
   if (device.cuda) {
-    spdlog::info("training.mixed_precision_param = {}: bf16 on {} needs FSDP's mixed precision on the GPU, not "
-                 "implemented yet (issue 17), so one process trains in float32",
-                 cfg.training.mixed_precision_param, device.name());
+    spdlog::info(
+        "training.mixed_precision_param = {}: bf16 on {} needs FSDP's mixed precision on the GPU, not "
+        "implemented yet (issue 17), so one process trains in float32",
+        cfg.training.mixed_precision_param, device.name());
     return false;
   }
   if (!cpu_has_native_bf16()) {
-    spdlog::info("training.mixed_precision_param = {}: this CPU has no native bf16 matmul (avx512_bf16 / "
-                 "amx_bf16), so one process trains in float32",
-                 cfg.training.mixed_precision_param);
+    spdlog::info(
+        "training.mixed_precision_param = {}: this CPU has no native bf16 matmul (avx512_bf16 / "
+        "amx_bf16), so one process trains in float32",
+        cfg.training.mixed_precision_param);
     return false;
   }
   return true;
@@ -368,14 +373,14 @@ std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, 
   auto fsdp = std::make_shared<FSDP>(model.units(), par.shard, par.replicate, opts, init_unit);
   model.set_unit_runner(fsdp->wrapper());
   if (par.dims.dp() <= 1)
-    spdlog::info("mixed precision on one process: {} compute, float32 master weights and optimizer state, {} "
-                 "gradients",
-                 cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce);
+    spdlog::info(
+        "mixed precision on one process: {} compute, float32 master weights and optimizer state, {} "
+        "gradients",
+        cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce);
   else
     spdlog::info("FSDP: {} units sharded over {} ranks (replicate {}), params {}, reduce {}, reshard_after_forward {}",
-                 model.units().size(), par.dims.dp_shard, par.dims.dp_replicate,
-                 cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce,
-                 cfg.parallelism.fsdp_reshard_after_forward);
+                 model.units().size(), par.dims.dp_shard, par.dims.dp_replicate, cfg.training.mixed_precision_param,
+                 cfg.training.mixed_precision_reduce, cfg.parallelism.fsdp_reshard_after_forward);
   return fsdp;
 }
 
@@ -474,8 +479,8 @@ MemoryEstimate check_memory_fits(const JobConfig& cfg, const ModelArgs& margs, c
   }
   throw UserError("memory: " + cfg.model.name + " " + cfg.model.flavor + " at local_batch_size " +
                   std::to_string(run.batch) + " × seq_len " + std::to_string(run.seq) + " (AC " + run.ac_mode + ", " +
-                  std::to_string(dp) + " dp rank(s)) needs an estimated " + describe(est) + " per rank, but a rank can have " +
-                  format_gib(avail / G) + " GiB (" + how + "); would fit: " +
+                  std::to_string(dp) + " dp rank(s)) needs an estimated " + describe(est) +
+                  " per rank, but a rank can have " + format_gib(avail / G) + " GiB (" + how + "); would fit: " +
                   (fits.empty() ? std::string("nothing this estimate can find on this machine") : join(fits, ", or ")));
 }
 
@@ -493,9 +498,9 @@ int validate_only(const JobConfig& cfg, std::ostream& out) {
   maybe_build_validator(cfg, *data.tokenizer, std::min(env.rank, dims.dp() - 1), dims.dp());
   out << "config ok: " << (cfg.job.config_file.empty() ? "defaults" : cfg.job.config_file) << "; " << cfg.model.name
       << " " << cfg.model.flavor << "; " << env.world_size << " rank(s), dp " << dims.dp() << " x " << accum
-      << " micro-batch(es); tokenizer " << data.tokenizer->model_path() << " (" << data.tokenizer->kind()
-      << ", " << data.tokenizer->vocab_size() << " ids; model vocab " << model_vocab << "); dataset "
-      << data.source << std::endl;
+      << " micro-batch(es); tokenizer " << data.tokenizer->model_path() << " (" << data.tokenizer->kind() << ", "
+      << data.tokenizer->vocab_size() << " ids; model vocab " << model_vocab << "); dataset " << data.source
+      << std::endl;
   return 0;
 }
 
@@ -561,17 +566,17 @@ void announce_run(const Job& j, const ModelArgs& margs, gemm::Backend matmuls) {
   add_log_file(cfg.job.dump_folder, launch.rank);
   if (launch.rank == 0) write_effective_config(cfg);
   spdlog::info("tokenizer: {} ({}, {} ids, bos {}, eos {}; model vocab {})", tok.model_path(), tok.kind(),
-               tok.vocab_size(), tok.bos_id(), tok.eos_id(),
-               margs.sizes.vocab_size);
+               tok.vocab_size(), tok.bos_id(), tok.eos_id(), margs.sizes.vocab_size);
   spdlog::info("dataset: {} (dp rank {} of {})", j.data.source, j.par.dp_rank, j.par.dims.dp());
   check_blas_and_warn();
   const int threads = configure_threads(launch.local_world_size);
   const std::string& wait_policy = runtime_env().omp_wait_policy;
-  spdlog::info("launch: {} rank {} of {} (local {} of {}); intra-op threads: {} (OpenMP wait policy: {}); "
-               "matmuls: {}; seed: {}{}; LibTorch {}",
-               launch.launcher, launch.rank, launch.world_size, launch.local_rank, launch.local_world_size, threads,
-               wait_policy.empty() ? "libgomp default" : wait_policy, gemm::backend_name(matmuls), j.seed,
-               cfg.debug.seed ? "" : " (random: set debug.seed to repeat this run)", TORCH_VERSION);
+  spdlog::info(
+      "launch: {} rank {} of {} (local {} of {}); intra-op threads: {} (OpenMP wait policy: {}); "
+      "matmuls: {}; seed: {}{}; LibTorch {}",
+      launch.launcher, launch.rank, launch.world_size, launch.local_rank, launch.local_world_size, threads,
+      wait_policy.empty() ? "libgomp default" : wait_policy, gemm::backend_name(matmuls), j.seed,
+      cfg.debug.seed ? "" : " (random: set debug.seed to repeat this run)", TORCH_VERSION);
   spdlog::info("device: {} ({})", j.device.name(), j.device.why);
   if (launch.elastic())
     spdlog::info("torchrun: run {}, restart count {} (at most {}){}", launch.run_id, launch.restart_count,
@@ -604,7 +609,9 @@ void setup_model(Job& j, const ModelArgs& margs) {
   torch::manual_seed(j.seed);
   enter_phase(j.at, 0, "model build");
   j.model = build_model(margs, cfg.training.seq_len,
-                        sharded ? ModelInit::Deferred : loads_weights ? ModelInit::None : ModelInit::Full);
+                        sharded         ? ModelInit::Deferred
+                        : loads_weights ? ModelInit::None
+                                        : ModelInit::Full);
   TrainModel& model = j.model;
   spdlog::info("model: {} {} — {:.3f}M parameters ({:.3f}M non-embedding), {:.1f} MFLOP/token", cfg.model.name,
                cfg.model.flavor, model.total_params / 1e6, (model.total_params - model.embedding_params) / 1e6,
@@ -656,8 +663,8 @@ void setup_optimizer(Job& j) {
 bool setup_checkpointing(Job& j) {
   const JobConfig& cfg = j.cfg;
   enter_phase(j.at, 0, "checkpoint load");
-  j.ckpt = build_checkpointing(cfg, j.par, j.model, j.fsdp.get(), *j.optimizer, *j.lr, *j.data.loader,
-                               j.train_state, j.seed);
+  j.ckpt = build_checkpointing(cfg, j.par, j.model, j.fsdp.get(), *j.optimizer, *j.lr, *j.data.loader, j.train_state,
+                               j.seed);
   if (cfg.checkpoint.create_seed_checkpoint) {
     // torchtitan: the full model initialised on one process, saved as step 0, then exit.
     if (j.launch.world_size != 1)
@@ -686,18 +693,17 @@ void log_startup_memory(const Job& j) {
   const double MiB = 1024.0 * 1024.0, GiB_in_MiB = 1024.0;
   const double shard_mib = (j.fsdp ? j.fsdp->sharded_param_bytes() : j.model.total_params * 4) / MiB;
   const double peak = peak_rss_gib();
-  spdlog::info("start-up memory: RSS before the model {:.1f} MiB, peak before step 1 {:.1f} MiB (+{:.1f} MiB; "
-               "this rank's fp32 parameters {:.1f} MiB, largest unit {:.1f} MiB fp32)",
-               j.rss_before_model * GiB_in_MiB, peak * GiB_in_MiB, (peak - j.rss_before_model) * GiB_in_MiB,
-               shard_mib, largest_unit / MiB);
+  spdlog::info(
+      "start-up memory: RSS before the model {:.1f} MiB, peak before step 1 {:.1f} MiB (+{:.1f} MiB; "
+      "this rank's fp32 parameters {:.1f} MiB, largest unit {:.1f} MiB fp32)",
+      j.rss_before_model * GiB_in_MiB, peak * GiB_in_MiB, (peak - j.rss_before_model) * GiB_in_MiB, shard_mib,
+      largest_unit / MiB);
 }
 
 // The MFU reference: the better of ATen's matmul and the GEMM the model's projections use
 // (kernels/gemm.h), so MFU is never taken against a slower kernel than the one training
 // runs; on a GPU, cuBLAS's matmul there (components/gpu_metrics.h).
-std::function<double()> matmul_peak_measure(const Job& j) {
-  const std::string peak_dtype =
-      j.fsdp && j.cfg.training.mixed_precision_param == "bfloat16" ? "bfloat16" : "float32";
+std::function<double()> matmul_peak_measure(const Job& j, const std::string& peak_dtype) {
   const DeviceChoice device = j.device;
   return [peak_dtype, device] {
     if (device.cuda) return gpu_matmul_peak_flops(peak_dtype, device.index);
@@ -709,18 +715,27 @@ std::function<double()> matmul_peak_measure(const Job& j) {
   };
 }
 
-// The loop (training/trainer.h) on the parts the job built.
+// The loop (training/trainer.h) on the parts the job built. The matmul peak is measured when
+// the first metrics line is due (after that step's time was taken), not before step 1: it is
+// not part of the start-up.
 int train_job(Job& j, gemm::Backend matmuls) {
-  const std::function<double()> measure_peak = matmul_peak_measure(j);
-  const double peak_flops = measure_peak();
-  spdlog::info("measured {} matmul peak: {:.1f} GFLOP/s per rank (MFU reference: {})",
-               j.fsdp && j.cfg.training.mixed_precision_param == "bfloat16" ? "bfloat16" : "float32",
-               peak_flops / 1e9,
-               j.device.cuda ? "cuBLAS matmul on " + j.device.name()
-                             : std::string("the better of ") + gemm::backend_name(matmuls) + " and ATen matmul");
+  const std::string peak_dtype = j.fsdp && j.cfg.training.mixed_precision_param == "bfloat16" ? "bfloat16" : "float32";
+  const std::string reference = j.device.cuda
+                                    ? "cuBLAS matmul on " + j.device.name()
+                                    : std::string("the better of ") + gemm::backend_name(matmuls) + " and ATen matmul";
+  auto logged = std::make_shared<bool>(false);
+  const std::function<double()> measure_peak = [measure = matmul_peak_measure(j, peak_dtype), peak_dtype, reference,
+                                                logged] {
+    const double f = measure();
+    if (!*logged)
+      spdlog::info("measured {} matmul peak: {:.1f} GFLOP/s per rank (MFU reference: {})", peak_dtype, f / 1e9,
+                   reference);
+    *logged = true;
+    return f;
+  };
   Trainer trainer(TrainerParts{j.cfg, j.par, j.device, j.model, j.fsdp.get(), *j.optimizer, j.params,
                                j.grad_sq_all_reduce, *j.lr, *j.data.loader, j.data.setup_s, j.validator.get(),
-                               *j.ckpt->manager, j.train_state, j.at, j.accum, peak_flops, measure_peak});
+                               *j.ckpt->manager, j.train_state, j.at, j.accum, /*peak_flops=*/0.0, measure_peak});
   return trainer.train();
 }
 
@@ -746,12 +761,12 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
   install_stop_signal_watcher();
 
   Job j(cfg, at);
-  setup_environment(j);                          // process groups, device, seed
-  const ModelArgs margs = setup_data(j);         // tokenizer, data, model size, memory estimate
-  announce_run(j, margs, matmuls);               // the run's outputs begin
-  setup_model(j, margs);                         // build, AC, FSDP (initialising unit by unit)
+  setup_environment(j);                   // process groups, device, seed
+  const ModelArgs margs = setup_data(j);  // tokenizer, data, model size, memory estimate
+  announce_run(j, margs, matmuls);        // the run's outputs begin
+  setup_model(j, margs);                  // build, AC, FSDP (initialising unit by unit)
   setup_optimizer(j);
-  if (!setup_checkpointing(j)) return 0;         // a seed checkpoint ends the run
+  if (!setup_checkpointing(j)) return 0;  // a seed checkpoint ends the run
   log_startup_memory(j);
   return train_job(j, matmuls);
 }

@@ -43,9 +43,7 @@ std::pair<double, double> time_it(const Backend& pg, int reps, F f) {
   return {ms[ms.size() / 2], ms.front()};
 }
 
-void all_gather_native(const Backend& pg, at::Tensor in, at::Tensor out) {
-  pg->_allgather_base(out, in)->wait();
-}
+void all_gather_native(const Backend& pg, at::Tensor in, at::Tensor out) { pg->_allgather_base(out, in)->wait(); }
 
 void all_gather_113(const Backend& pg, at::Tensor in, at::Tensor out, int64_t n) {
   const bool bf16 = in.scalar_type() == at::kBFloat16;
@@ -83,7 +81,8 @@ int main() {
   so.port = static_cast<uint16_t>(env_int("MASTER_PORT", 29500));
   so.isServer = rank == 0;
   so.numWorkers = world;
-  auto store = c10::make_intrusive<c10d::TCPStore>(std::getenv("MASTER_ADDR") ? std::getenv("MASTER_ADDR") : "127.0.0.1", so);
+  auto store =
+      c10::make_intrusive<c10d::TCPStore>(std::getenv("MASTER_ADDR") ? std::getenv("MASTER_ADDR") : "127.0.0.1", so);
   auto opts = c10d::ProcessGroupGloo::Options::create();
   opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   opts->threads = 2;
@@ -115,8 +114,10 @@ int main() {
     };
     if (rank == 0)
       for (const auto& [what, t] : rows)
-        std::printf("{\"op\": \"%s\", \"dtype\": \"%s\", \"ranks\": %d, \"mib\": %.1f, \"median_ms\": %.2f, \"best_ms\": %.2f}\n",
-                    what.c_str(), dn, world, numel * full.element_size() / 1048576.0, t.first, t.second);
+        std::printf(
+            "{\"op\": \"%s\", \"dtype\": \"%s\", \"ranks\": %d, \"mib\": %.1f, \"median_ms\": %.2f, \"best_ms\": "
+            "%.2f}\n",
+            what.c_str(), dn, world, numel * full.element_size() / 1048576.0, t.first, t.second);
   }
   return 0;
 }

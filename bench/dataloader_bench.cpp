@@ -62,8 +62,10 @@ int scan(const std::string& source, int64_t rank, int64_t world, bool interleave
     files.push_back(f);
   }
   std::vector<ctitan::WorkUnit> work;
-  if (interleaved) work.push_back({0, 0, ctitan::WorkUnit::kToEnd, world, rank, 0, true});
-  else work = ctitan::plan_pass(files, rank, world);
+  if (interleaved)
+    work.push_back({0, 0, ctitan::WorkUnit::kToEnd, world, rank, 0, true});
+  else
+    work = ctitan::plan_pass(files, rank, world);
   long long docs = 0;
   ctitan::Document d;
   for (auto& u : work) {
@@ -72,7 +74,8 @@ int scan(const std::string& source, int64_t rank, int64_t world, bool interleave
   }
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("{\"rank\": %lld, \"documents\": %lld, \"bytes_parsed\": %llu, \"rchar\": %lld, \"seconds\": %.2f}\n",
-              static_cast<long long>(rank), docs, static_cast<unsigned long long>(reader.bytes_read()), rchar() - r0, s);
+              static_cast<long long>(rank), docs, static_cast<unsigned long long>(reader.bytes_read()), rchar() - r0,
+              s);
   return 0;
 }
 
@@ -102,7 +105,8 @@ int json_compare(const std::string& path, int repeats) {
   };
   auto theirs = [](const std::string& l) { return nlohmann::json::parse(l).value("text", std::string()); };
   for (size_t i = 0; i < lines.size(); i += 97)
-    if (ours(lines[i]) != theirs(lines[i])) throw std::runtime_error("the parsers disagree on line " + std::to_string(i + 1));
+    if (ours(lines[i]) != theirs(lines[i]))
+      throw std::runtime_error("the parsers disagree on line " + std::to_string(i + 1));
   double best_ours = 1e30, best_theirs = 1e30;
   size_t n_ours = 0, n_theirs = 0;
   for (int r = 0; r < repeats; ++r) {  // alternating, best of each
@@ -110,8 +114,9 @@ int json_compare(const std::string& path, int repeats) {
     best_theirs = std::min(best_theirs, time_parse(lines, theirs, &n_theirs));
   }
   if (n_ours != n_theirs) throw std::runtime_error("the parsers extracted different amounts of text");
-  std::printf("{\"lines\": %zu, \"bytes\": %zu, \"ctitan_s\": %.3f, \"nlohmann_s\": %.3f, \"nlohmann_over_ctitan\": %.2f}\n",
-              lines.size(), bytes, best_ours, best_theirs, best_theirs / best_ours);
+  std::printf(
+      "{\"lines\": %zu, \"bytes\": %zu, \"ctitan_s\": %.3f, \"nlohmann_s\": %.3f, \"nlohmann_over_ctitan\": %.2f}\n",
+      lines.size(), bytes, best_ours, best_theirs, best_theirs / best_ours);
   return 0;
 }
 

@@ -115,8 +115,8 @@ void bench_attention(const std::string& name, const std::string& shape, at::Scal
   bench_layer(
       name, shape, dt, [](const auto& in) { return ctitan::flash_causal_attention(in[0], in[1], in[2]); },
       [](const auto& in) {
-        return at::scaled_dot_product_attention(in[0].transpose(1, 2), in[1].transpose(1, 2), in[2].transpose(1, 2),
-                                                {}, 0.0, /*is_causal=*/true, std::nullopt, /*enable_gqa=*/true)
+        return at::scaled_dot_product_attention(in[0].transpose(1, 2), in[1].transpose(1, 2), in[2].transpose(1, 2), {},
+                                                0.0, /*is_causal=*/true, std::nullopt, /*enable_gqa=*/true)
             .transpose(1, 2);
       },
       {q, k, v}, go, reps);
@@ -162,8 +162,8 @@ void bench_adamw(int64_t numel, int reps) {
 
 int main(int argc, char** argv) {
   const int reps = argc > 1 ? std::max(1, std::atoi(argv[1])) : 7;
-  std::printf("LibTorch %s, %d intra-op threads, median of %d alternating runs, forward + backward\n\n",
-              TORCH_VERSION, at::get_num_threads(), reps);
+  std::printf("LibTorch %s, %d intra-op threads, median of %d alternating runs, forward + backward\n\n", TORCH_VERSION,
+              at::get_num_threads(), reps);
   std::printf("| kernel | shape | dtype | ctitan ms | ATen ms | ATen / ctitan | max rel. Δ |\n");
   std::printf("|---|---|---|---:|---:|---:|---:|\n");
   const int64_t D = 512, H = 8, KV = 4, hd = 64, V = 8192, F = 1536;

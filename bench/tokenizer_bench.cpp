@@ -55,9 +55,10 @@ int main(int argc, char** argv) {
       tokens = n;
     }
     const auto* hf = dynamic_cast<const ctitan::HfTokenizer*>(tok.get());
-    std::printf("{\"docs\": %zu, \"bytes\": %zu, \"tokens\": %lld, \"cold_tokens_per_s\": %.1f, "
-                "\"tokens_per_s\": %.1f, \"cache_entries\": %zu}\n",
-                docs.size(), bytes, static_cast<long long>(tokens), cold, best, hf ? hf->cache_size() : 0);
+    std::printf(
+        "{\"docs\": %zu, \"bytes\": %zu, \"tokens\": %lld, \"cold_tokens_per_s\": %.1f, "
+        "\"tokens_per_s\": %.1f, \"cache_entries\": %zu}\n",
+        docs.size(), bytes, static_cast<long long>(tokens), cold, best, hf ? hf->cache_size() : 0);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tokenizer_bench: %s\n", e.what());

@@ -116,8 +116,8 @@ std::string entry_line(const EntryMeta& e) {
 
 // Writes this rank's entries into <stage>/rank<r>.bin; returns the metadata fragment
 // (file, entry and chunk records) rank 0 merges.
-std::string write_rank_file(const std::vector<StateEntry>& entries, const std::string& stage,
-                            int64_t rank, int64_t step) {
+std::string write_rank_file(const std::vector<StateEntry>& entries, const std::string& stage, int64_t rank,
+                            int64_t step) {
   const std::string name = "rank" + std::to_string(rank) + ".bin";
   ckpt::DurableFileWriter w((fs::path(stage) / name).string());
   std::vector<EntryMeta> metas;
@@ -537,8 +537,7 @@ std::string CheckpointReader::item_where(const EntryMeta& e, const ChunkMeta& c)
 
 const EntryMeta& CheckpointReader::entry(const std::string& key) const {
   auto it = meta_.entries.find(key);
-  if (it == meta_.entries.end())
-    throw UserError("checkpoint " + dir_ + " has no entry " + key);
+  if (it == meta_.entries.end()) throw UserError("checkpoint " + dir_ + " has no entry " + key);
   return it->second;
 }
 
@@ -608,8 +607,8 @@ void CheckpointReader::read_chunk_into(const EntryMeta& e, const ChunkMeta& c, v
   if (crc != c.crc)
     throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: " + c.file + " bytes [" + std::to_string(c.offset) +
                          ", " + std::to_string(c.offset + c.nbytes) + ") holding " + e.key +
-                         " fail their CRC-32 check (recorded " + ckpt::hex32(c.crc) + ", computed " +
-                         ckpt::hex32(crc) + ")");
+                         " fail their CRC-32 check (recorded " + ckpt::hex32(c.crc) + ", computed " + ckpt::hex32(crc) +
+                         ")");
 }
 
 void CheckpointReader::read_rows(const std::string& key, int64_t begin, int64_t end, const at::Tensor& dest) const {
@@ -799,7 +798,8 @@ void DataLoaderState::state_dict(StateDict& sd) {
 
 void DataLoaderState::check_load(const CheckpointReader& ckpt) const {
   if (!ckpt.has("dataloader.world_size"))
-    throw UserError("checkpoint " + ckpt.path() + " has no dataloader state (HINT: checkpoint.exclude_from_loading = "
+    throw UserError("checkpoint " + ckpt.path() +
+                    " has no dataloader state (HINT: checkpoint.exclude_from_loading = "
                     "[\"dataloader\"] starts a fresh data order)");
   const int64_t saved = ckpt.read_int("dataloader.world_size");
   if (saved == dp_world_) {
@@ -832,8 +832,8 @@ void DataLoaderState::load_state_dict(const CheckpointReader& ckpt) {
 // ---- config --------------------------------------------------------------------------------
 
 const std::vector<std::string>& checkpoint_component_names() {
-  static const std::vector<std::string> names = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state",
-                                                 "rng"};
+  static const std::vector<std::string> names = {"model",      "optimizer",   "lr_scheduler",
+                                                 "dataloader", "train_state", "rng"};
   return names;
 }
 
@@ -847,10 +847,12 @@ void check_checkpoint_config(const JobConfig& cfg) {
   if (c.create_seed_checkpoint && !c.enable)
     throw UserError("config error: checkpoint.create_seed_checkpoint = true needs checkpoint.enable = true");
   if (c.initial_load_in_hf && !c.initial_load_model_only)
-    throw UserError("config error: checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_model_only = true");
+    throw UserError(
+        "config error: checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_model_only = true");
   if (c.last_save_in_hf && !c.last_save_model_only)
-    throw UserError("config error: checkpoint.last_save_in_hf = true needs checkpoint.last_save_model_only = true "
-                    "(an HF folder holds the model only)");
+    throw UserError(
+        "config error: checkpoint.last_save_in_hf = true needs checkpoint.last_save_model_only = true "
+        "(an HF folder holds the model only)");
 }
 
 bool will_load_model(const CheckpointOptions& o) {
@@ -892,8 +894,8 @@ struct CheckpointManager::Pending {
   std::string folder, stage, final_dir;
   int64_t step = 0;
   bool model_only = false;
-  bool hf = false;  // converted to an HF folder when committed (checkpoint.last_save_in_hf)
-  bool dcp = false;  // a torch.distributed.checkpoint folder (checkpoint.format = "dcp")
+  bool hf = false;      // converted to an HF folder when committed (checkpoint.last_save_in_hf)
+  bool dcp = false;     // a torch.distributed.checkpoint folder (checkpoint.format = "dcp")
   bool pinned = false;  // some entries live in the pinned staging buffer until the write ends
   std::vector<StateEntry> entries;
   std::thread thread;
@@ -919,7 +921,8 @@ void CheckpointManager::stage_gpu_tensors(std::vector<StateEntry>& entries, cons
   for (size_t j = 0; j < on_gpu.size(); ++j) {
     StateEntry& e = entries[on_gpu[j]];
     const auto& slot = layout.slots[j];
-    at::Tensor host = pinned_buffer_.narrow(0, slot.offset, slot.bytes).view(e.tensor.scalar_type()).view(e.tensor.sizes());
+    at::Tensor host =
+        pinned_buffer_.narrow(0, slot.offset, slot.bytes).view(e.tensor.scalar_type()).view(e.tensor.sizes());
     host.copy_(e.tensor);  // device to pinned host: DMA; blocking, so the writer may read it at once
     e.tensor = host;
   }
@@ -1148,7 +1151,7 @@ void CheckpointManager::start_write(Pending& p, bool async) {
     const auto tw = std::chrono::steady_clock::now();
     try {
       p.status = "ok\n" + (p.dcp ? write_rank_dcp(p.entries, p.stage, comm_.rank, p.step)
-                                  : write_rank_file(p.entries, p.stage, comm_.rank, p.step));
+                                 : write_rank_file(p.entries, p.stage, comm_.rank, p.step));
     } catch (const std::exception& e) {
       p.status = "error " + one_line(e.what());
     }
@@ -1197,10 +1200,14 @@ void CheckpointManager::complete_save() {
   }
   // Sync: the total is the whole collective save; async: it spans the training steps in between.
   p.blocked_s += seconds_since(t_complete);
-  spdlog::info("checkpoint: saved step {}{} to {} ({:.1f} MiB on this rank, {:.2f} s; file written in {:.2f} s; "
-               "training blocked {:.2f} s)",
-               p.step, p.hf ? " (model only, HF safetensors)" : p.model_only ? " (model only)" : "", p.final_dir,
-               p.bytes / double(1 << 20), seconds_since(p.t0), p.write_s, p.blocked_s);
+  spdlog::info(
+      "checkpoint: saved step {}{} to {} ({:.1f} MiB on this rank, {:.2f} s; file written in {:.2f} s; "
+      "training blocked {:.2f} s)",
+      p.step,
+      p.hf           ? " (model only, HF safetensors)"
+      : p.model_only ? " (model only)"
+                     : "",
+      p.final_dir, p.bytes / double(1 << 20), seconds_since(p.t0), p.write_s, p.blocked_s);
   last_saved_step_ = p.step;
   const std::string folder = p.folder;
   const bool regular = folder == opt_.folder;
@@ -1277,10 +1284,10 @@ std::string CheckpointManager::metadata_text(const Pending& p, const std::vector
   m.model_name = opt_.model_name;
   m.model_flavor = opt_.model_flavor;
   m.model_only = p.model_only;
-  std::string head = "ctitan-checkpoint " + std::to_string(ckpt::kFormatVersion) + "\nstep " +
-                     std::to_string(m.step) + "\nworld_size " + std::to_string(m.world_size) + "\ndp " +
-                     std::to_string(m.dp_replicate) + " " + std::to_string(m.dp_shard) + "\nmodel " + m.model_name +
-                     " " + m.model_flavor + "\nmodel_only " + (m.model_only ? "1" : "0") + "\n";
+  std::string head = "ctitan-checkpoint " + std::to_string(ckpt::kFormatVersion) + "\nstep " + std::to_string(m.step) +
+                     "\nworld_size " + std::to_string(m.world_size) + "\ndp " + std::to_string(m.dp_replicate) + " " +
+                     std::to_string(m.dp_shard) + "\nmodel " + m.model_name + " " + m.model_flavor + "\nmodel_only " +
+                     (m.model_only ? "1" : "0") + "\n";
   std::string files, chunks;
   std::map<std::string, std::string> entries;  // key → entry record (identical on every rank)
   for (int64_t r = 0; r < comm_.world_size; ++r) {
@@ -1328,8 +1335,7 @@ namespace {
 // Rank 0: what the folder holds that is not a complete checkpoint (an unfinished save's
 // staging folder is removed).
 void report_unfinished(const ckpt::FolderScan& scan) {
-  for (const auto& [dir, why] : scan.incomplete)
-    spdlog::warn("checkpoint: ignoring {}: {}", dir, why);
+  for (const auto& [dir, why] : scan.incomplete) spdlog::warn("checkpoint: ignoring {}: {}", dir, why);
   for (const auto& dir : scan.staging) {
     spdlog::warn("checkpoint: removing {} (a save that did not finish)", dir);
     std::error_code ec;
@@ -1353,10 +1359,11 @@ void check_not_hf_weights(const std::string& path, const std::string& folder, co
   const std::string name = fs::path(path).filename().string();
   static const std::regex step_re("step-([0-9]+)");
   const int64_t step = std::regex_match(name, sm, step_re) ? std::stoll(sm[1]) : -1;
-  throw UserError("checkpoint " + path + " holds model weights only, as HF safetensors (checkpoint.last_save_in_hf), "
+  throw UserError("checkpoint " + path +
+                  " holds model weights only, as HF safetensors (checkpoint.last_save_in_hf), "
                   "not the optimizer, schedule and data state needed to resume training; to start a new run from "
-                  "these weights, set checkpoint.initial_load_path = \"" + path +
-                  "\" and checkpoint.initial_load_in_hf = true with another checkpoint.folder" +
+                  "these weights, set checkpoint.initial_load_path = \"" +
+                  path + "\" and checkpoint.initial_load_in_hf = true with another checkpoint.folder" +
                   (step >= 0 ? earlier_hint(folder, complete, step) : ""));
 }
 
@@ -1367,9 +1374,9 @@ struct CheckpointManager::LoadChoice {
   std::string path;  // empty: nothing to load
   bool model_only_requested = false;
   bool from_hf = false;
-  std::string error;                // load_step names no complete checkpoint
-  std::vector<std::string> older;   // complete checkpoints older than path, newest first
-  std::vector<int64_t> complete;    // the folder's complete steps, ascending
+  std::string error;               // load_step names no complete checkpoint
+  std::vector<std::string> older;  // complete checkpoints older than path, newest first
+  std::vector<int64_t> complete;   // the folder's complete steps, ascending
 };
 
 // One try at loading a checkpoint: its reader and the components it loads.
@@ -1417,8 +1424,8 @@ CheckpointManager::LoadChoice CheckpointManager::choose_checkpoint(const ckpt::F
   } else if (!scan.complete.empty()) {
     c.path = ckpt::step_dir(opt_.folder, scan.complete.back());
     if (!opt_.initial_load_path.empty() && comm_.rank == 0)
-      spdlog::warn("checkpoint: {} holds checkpoints, so checkpoint.initial_load_path = {} is not used",
-                   opt_.folder, opt_.initial_load_path);
+      spdlog::warn("checkpoint: {} holds checkpoints, so checkpoint.initial_load_path = {} is not used", opt_.folder,
+                   opt_.initial_load_path);
     for (auto it = scan.complete.rbegin() + 1; it != scan.complete.rend(); ++it)
       if (!ckpt::is_hf_step(ckpt::step_dir(opt_.folder, *it))) c.older.push_back(ckpt::step_dir(opt_.folder, *it));
   } else if (!opt_.initial_load_path.empty()) {
@@ -1517,10 +1524,11 @@ void CheckpointManager::check_checkpoint(const LoadChoice& c, LoadAttempt& a) co
                     "\" (model.name / model.flavor must match)");
   if (m.model_only && !c.model_only_requested && m.step != 0) {
     const std::string hint = earlier_hint(opt_.folder, c.complete, m.step);
-    throw UserError("checkpoint " + path + " holds model weights only (checkpoint.last_save_model_only), not the "
+    throw UserError("checkpoint " + path +
+                    " holds model weights only (checkpoint.last_save_model_only), not the "
                     "optimizer, schedule and data state needed to resume training; to start a new run from these "
-                    "weights, set checkpoint.initial_load_path = \"" + path +
-                    "\" and checkpoint.initial_load_model_only = true with another checkpoint.folder" + hint);
+                    "weights, set checkpoint.initial_load_path = \"" +
+                    path + "\" and checkpoint.initial_load_model_only = true with another checkpoint.folder" + hint);
   }
   a.model_only = c.model_only_requested || m.model_only;
   for (const auto& [name, s] : components_) {
@@ -1538,7 +1546,8 @@ void CheckpointManager::check_checkpoint(const LoadChoice& c, LoadAttempt& a) co
   if (a.reader->is_foreign_dcp())
     for (const auto& t : a.todo)
       if (t.first == "dataloader")
-        throw UserError("checkpoint " + path + " is a torch.distributed.checkpoint folder ctitan did not write "
+        throw UserError("checkpoint " + path +
+                        " is a torch.distributed.checkpoint folder ctitan did not write "
                         "(torchtitan's?): its dataloader state (a pickled Python data-loader state) is not "
                         "transferable to ctitan; set checkpoint.exclude_from_loading = [\"dataloader\"] to load "
                         "the rest and start a fresh data order");
@@ -1553,10 +1562,11 @@ LoadResult CheckpointManager::finish_load(const LoadAttempt& a, const std::strin
   res.path = path;
   res.model_only = a.model_only;
   for (const auto& t : a.todo) res.components.push_back(t.first);
-  spdlog::info("checkpoint: loaded step {} from {} in {:.2f} s, {:.1f} MiB read on this rank (saved by {} ranks, dp "
-               "{}×{}; now {} ranks): {}",
-               m.step, path, seconds_since(a.t0), a.reader->bytes_read() / double(1 << 20), m.world_size,
-               m.dp_replicate, m.dp_shard, comm_.world_size, join(res.components, ", "));
+  spdlog::info(
+      "checkpoint: loaded step {} from {} in {:.2f} s, {:.1f} MiB read on this rank (saved by {} ranks, dp "
+      "{}×{}; now {} ranks): {}",
+      m.step, path, seconds_since(a.t0), a.reader->bytes_read() / double(1 << 20), m.world_size, m.dp_replicate,
+      m.dp_shard, comm_.world_size, join(res.components, ", "));
   // Test hook: write what was just loaded, as this job holds it, to another folder, so a
   // test can compare it with the checkpoint it came from.
   if (const std::string& dump = runtime_env().checkpoint_dump_loaded; !dump.empty()) {
@@ -1589,10 +1599,11 @@ LoadResult CheckpointManager::load_hf(const std::string& path) {
     const HFModelConfig want = hf_config_for(opt_.model_name, opt_.model_flavor, ms->vocab_size());
     if (c.rope_theta != want.rope_theta || c.rms_norm_eps != want.rms_norm_eps ||
         c.rope_scaling.has_value() != want.rope_scaling.has_value())
-      spdlog::warn("checkpoint: HF config.json has rope_theta {}, rms_norm_eps {}, rope_scaling {}; this run's model "
-                   "uses {}, {}, {} (the weights load, the outputs will differ from the HF model's)",
-                   c.rope_theta, c.rms_norm_eps, c.rope_scaling ? kHfRopeScalingType : "none", want.rope_theta,
-                   want.rms_norm_eps, want.rope_scaling ? kHfRopeScalingType : "none");
+      spdlog::warn(
+          "checkpoint: HF config.json has rope_theta {}, rms_norm_eps {}, rope_scaling {}; this run's model "
+          "uses {}, {}, {} (the weights load, the outputs will differ from the HF model's)",
+          c.rope_theta, c.rms_norm_eps, c.rope_scaling ? kHfRopeScalingType : "none", want.rope_theta,
+          want.rms_norm_eps, want.rope_scaling ? kHfRopeScalingType : "none");
     const auto unused = hf->unused_keys(ctitan_params(c));
     if (!unused.empty())
       spdlog::warn("checkpoint: {} tensors of {} have no ctitan parameter and are ignored (first: {})", unused.size(),
@@ -1605,7 +1616,8 @@ LoadResult CheckpointManager::load_hf(const std::string& path) {
   res.path = path;
   res.model_only = true;
   res.components = {"model"};
-  if (auto it = hf->metadata().find("ctitan.step"); it != hf->metadata().end()) res.step = std::atoll(it->second.c_str());
+  if (auto it = hf->metadata().find("ctitan.step"); it != hf->metadata().end())
+    res.step = std::atoll(it->second.c_str());
   spdlog::info("checkpoint: loaded HF safetensors from {} in {:.2f} s ({} tensors, {}; now {} ranks): model", path,
                seconds_since(t0), hf->keys().size(), hf->config().architecture, comm_.world_size);
   if (const std::string& dump = runtime_env().checkpoint_dump_loaded; !dump.empty()) {

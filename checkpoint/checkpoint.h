@@ -79,8 +79,8 @@ struct StateEntry {
 
 class StateDict {
  public:
-  void sharded(const std::string& key, const at::Tensor& local, std::vector<int64_t> global_shape,
-               int64_t row_begin, int64_t row_end, bool save_here = true);
+  void sharded(const std::string& key, const at::Tensor& local, std::vector<int64_t> global_shape, int64_t row_begin,
+               int64_t row_end, bool save_here = true);
   void replicated(const std::string& key, const at::Tensor& value);
   void replicated_int(const std::string& key, int64_t value);
   void per_rank_bytes(const std::string& key, std::string bytes);
@@ -170,8 +170,7 @@ struct ShardedParam {
 // false on HSDP replicas other than the first (they hold the same rows).
 class ModelState : public Stateful {
  public:
-  ModelState(std::vector<ShardedParam> params, bool save_here)
-      : params_(std::move(params)), save_here_(save_here) {}
+  ModelState(std::vector<ShardedParam> params, bool save_here) : params_(std::move(params)), save_here_(save_here) {}
   void state_dict(StateDict& sd) override;
   void check_load(const CheckpointReader& ckpt) const override;
   void load_state_dict(const CheckpointReader& ckpt) override;
@@ -242,12 +241,16 @@ class RngState : public Stateful {
 // rank's state (index = saved dp rank) to build this rank's state.
 class DataLoaderState : public Stateful {
  public:
-  using Redistribute = std::function<std::string(const std::vector<std::string>& saved,
-                                                 int64_t dp_rank, int64_t dp_world)>;
-  DataLoaderState(std::function<std::string()> get, std::function<void(const std::string&)> set,
-                  int64_t dp_rank, int64_t dp_world, std::string reshard, Redistribute redistribute)
-      : get_(std::move(get)), set_(std::move(set)), dp_rank_(dp_rank), dp_world_(dp_world),
-        reshard_(std::move(reshard)), redistribute_(std::move(redistribute)) {}
+  using Redistribute =
+      std::function<std::string(const std::vector<std::string>& saved, int64_t dp_rank, int64_t dp_world)>;
+  DataLoaderState(std::function<std::string()> get, std::function<void(const std::string&)> set, int64_t dp_rank,
+                  int64_t dp_world, std::string reshard, Redistribute redistribute)
+      : get_(std::move(get)),
+        set_(std::move(set)),
+        dp_rank_(dp_rank),
+        dp_world_(dp_world),
+        reshard_(std::move(reshard)),
+        redistribute_(std::move(redistribute)) {}
   void state_dict(StateDict& sd) override;
   void check_load(const CheckpointReader& ckpt) const override;
   void load_state_dict(const CheckpointReader& ckpt) override;

@@ -26,9 +26,9 @@ const std::string kMd = "torch.distributed.checkpoint.metadata.";
 // torch dtypes as Python names them, and ctitan's names; storage classes of torch.save.
 const std::map<std::string, std::string>& dtype_names() {
   static const std::map<std::string, std::string> m = {
-      {"float32", "float32"}, {"float", "float32"},   {"float64", "float64"}, {"double", "float64"},
-      {"bfloat16", "bfloat16"}, {"float16", "float16"}, {"half", "float16"},  {"int64", "int64"},
-      {"long", "int64"},      {"int32", "int32"},     {"int", "int32"},       {"uint8", "uint8"}};
+      {"float32", "float32"},   {"float", "float32"},   {"float64", "float64"}, {"double", "float64"},
+      {"bfloat16", "bfloat16"}, {"float16", "float16"}, {"half", "float16"},    {"int64", "int64"},
+      {"long", "int64"},        {"int32", "int32"},     {"int", "int32"},       {"uint8", "uint8"}};
   return m;
 }
 const std::map<std::string, std::string>& storage_dtypes() {
@@ -83,9 +83,7 @@ const Value& object_of(const Value& v, const std::string& cls, const std::string
   if (!v.is(K::Object) || v.s != cls) bad(where, "expected a " + cls + ", found " + pickle::describe(v));
   return v;
 }
-const Value* field(const Value& obj, const std::string& name) {
-  return obj.state ? obj.state->get(name) : nullptr;
-}
+const Value* field(const Value& obj, const std::string& name) { return obj.state ? obj.state->get(name) : nullptr; }
 const Value& need(const Value& obj, const std::string& name, const std::string& where) {
   const Value* f = field(obj, name);
   if (!f) bad(where, obj.s + " has no field " + name);
@@ -115,7 +113,8 @@ std::string dtype_of(const Value& props, const std::string& where) {
   if (props.state->items.size() > 1) {
     const Value& layout = *props.state->items[1];
     if (!(layout.is(K::Object) && layout.items.size() == 1 && layout.items[0]->is(K::Str) &&
-          layout.items[0]->s == "torch.strided") && !layout.is(K::None))
+          layout.items[0]->s == "torch.strided") &&
+        !layout.is(K::None))
       bad(where, "a tensor layout other than torch.strided (" + pickle::describe(layout) + ")");
   }
   return it->second;
@@ -128,8 +127,7 @@ int64_t numel(const std::vector<int64_t>& s) {
 }
 
 // The zip archive of one item, checked; returns (data.pkl, records).
-std::vector<torch_save::Record> open_archive(const std::string& archive, const std::string& where,
-                                             std::string* pkl) {
+std::vector<torch_save::Record> open_archive(const std::string& archive, const std::string& where, std::string* pkl) {
   std::vector<torch_save::Record> recs;
   try {
     recs = torch_save::check_archive(archive.data(), archive.size(), where);
@@ -263,8 +261,8 @@ void locate_chunk(const Value& k, const Value& v, const std::string& dir, Metada
   const Value& off = need(info, "offset", key_where);
   const Value& len = need(info, "length", key_where);
   if (!rel.is(K::Str) || !off.is(K::Int) || !len.is(K::Int) || off.i < 0 || len.i <= 0)
-    bad(key_where, "a _StorageInfo of " + pickle::describe(rel) + ", " + pickle::describe(off) + ", " +
-                       pickle::describe(len));
+    bad(key_where,
+        "a _StorageInfo of " + pickle::describe(rel) + ", " + pickle::describe(off) + ", " + pickle::describe(len));
   if (rel.s.find('/') != std::string::npos || rel.s == ".." || rel.s.empty())
     bad(key_where, "a storage file outside the folder: " + rel.s);
   Chunk* target = nullptr;
@@ -289,13 +287,14 @@ void locate_chunk(const Value& k, const Value& v, const std::string& dir, Metada
   if (fsz == file_sizes.end()) {
     std::error_code ec;
     const fs::path fp = fs::path(dir) / rel.s;
-    if (!fs::exists(fp, ec)) bad("checkpoint " + dir + " is corrupt", rel.s + " is missing (named by .metadata for " + fqn.s + ")");
+    if (!fs::exists(fp, ec))
+      bad("checkpoint " + dir + " is corrupt", rel.s + " is missing (named by .metadata for " + fqn.s + ")");
     fsz = file_sizes.emplace(rel.s, fs::file_size(fp, ec)).first;
   }
   if (target->offset + target->length > fsz->second)
-    bad("checkpoint " + dir + " is corrupt", rel.s + " has " + std::to_string(fsz->second) + " bytes, but " + fqn.s + " is stored at bytes [" +
-                 std::to_string(target->offset) + ", " + std::to_string(target->offset + target->length) +
-                 ") (truncated?)");
+    bad("checkpoint " + dir + " is corrupt", rel.s + " has " + std::to_string(fsz->second) + " bytes, but " + fqn.s +
+                                                 " is stored at bytes [" + std::to_string(target->offset) + ", " +
+                                                 std::to_string(target->offset + target->length) + ") (truncated?)");
 }
 
 }  // namespace
@@ -520,8 +519,7 @@ pickle::Ptr read_object_item(const std::string& archive, const std::string& wher
   }
 }
 
-std::string tensor_item(const std::string& dtype, const std::vector<int64_t>& sizes, const void* data,
-                        size_t nbytes) {
+std::string tensor_item(const std::string& dtype, const std::vector<int64_t>& sizes, const void* data, size_t nbytes) {
   std::string out;
   torch_save::TensorSpec spec{"0", dtype, sizes};
   torch_save::Writer w(&out, "archive", torch_save::pickle_tensor(spec), {spec});
@@ -586,8 +584,7 @@ void dump_value(const Value& v, std::string& o) {
       for (const auto& x : v.items) dump_value(*x, o);
       o += 'e';
       return;
-    default:
-      throw std::logic_error("[dcp] object_item: cannot pickle " + pickle::describe(v));
+    default: throw std::logic_error("[dcp] object_item: cannot pickle " + pickle::describe(v));
   }
 }
 }  // namespace

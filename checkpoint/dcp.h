@@ -75,8 +75,7 @@ pickle::Ptr read_object_item(const std::string& archive, const std::string& wher
 
 // torch.save(tensor) / torch.save(int) / torch.save(bytes) archives, as FileSystemWriter
 // stores items (archive name "archive", as torch.save into a stream).
-std::string tensor_item(const std::string& dtype, const std::vector<int64_t>& sizes, const void* data,
-                        size_t nbytes);
+std::string tensor_item(const std::string& dtype, const std::vector<int64_t>& sizes, const void* data, size_t nbytes);
 std::string int_item(int64_t v);
 std::string bytes_item(const std::string& b);
 // torch.save of a plain Python value: None, bool, int, float, str, tuple or list of them

@@ -177,9 +177,8 @@ std::string chunk_lines(const std::vector<EntryMeta>& entries) {
   std::string s;
   for (const auto& e : entries)
     for (const auto& c : e.chunks)
-      s += "chunk " + e.key + " " + c.file + " " + std::to_string(c.offset) + " " +
-           std::to_string(c.nbytes) + " " + std::to_string(c.row_begin) + " " +
-           std::to_string(c.row_end) + " " + hex32(c.crc) + "\n";
+      s += "chunk " + e.key + " " + c.file + " " + std::to_string(c.offset) + " " + std::to_string(c.nbytes) + " " +
+           std::to_string(c.row_begin) + " " + std::to_string(c.row_end) + " " + hex32(c.crc) + "\n";
   return s;
 }
 
@@ -356,8 +355,7 @@ void check_consistency(Metadata& m, const std::string& where) {
       if (c.offset + c.nbytes > sizes[c.file])
         throw RuntimeFailure(where + ": chunk of " + key + " lies outside " + c.file);
       if (!e.is_bytes) {
-        const uint64_t want = static_cast<uint64_t>((c.row_end - c.row_begin) * e.row_numel()) *
-                              dtype_size(e.dtype);
+        const uint64_t want = static_cast<uint64_t>((c.row_end - c.row_begin) * e.row_numel()) * dtype_size(e.dtype);
         if (c.row_begin < 0 || c.row_end < c.row_begin || c.row_end > e.rows() || c.nbytes != want)
           throw RuntimeFailure(where + ": chunk of " + key + " has inconsistent rows or size");
       }
@@ -401,8 +399,8 @@ std::string staging_dir(const std::string& folder, int64_t step) {
 
 std::string complete_marker_text(int64_t step, const std::string& metadata_text) {
   return "ctitan-checkpoint-complete step " + std::to_string(step) + " metadata " +
-         std::to_string(metadata_text.size()) + " " +
-         hex32(crc::crc32(metadata_text.data(), metadata_text.size())) + "\n";
+         std::to_string(metadata_text.size()) + " " + hex32(crc::crc32(metadata_text.data(), metadata_text.size())) +
+         "\n";
 }
 
 std::string hf_complete_marker_text(int64_t step, const std::string& index_text) {
@@ -446,7 +444,8 @@ std::string incomplete_reason(const std::string& step_path, int64_t step) {
   }
   if (!fs::exists(p / "metadata", ec) && fs::exists(p / ".metadata", ec)) {  // checkpoint.format = "dcp"
     try {
-      if (read_whole_file((p / "COMPLETE").string()) != dcp_complete_marker_text(step, read_whole_file((p / ".metadata").string())))
+      if (read_whole_file((p / "COMPLETE").string()) !=
+          dcp_complete_marker_text(step, read_whole_file((p / ".metadata").string())))
         return "the .metadata file does not match the COMPLETE marker (modified or truncated)";
     } catch (const std::exception& e) {
       return e.what();

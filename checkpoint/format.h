@@ -63,7 +63,7 @@ class DurableFileWriter {
   ~DurableFileWriter();
   DurableFileWriter(const DurableFileWriter&) = delete;
   DurableFileWriter& operator=(const DurableFileWriter&) = delete;
-  uint64_t append(const void* data, size_t n);  // returns the offset the data starts at
+  uint64_t append(const void* data, size_t n);                        // returns the offset the data starts at
   uint64_t append(const void* data, size_t n, uint32_t crc_of_data);  // CRC already known
   void commit();
   uint64_t size() const { return size_; }
@@ -146,8 +146,8 @@ size_t dtype_size(const std::string& dtype);  // 0 for an unknown name
 std::string chunk_lines(const std::vector<EntryMeta>& entries);
 
 // ---- folders -----------------------------------------------------------------------------
-std::string step_dir(const std::string& folder, int64_t step);       // <folder>/step-<N>
-std::string staging_dir(const std::string& folder, int64_t step);    // <folder>/step-<N>.partial
+std::string step_dir(const std::string& folder, int64_t step);     // <folder>/step-<N>
+std::string staging_dir(const std::string& folder, int64_t step);  // <folder>/step-<N>.partial
 std::string complete_marker_text(int64_t step, const std::string& metadata_text);
 std::string hf_complete_marker_text(int64_t step, const std::string& index_text);
 // A DCP step folder (checkpoint.format = "dcp"): the marker covers its .metadata file.

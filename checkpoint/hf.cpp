@@ -85,12 +85,11 @@ std::string hf_config_json(const HFModelConfig& c) {
   field("rms_norm_eps", num(c.rms_norm_eps));
   field("rope_theta", num(c.rope_theta));
   if (c.rope_scaling)
-    field("rope_scaling", "{\"rope_type\": \"" + std::string(kHfRopeScalingType) +
-                              "\", \"factor\": " + num(c.rope_scaling->scaling_factor) +
-                              ", \"low_freq_factor\": " + num(c.rope_scaling->low_freq_factor) +
-                              ", \"high_freq_factor\": " + num(c.rope_scaling->high_freq_factor) +
-                              ", \"original_max_position_embeddings\": " +
-                              std::to_string(c.rope_scaling->original_max_position_embeddings) + "}");
+    field("rope_scaling",
+          "{\"rope_type\": \"" + std::string(kHfRopeScalingType) + "\", \"factor\": " + num(c.rope_scaling->factor) +
+              ", \"low_freq_factor\": " + num(c.rope_scaling->low_freq_factor) + ", \"high_freq_factor\": " +
+              num(c.rope_scaling->high_freq_factor) + ", \"original_max_position_embeddings\": " +
+              std::to_string(c.rope_scaling->original_max_position_embeddings) + "}");
   else
     field("rope_scaling", "null");
   if (c.moe()) {
@@ -124,7 +123,8 @@ struct JsonFields {
       if (required) throw UserError(where + " has no \"" + std::string(k) + "\"");
       return dflt;
     }
-    if (!v->as_int64(&x) || x < 0) throw UserError(where + ": \"" + std::string(k) + "\" is not a non-negative integer");
+    if (!v->as_int64(&x) || x < 0)
+      throw UserError(where + ": \"" + std::string(k) + "\" is not a non-negative integer");
     return x;
   }
   double real(const json::Value& obj, const char* k, double dflt) const {
@@ -183,8 +183,8 @@ void parse_rope(const json::Value& root, const JsonFields& f, HFModelConfig& c) 
     if (!type || type->type != json::Value::Type::String || type->text != kHfRopeScalingType)
       throw UserError(where + ": rope_scaling of type \"" + (type ? type->text : std::string("?")) +
                       "\" is not supported (ctitan implements \"" + kHfRopeScalingType + "\")");
-    RoPEScalingArgs s;
-    s.scaling_factor = real(*rs, "factor", s.scaling_factor);
+    HFRopeScaling s;
+    s.factor = real(*rs, "factor", s.factor);
     s.low_freq_factor = real(*rs, "low_freq_factor", s.low_freq_factor);
     s.high_freq_factor = real(*rs, "high_freq_factor", s.high_freq_factor);
     s.original_max_position_embeddings =
@@ -216,8 +216,8 @@ HFModelConfig parse_hf_config(const std::string& text, const std::string& where)
   c.vocab_size = integer(root, "vocab_size", true, 0);
   c.max_position_embeddings = integer(root, "max_position_embeddings", false, 0);
   if (c.num_attention_heads == 0 || c.hidden_size % c.num_attention_heads != 0)
-    throw UserError(where + ": hidden_size " + std::to_string(c.hidden_size) + " is not a multiple of num_attention_heads " +
-                    std::to_string(c.num_attention_heads));
+    throw UserError(where + ": hidden_size " + std::to_string(c.hidden_size) +
+                    " is not a multiple of num_attention_heads " + std::to_string(c.num_attention_heads));
   if (const json::Value* hd = get(root, "head_dim"); hd && hd->type != json::Value::Type::Null) {
     int64_t x = 0;
     if (!hd->as_int64(&x) || x != c.head_dim())
@@ -233,7 +233,8 @@ HFModelConfig parse_hf_config(const std::string& text, const std::string& where)
   }
   if (const json::Value* t = get(root, "tie_word_embeddings"); t && t->type == json::Value::Type::Bool)
     c.tie_word_embeddings = t->boolean;
-  if (const json::Value* t = get(root, "torch_dtype"); t && t->type == json::Value::Type::String) c.torch_dtype = t->text;
+  if (const json::Value* t = get(root, "torch_dtype"); t && t->type == json::Value::Type::String)
+    c.torch_dtype = t->text;
   return c;
 }
 
@@ -253,7 +254,8 @@ std::string structure_difference(const HFModelConfig& a, const HFModelConfig& b)
   };
   if (a.architecture != b.architecture) return "architecture: " + a.architecture + " vs " + b.architecture;
   for (const std::string& s :
-       {d("hidden_size", a.hidden_size, b.hidden_size), d("intermediate_size", a.intermediate_size, b.intermediate_size),
+       {d("hidden_size", a.hidden_size, b.hidden_size),
+        d("intermediate_size", a.intermediate_size, b.intermediate_size),
         d("num_attention_heads", a.num_attention_heads, b.num_attention_heads),
         d("num_key_value_heads", a.num_key_value_heads, b.num_key_value_heads),
         d("num_hidden_layers", a.num_hidden_layers, b.num_hidden_layers), d("vocab_size", a.vocab_size, b.vocab_size),
@@ -308,13 +310,15 @@ std::string write_hf_files(const std::string& dir, HFModelConfig c, const ParamL
   std::map<std::string, std::vector<int64_t>> have(params.begin(), params.end());
   for (const auto& [fqn, shape] : want) {
     auto it = have.find(fqn);
-    if (it == have.end()) throw UserError("HF export: the model has no parameter " + fqn + " (" + c.architecture + " needs it)");
+    if (it == have.end())
+      throw UserError("HF export: the model has no parameter " + fqn + " (" + c.architecture + " needs it)");
     if (it->second != shape)
       throw UserError("HF export: " + fqn + " has shape " + shape_str(it->second) + ", config.json describes " +
                       shape_str(shape));
     have.erase(it);
   }
-  if (!have.empty()) throw UserError("HF export: parameter " + have.begin()->first + " has no place in " + c.architecture);
+  if (!have.empty())
+    throw UserError("HF export: parameter " + have.begin()->first + " has no place in " + c.architecture);
 
   std::vector<safetensors::TensorSpec> specs;
   uint64_t total = 0;
@@ -332,7 +336,8 @@ std::string write_hf_files(const std::string& dir, HFModelConfig c, const ParamL
   torch::NoGradGuard no_grad;
   for (const auto& [fqn, shape] : want) {
     at::Tensor t = read_full(fqn).to(torch_dtype_of(dtype)).contiguous();
-    TORCH_CHECK(t.sizes().vec() == shape, "[hf] read ", fqn, " with shape ", t.sizes(), ", expected ", shape_str(shape));
+    TORCH_CHECK(t.sizes().vec() == shape, "[hf] read ", fqn, " with shape ", t.sizes(), ", expected ",
+                shape_str(shape));
     for (const auto& piece : hf_pieces(fqn, shape, c)) {
       at::Tensor part = piece.rope_heads ? rope_rows_to_hf(t, piece.rope_heads)
                                          : t.narrow(0, piece.row_begin, piece.row_end - piece.row_begin).contiguous();
@@ -363,8 +368,9 @@ std::string write_hf_from_checkpoint(const CheckpointReader& r, const std::strin
   for (const auto& [key, e] : m.entries)
     if (!e.is_bytes && is_model_key(key)) params.push_back({key, e.shape});
   const std::string d = dtype.empty() ? r.entry("tok_embeddings.weight").dtype : dtype;
-  return write_hf_files(dir, c, params, d, [&r](const std::string& fqn) { return r.read_tensor(fqn); },
-                        {{"ctitan.model", m.model_name + " " + m.model_flavor}, {"ctitan.step", std::to_string(m.step)}});
+  return write_hf_files(
+      dir, c, params, d, [&r](const std::string& fqn) { return r.read_tensor(fqn); },
+      {{"ctitan.model", m.model_name + " " + m.model_flavor}, {"ctitan.step", std::to_string(m.step)}});
 }
 
 // ---- import -------------------------------------------------------------------------------------
@@ -413,8 +419,8 @@ HFCheckpoint::HFCheckpoint(std::string dir) : dir_(std::move(dir)) {
       auto it = where_.find(key);
       if (file.type != json::Value::Type::String || it == where_.end() ||
           fs::path(files_[it->second.first].file).filename().string() != file.text)
-        throw RuntimeFailure(where + " maps " + key + " to " + (file.type == json::Value::Type::String ? file.text : "?") +
-                             ", which does not hold it");
+        throw RuntimeFailure(where + " maps " + key + " to " +
+                             (file.type == json::Value::Type::String ? file.text : "?") + ", which does not hold it");
       listed.insert(key);
     }
     for (const auto& [key, loc] : where_)
@@ -471,8 +477,8 @@ void HFCheckpoint::read_param_rows(const std::string& fqn, const std::vector<int
                                    int64_t end, const at::Tensor& dest) const {
   torch::NoGradGuard no_grad;
   const int64_t rows = shape.empty() ? 1 : shape[0], rn = row_numel(shape);
-  TORCH_CHECK(0 <= begin && begin <= end && end <= rows, "[hf] rows [", begin, ", ", end, ") of ", fqn,
-              " outside [0, ", rows, ")");
+  TORCH_CHECK(0 <= begin && begin <= end && end <= rows, "[hf] rows [", begin, ", ", end, ") of ", fqn, " outside [0, ",
+              rows, ")");
   TORCH_CHECK(dest.is_contiguous(), "[hf] destination of ", fqn, " must be contiguous");
   at::Tensor d2 = dest.dim() == 0 ? dest.view({1, 1}) : dest.view({dest.size(0), -1});
   TORCH_CHECK(d2.size(0) >= end - begin && d2.size(1) == rn, "[hf] destination of ", fqn, " has the wrong shape");
@@ -500,7 +506,8 @@ void HFCheckpoint::read_param_rows(const std::string& fqn, const std::vector<int
 at::Tensor HFCheckpoint::read_param(const std::string& fqn, const std::vector<int64_t>& shape) const {
   const auto pieces = hf_pieces(fqn, shape, config_);
   const auto& first = info(pieces.at(0).key);
-  auto out = torch::empty(shape, torch::TensorOptions().dtype(scalar_type_of(first.dtype, dir_ + " tensor " + first.name)));
+  auto out =
+      torch::empty(shape, torch::TensorOptions().dtype(scalar_type_of(first.dtype, dir_ + " tensor " + first.name)));
   read_param_rows(fqn, shape, 0, shape.empty() ? 1 : shape[0], out);
   return out;
 }

@@ -11,7 +11,7 @@
 //
 // Names: each family's ModelSpec (models/model_spec.h) gives its parameters' HF tensors
 // (the shared decoder's in models/hf_names.cpp, described in models/<family>/model.h); the
-// rotary row order of q_proj / k_proj is described in models/hf_config.h.
+// rotary row order of q_proj / k_proj is described in checkpoint/hf_config.h.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -24,7 +24,7 @@
 #include <ATen/Tensor.h>
 
 #include "checkpoint/safetensors.h"
-#include "models/hf_config.h"
+#include "checkpoint/hf_config.h"
 
 namespace ctitan {
 
@@ -47,7 +47,7 @@ std::string find_flavor(const HFModelConfig& c, const std::string& model_name = 
 std::string structure_difference(const HFModelConfig& a, const HFModelConfig& b);
 
 // ctitan's parameters of the model the config describes (names and shapes), in the order
-// of named_parameters(); ParamList and HFPiece: models/hf_config.h.
+// of named_parameters(); ParamList and HFPiece: checkpoint/hf_config.h.
 ParamList ctitan_params(const HFModelConfig& c);
 
 // UserError when `fqn` has no HF name.
@@ -87,7 +87,7 @@ class HFCheckpoint {
   // __metadata__ of the first file (ctitan writes "ctitan.model" = "<name> <flavor>",
   // "ctitan.step").
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
-  std::vector<std::string> keys() const;  // sorted
+  std::vector<std::string> keys() const;                              // sorted
   const safetensors::TensorInfo& info(const std::string& key) const;  // RuntimeFailure when absent
   std::string file_of(const std::string& key) const;
   at::Tensor read(const std::string& key) const;  // the whole tensor, file dtype

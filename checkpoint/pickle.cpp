@@ -31,7 +31,8 @@ class Reader {
       const size_t at = pos_;
       const uint8_t op = u8();
       if (op == '.') {  // STOP
-        if (stack_.size() != 1 || !marks_.empty()) fail("the stream ends with " + std::to_string(stack_.size()) + " values on its stack");
+        if (stack_.size() != 1 || !marks_.empty())
+          fail("the stream ends with " + std::to_string(stack_.size()) + " values on its stack");
         return stack_.back();
       }
       if (op == 0x80) {  // PROTO
@@ -53,16 +54,15 @@ class Reader {
   // Marks, pops and the memo; false for another opcode.
   bool stack_op(uint8_t op) {
     switch (op) {
-      case '(': marks_.push_back(stack_.size()); break;   // MARK
-      case '0': pop(); break;                              // POP
-      case '1': pop_mark(); break;                         // POP_MARK
-      case 0x94: memo_.push_back(top()); break;                // MEMOIZE
-      case 'q': put(u8()); break;                              // BINPUT
-      case 'r': put(u32()); break;                             // LONG_BINPUT
-      case 'h': push(get(u8())); break;                        // BINGET
-      case 'j': push(get(u32())); break;                       // LONG_BINGET
-      default:
-        return false;
+      case '(': marks_.push_back(stack_.size()); break;  // MARK
+      case '0': pop(); break;                            // POP
+      case '1': pop_mark(); break;                       // POP_MARK
+      case 0x94: memo_.push_back(top()); break;          // MEMOIZE
+      case 'q': put(u8()); break;                        // BINPUT
+      case 'r': put(u32()); break;                       // LONG_BINPUT
+      case 'h': push(get(u8())); break;                  // BINGET
+      case 'j': push(get(u32())); break;                 // LONG_BINGET
+      default: return false;
     }
     return true;
   }
@@ -71,16 +71,17 @@ class Reader {
   bool scalar_op(uint8_t op) {
     switch (op) {
       case 'N': push(make(Value::Kind::None)); break;
-      case 0x88: case 0x89: {                              // NEWTRUE, NEWFALSE
+      case 0x88:
+      case 0x89: {  // NEWTRUE, NEWFALSE
         auto v = make(Value::Kind::Bool);
         v->b = op == 0x88;
         push(v);
         break;
       }
       case 'J': push_int(static_cast<int32_t>(u32())); break;  // BININT
-      case 'K': push_int(u8()); break;                          // BININT1
-      case 'M': push_int(u16()); break;                         // BININT2
-      case 0x8a: {                                              // LONG1: little-endian two's complement
+      case 'K': push_int(u8()); break;                         // BININT1
+      case 'M': push_int(u16()); break;                        // BININT2
+      case 0x8a: {                                             // LONG1: little-endian two's complement
         const size_t len = u8();
         if (len > 8) fail("an integer of " + std::to_string(len) + " bytes (more than 64 bits)");
         const char* b = take(len);
@@ -90,7 +91,7 @@ class Reader {
         push_int(static_cast<int64_t>(x));
         break;
       }
-      case 'G': {                                               // BINFLOAT, big endian
+      case 'G': {  // BINFLOAT, big endian
         const char* b = take(8);
         uint64_t x = 0;
         for (int i = 0; i < 8; ++i) x = (x << 8) | uint8_t(b[i]);
@@ -99,14 +100,13 @@ class Reader {
         push(v);
         break;
       }
-      case 0x8c: push_str(Value::Kind::Str, u8()); break;      // SHORT_BINUNICODE
-      case 'X': push_str(Value::Kind::Str, u32()); break;      // BINUNICODE
-      case 0x8d: push_str(Value::Kind::Str, u64()); break;     // BINUNICODE8
-      case 'C': push_str(Value::Kind::Bytes, u8()); break;     // SHORT_BINBYTES
-      case 'B': push_str(Value::Kind::Bytes, u32()); break;    // BINBYTES
-      case 0x8e: push_str(Value::Kind::Bytes, u64()); break;   // BINBYTES8
-      default:
-        return false;
+      case 0x8c: push_str(Value::Kind::Str, u8()); break;     // SHORT_BINUNICODE
+      case 'X': push_str(Value::Kind::Str, u32()); break;     // BINUNICODE
+      case 0x8d: push_str(Value::Kind::Str, u64()); break;    // BINUNICODE8
+      case 'C': push_str(Value::Kind::Bytes, u8()); break;    // SHORT_BINBYTES
+      case 'B': push_str(Value::Kind::Bytes, u32()); break;   // BINBYTES
+      case 0x8e: push_str(Value::Kind::Bytes, u64()); break;  // BINBYTES8
+      default: return false;
     }
     return true;
   }
@@ -114,40 +114,41 @@ class Reader {
   // Tuples and lists; false for another opcode.
   bool sequence_op(uint8_t op) {
     switch (op) {
-      case ')': push(make(Value::Kind::Tuple)); break;         // EMPTY_TUPLE
-      case 't': {                                              // TUPLE
+      case ')': push(make(Value::Kind::Tuple)); break;  // EMPTY_TUPLE
+      case 't': {                                       // TUPLE
         auto v = make(Value::Kind::Tuple);
         v->items = pop_mark();
         push(v);
         break;
       }
-      case 0x85: case 0x86: case 0x87: {                       // TUPLE1..3
+      case 0x85:
+      case 0x86:
+      case 0x87: {  // TUPLE1..3
         auto v = make(Value::Kind::Tuple);
         v->items.resize(op - 0x84);
         for (size_t i = v->items.size(); i-- > 0;) v->items[i] = pop();
         push(v);
         break;
       }
-      case ']': push(make(Value::Kind::List)); break;          // EMPTY_LIST
-      case 'l': {                                              // LIST
+      case ']': push(make(Value::Kind::List)); break;  // EMPTY_LIST
+      case 'l': {                                      // LIST
         auto v = make(Value::Kind::List);
         v->items = pop_mark();
         push(v);
         break;
       }
-      case 'a': {                                              // APPEND
+      case 'a': {  // APPEND
         auto x = pop();
         container(Value::Kind::List, "APPEND")->items.push_back(x);
         break;
       }
-      case 'e': {                                              // APPENDS
+      case 'e': {  // APPENDS
         auto xs = pop_mark();
         auto& l = container(Value::Kind::List, "APPENDS")->items;
         l.insert(l.end(), xs.begin(), xs.end());
         break;
       }
-      default:
-        return false;
+      default: return false;
     }
     return true;
   }
@@ -155,34 +156,33 @@ class Reader {
   // Dicts and sets; false for another opcode.
   bool mapping_op(uint8_t op) {
     switch (op) {
-      case '}': push(make(Value::Kind::Dict)); break;          // EMPTY_DICT
-      case 'd': {                                              // DICT
+      case '}': push(make(Value::Kind::Dict)); break;  // EMPTY_DICT
+      case 'd': {                                      // DICT
         auto xs = pop_mark();
         auto v = make(Value::Kind::Dict);
         add_pairs(*v, xs);
         push(v);
         break;
       }
-      case 's': {                                              // SETITEM
+      case 's': {  // SETITEM
         auto val = pop();
         auto key = pop();
         container(Value::Kind::Dict, "SETITEM")->dict.emplace_back(key, val);
         break;
       }
-      case 'u': {                                              // SETITEMS
+      case 'u': {  // SETITEMS
         auto xs = pop_mark();
         add_pairs(*container(Value::Kind::Dict, "SETITEMS"), xs);
         break;
       }
-      case 0x8f: push(make(Value::Kind::Set)); break;          // EMPTY_SET
-      case 0x90: {                                             // ADDITEMS
+      case 0x8f: push(make(Value::Kind::Set)); break;  // EMPTY_SET
+      case 0x90: {                                     // ADDITEMS
         auto xs = pop_mark();
         auto& s = container(Value::Kind::Set, "ADDITEMS")->items;
         s.insert(s.end(), xs.begin(), xs.end());
         break;
       }
-      default:
-        return false;
+      default: return false;
     }
     return true;
   }
@@ -190,42 +190,41 @@ class Reader {
   // Globals, objects (recorded, never called) and persistent ids; false for another opcode.
   bool object_op(uint8_t op) {
     switch (op) {
-      case 'c': {                                              // GLOBAL "module\nname\n"
+      case 'c': {  // GLOBAL "module\nname\n"
         const std::string module = line(), name = line();
         push(global(module, name));
         break;
       }
-      case 0x93: {                                             // STACK_GLOBAL
+      case 0x93: {  // STACK_GLOBAL
         auto name = pop(), module = pop();
         if (!module->is(Value::Kind::Str) || !name->is(Value::Kind::Str)) fail("STACK_GLOBAL on non-strings");
         push(global(module->s, name->s));
         break;
       }
-      case 'R': {                                              // REDUCE: callable(*args), recorded only
+      case 'R': {  // REDUCE: callable(*args), recorded only
         auto args = pop(), fn = pop();
         push(object(fn, args, "REDUCE"));
         break;
       }
-      case 0x81: {                                             // NEWOBJ: cls.__new__(cls, *args), recorded only
+      case 0x81: {  // NEWOBJ: cls.__new__(cls, *args), recorded only
         auto args = pop(), cls = pop();
         push(object(cls, args, "NEWOBJ"));
         break;
       }
-      case 'b': {                                              // BUILD: state for the object below
+      case 'b': {  // BUILD: state for the object below
         auto st = pop();
         auto obj = top();
         if (!obj->is(Value::Kind::Object)) fail("BUILD on a value that is no object");
         obj->state = st;
         break;
       }
-      case 'Q': {                                              // BINPERSID
+      case 'Q': {  // BINPERSID
         auto v = make(Value::Kind::PersistentId);
         v->items.push_back(pop());
         push(v);
         break;
       }
-      default:
-        return false;
+      default: return false;
     }
     return true;
   }
@@ -233,7 +232,9 @@ class Reader {
  private:
   [[noreturn]] void fail(const std::string& what) const { throw PickleError(where_ + ": " + what); }
   const char* take(size_t k) {
-    if (k > n_ - pos_) fail("the pickle ends early (byte " + std::to_string(n_) + ", " + std::to_string(k) + " more needed; truncated?)");
+    if (k > n_ - pos_)
+      fail("the pickle ends early (byte " + std::to_string(n_) + ", " + std::to_string(k) +
+           " more needed; truncated?)");
     const char* r = p_ + pos_;
     pos_ += k;
     return r;
@@ -263,13 +264,15 @@ class Reader {
     push(v);
   }
   void push_str(Value::Kind k, uint64_t len) {
-    if (len > n_ - pos_) fail("a string of " + std::to_string(len) + " bytes runs past the end of the pickle (truncated?)");
+    if (len > n_ - pos_)
+      fail("a string of " + std::to_string(len) + " bytes runs past the end of the pickle (truncated?)");
     auto v = make(k);
     v->s.assign(take(len), len);
     push(v);
   }
   Ptr pop() {
-    if (stack_.empty() || (!marks_.empty() && stack_.size() <= marks_.back())) fail("stack underflow at byte " + std::to_string(pos_));
+    if (stack_.empty() || (!marks_.empty() && stack_.size() <= marks_.back()))
+      fail("stack underflow at byte " + std::to_string(pos_));
     Ptr v = stack_.back();
     stack_.pop_back();
     return v;
@@ -340,7 +343,8 @@ std::string describe(const Value& v, int depth) {
   using K = Value::Kind;
   auto seq = [&](const std::vector<Ptr>& xs, const char* open, const char* close) {
     std::string o = open;
-    for (size_t i = 0; i < xs.size() && i < 8; ++i) o += (i ? ", " : "") + (depth > 0 ? describe(*xs[i], depth - 1) : "…");
+    for (size_t i = 0; i < xs.size() && i < 8; ++i)
+      o += (i ? ", " : "") + (depth > 0 ? describe(*xs[i], depth - 1) : "…");
     if (xs.size() > 8) o += ", …";
     return o + close;
   };

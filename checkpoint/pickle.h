@@ -33,11 +33,11 @@ struct Value {
   bool b = false;
   int64_t i = 0;
   double f = 0;
-  std::string s;             // Str, Bytes; Global and Object: the class as "module.name"
-  std::vector<Ptr> items;    // Tuple, List, Set; Object: constructor / REDUCE arguments;
-                             // PersistentId: [the id]
+  std::string s;                          // Str, Bytes; Global and Object: the class as "module.name"
+  std::vector<Ptr> items;                 // Tuple, List, Set; Object: constructor / REDUCE arguments;
+                                          // PersistentId: [the id]
   std::vector<std::pair<Ptr, Ptr>> dict;  // Dict, in insertion order
-  Ptr state;                 // Object: what BUILD gave it (nullptr when none)
+  Ptr state;                              // Object: what BUILD gave it (nullptr when none)
 
   bool is(Kind k) const { return kind == k; }
   // Dict lookup by string key; nullptr when absent (or this is no dict).

@@ -85,16 +85,21 @@ TensorInfo tensor_entry(const std::string& path, const std::string& name, const 
   if (v.type != json::Value::Type::Object) fail(path, "entry is not an object", name);
   const json::Value *dt = nullptr, *shape = nullptr, *off = nullptr;
   for (const auto& [k, x] : v.members) {
-    if (k == "dtype" && !dt) dt = &x;
-    else if (k == "shape" && !shape) shape = &x;
-    else if (k == "data_offsets" && !off) off = &x;
-    else fail(path, "unexpected or repeated field \"" + k + "\"", name);
+    if (k == "dtype" && !dt)
+      dt = &x;
+    else if (k == "shape" && !shape)
+      shape = &x;
+    else if (k == "data_offsets" && !off)
+      off = &x;
+    else
+      fail(path, "unexpected or repeated field \"" + k + "\"", name);
   }
   if (!dt || !shape || !off) fail(path, "entry lacks dtype, shape or data_offsets", name);
   TensorInfo t;
   t.name = name;
   if (dt->type != json::Value::Type::String || dtype_size(dt->text) == 0)
-    fail(path, "unknown dtype " + (dt->type == json::Value::Type::String ? dt->text : std::string("(not a string)")), name);
+    fail(path, "unknown dtype " + (dt->type == json::Value::Type::String ? dt->text : std::string("(not a string)")),
+         name);
   t.dtype = dt->text;
   if (shape->type != json::Value::Type::Array) fail(path, "shape is not an array", name);
   uint64_t numel = 1;
@@ -110,13 +115,14 @@ TensorInfo tensor_entry(const std::string& path, const std::string& name, const 
   t.end = as_u64(off->items[1], path, "data_offsets", name);
   if (t.end < t.begin) fail(path, "data_offsets end before they begin", name);
   if (t.end > data_size)
-    fail(path, "data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
-                   ") run past the end of the data (" + std::to_string(data_size) + " bytes; truncated?)",
+    fail(path,
+         "data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
+             ") run past the end of the data (" + std::to_string(data_size) + " bytes; truncated?)",
          name);
   const uint64_t want = numel * dtype_size(t.dtype);
   if (t.end - t.begin != want)
-    fail(path, "holds " + std::to_string(t.end - t.begin) + " bytes but its dtype and shape need " +
-                   std::to_string(want),
+    fail(path,
+         "holds " + std::to_string(t.end - t.begin) + " bytes but its dtype and shape need " + std::to_string(want),
          name);
   return t;
 }
@@ -124,16 +130,16 @@ TensorInfo tensor_entry(const std::string& path, const std::string& name, const 
 // The tensors, sorted by offset, cover the data exactly: no overlap, no gap, nothing after.
 void check_coverage(Header& h, uint64_t data_size) {
   const std::string& path = h.file;
-  std::stable_sort(h.tensors.begin(), h.tensors.end(),
-                   [](const TensorInfo& a, const TensorInfo& b) { return a.begin < b.begin || (a.begin == b.begin && a.end < b.end); });
+  std::stable_sort(h.tensors.begin(), h.tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
+    return a.begin < b.begin || (a.begin == b.begin && a.end < b.end);
+  });
   uint64_t next = 0;
   for (const auto& t : h.tensors) {
     if (t.begin < next) fail(path, "data_offsets overlap the previous tensor's", t.name);
     if (t.begin > next) fail(path, "a gap of " + std::to_string(t.begin - next) + " bytes precedes its data", t.name);
     next = t.end;
   }
-  if (next != data_size)
-    fail(path, std::to_string(data_size - next) + " bytes after the last tensor belong to none");
+  if (next != data_size) fail(path, std::to_string(data_size - next) + " bytes after the last tensor belong to none");
 }
 
 }  // namespace
@@ -151,10 +157,11 @@ Header read_header(const std::string& path) {
   pread_all(f.fd, len, 8, 0, path, "the header length");
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
-  if (n > kMaxHeader) fail(path, "header length " + std::to_string(n) + " is above the 100 MB limit (not a safetensors file?)");
+  if (n > kMaxHeader)
+    fail(path, "header length " + std::to_string(n) + " is above the 100 MB limit (not a safetensors file?)");
   if (n > h.file_size - 8)
-    fail(path, "header length " + std::to_string(n) + " runs past the end of the file (" +
-                   std::to_string(h.file_size) + " bytes; truncated?)");
+    fail(path, "header length " + std::to_string(n) + " runs past the end of the file (" + std::to_string(h.file_size) +
+                   " bytes; truncated?)");
   h.data_start = 8 + n;
   std::string text(n, '\0');
   pread_all(f.fd, text.data(), n, 8, path, "the header");
@@ -192,9 +199,8 @@ void read_bytes(const Header& h, const TensorInfo& t, uint64_t begin, uint64_t e
 
 Writer::Writer(std::string path, std::vector<TensorSpec> tensors, std::map<std::string, std::string> metadata)
     : path_(std::move(path)), order_(std::move(tensors)) {
-  std::stable_sort(order_.begin(), order_.end(), [](const TensorSpec& a, const TensorSpec& b) {
-    return dtype_size(a.dtype) > dtype_size(b.dtype);
-  });
+  std::stable_sort(order_.begin(), order_.end(),
+                   [](const TensorSpec& a, const TensorSpec& b) { return dtype_size(a.dtype) > dtype_size(b.dtype); });
   std::set<std::string> names;
   std::string json = "{\"__metadata__\":{";
   bool first = true;
@@ -216,8 +222,8 @@ Writer::Writer(std::string path, std::vector<TensorSpec> tensors, std::map<std::
       n *= static_cast<uint64_t>(t.shape[i]);
       shape += (i ? "," : "") + std::to_string(t.shape[i]);
     }
-    json += "," + json::quote(t.name) + ":{\"dtype\":\"" + t.dtype + "\",\"shape\":[" + shape +
-            "],\"data_offsets\":[" + std::to_string(at) + "," + std::to_string(at + n) + "]}";
+    json += "," + json::quote(t.name) + ":{\"dtype\":\"" + t.dtype + "\",\"shape\":[" + shape + "],\"data_offsets\":[" +
+            std::to_string(at) + "," + std::to_string(at + n) + "]}";
     sizes_.push_back(n);
     at += n;
   }

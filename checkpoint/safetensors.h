@@ -31,8 +31,8 @@ size_t dtype_size(const std::string& dtype);
 
 struct TensorInfo {
   std::string name;
-  std::string dtype;           // safetensors name: F32, BF16, F16, F64, I64, I32, ...
-  std::vector<int64_t> shape;  // [] = a scalar (one element)
+  std::string dtype;            // safetensors name: F32, BF16, F16, F64, I64, I32, ...
+  std::vector<int64_t> shape;   // [] = a scalar (one element)
   uint64_t begin = 0, end = 0;  // byte range within the data section
   int64_t numel() const;
 };
@@ -40,9 +40,9 @@ struct TensorInfo {
 struct Header {
   std::string file;
   uint64_t file_size = 0;
-  uint64_t data_start = 0;             // 8 + N
-  std::vector<TensorInfo> tensors;     // in offset order
-  std::map<std::string, std::string> metadata;  // __metadata__
+  uint64_t data_start = 0;                                // 8 + N
+  std::vector<TensorInfo> tensors;                        // in offset order
+  std::map<std::string, std::string> metadata;            // __metadata__
   const TensorInfo* find(const std::string& name) const;  // nullptr when absent
 };
 

@@ -6,8 +6,7 @@
 namespace ctitan::ckpt {
 
 StagingBuffer::Layout StagingBuffer::begin(const std::vector<int64_t>& tensor_bytes) {
-  if (in_use_)
-    throw std::logic_error("[checkpoint] staging buffer still in use by the previous save's writer");
+  if (in_use_) throw std::logic_error("[checkpoint] staging buffer still in use by the previous save's writer");
   Layout l;
   int64_t end = 0;
   for (int64_t b : tensor_bytes) {

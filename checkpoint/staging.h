@@ -29,8 +29,8 @@ class StagingBuffer {
   };
   struct Layout {
     std::vector<Slot> slots;
-    int64_t bytes = 0;   // what this save needs
-    bool grow = false;   // the buffer must be (re)allocated with capacity() bytes first
+    int64_t bytes = 0;  // what this save needs
+    bool grow = false;  // the buffer must be (re)allocated with capacity() bytes first
   };
 
   // The layout of a save of tensors of these sizes (bytes; 0 allowed). Throws

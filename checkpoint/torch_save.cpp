@@ -24,8 +24,8 @@ namespace {
 
 constexpr uint64_t kU32Max = 0xFFFFFFFFull;  // miniz's MZ_UINT32_MAX
 constexpr uint64_t kAlignment = 64;          // torch.serialization's storage_alignment
-constexpr uint32_t kLocalSig = 0x04034b50, kCentralSig = 0x02014b50, kDescriptorSig = 0x08074b50,
-                   kEndSig = 0x06054b50, kZip64EndSig = 0x06064b50, kZip64LocatorSig = 0x07064b50;
+constexpr uint32_t kLocalSig = 0x04034b50, kCentralSig = 0x02014b50, kDescriptorSig = 0x08074b50, kEndSig = 0x06054b50,
+                   kZip64EndSig = 0x06064b50, kZip64LocatorSig = 0x07064b50;
 constexpr size_t kLocalHeaderSize = 30, kCentralHeaderSize = 46, kEndSize = 22, kZip64EndSize = 56,
                  kZip64LocatorSize = 20;
 constexpr uint16_t kFlagDescriptor = 0x0008, kFlagUtf8 = 0x0800;
@@ -46,15 +46,13 @@ uint64_t rd(const char* p, int bytes) {
 }
 
 // c10::hash_combine, as PyTorch's writer combines record-name hashes and CRCs.
-uint64_t hash_combine(uint64_t seed, uint64_t value) {
-  return seed ^ (value + 0x9e3779b9 + (seed << 6) + (seed >> 2));
-}
+uint64_t hash_combine(uint64_t seed, uint64_t value) { return seed ^ (value + 0x9e3779b9 + (seed << 6) + (seed >> 2)); }
 
 const char* storage_class(const std::string& dtype) {
-  static const std::map<std::string, const char*> m = {
-      {"float32", "FloatStorage"}, {"float64", "DoubleStorage"}, {"bfloat16", "BFloat16Storage"},
-      {"float16", "HalfStorage"},  {"int64", "LongStorage"},     {"int32", "IntStorage"},
-      {"uint8", "ByteStorage"}};
+  static const std::map<std::string, const char*> m = {{"float32", "FloatStorage"},     {"float64", "DoubleStorage"},
+                                                       {"bfloat16", "BFloat16Storage"}, {"float16", "HalfStorage"},
+                                                       {"int64", "LongStorage"},        {"int32", "IntStorage"},
+                                                       {"uint8", "ByteStorage"}};
   auto it = m.find(dtype);
   if (it == m.end()) throw std::logic_error("[torch_save] dtype " + dtype + " has no torch storage class here");
   return it->second;
@@ -152,8 +150,8 @@ void rebuild_tensor(Pickler& p, const TensorSpec& t, size_t key) {
   p.integer(t.numel());
   p.out += 't';
   p.put();
-  p.out += 'Q';    // BINPERSID
-  p.integer(0);    // storage offset
+  p.out += 'Q';  // BINPERSID
+  p.integer(0);  // storage offset
   p.int_tuple(t.shape);
   std::vector<int64_t> stride(t.shape.size());
   int64_t s = 1;
@@ -164,7 +162,7 @@ void rebuild_tensor(Pickler& p, const TensorSpec& t, size_t key) {
   p.int_tuple(stride);
   p.out += '\x89';  // requires_grad False
   p.global("collections", "OrderedDict");
-  p.out += ")R";    // backward hooks: OrderedDict()
+  p.out += ")R";  // backward hooks: OrderedDict()
   p.put();
   p.out += 't';
   p.put();
@@ -511,8 +509,7 @@ CentralDirectory find_central_directory(const char* p, size_t n, const std::stri
   }
   if (cd.ofs > cd_limit || cd.size != cd_limit - cd.ofs)
     fail("the central directory (offset " + std::to_string(cd.ofs) + ", " + std::to_string(cd.size) +
-         " bytes) does not end where the end records start (" + std::to_string(cd_limit) +
-         "): truncated or damaged");
+         " bytes) does not end where the end records start (" + std::to_string(cd_limit) + "): truncated or damaged");
   if (cd.entries == 0) fail("an empty zip archive");
   return cd;
 }

@@ -94,8 +94,8 @@ class Writer {
   std::vector<TensorSpec> tensors_;
   size_t next_ = 0;
   std::vector<Entry> entries_;
-  std::vector<std::string> records_;   // record names in write order (serialization id)
-  uint64_t combined_crc_ = 0;           // PyTorch's combined_uncomp_crc32_
+  std::vector<std::string> records_;  // record names in write order (serialization id)
+  uint64_t combined_crc_ = 0;         // PyTorch's combined_uncomp_crc32_
   std::unique_ptr<ckpt::DurableFileWriter> out_;
   std::string* mem_ = nullptr;  // in-memory mode
   uint64_t base_ = 0;           // mem_->size() when the archive started
@@ -103,7 +103,7 @@ class Writer {
 
 // One record of a zip archive, checked.
 struct Record {
-  std::string name;         // without the "<archive>/" prefix
+  std::string name;          // without the "<archive>/" prefix
   uint64_t data_offset = 0;  // in the file
   uint64_t size = 0;
 };

@@ -18,8 +18,8 @@
 namespace ctitan {
 namespace {
 
-constexpr size_t kAlignment = 64;      // c10's CPU alignment (AVX-512 loads)
-constexpr size_t kGranule = 4096;      // large requests are rounded up to whole pages
+constexpr size_t kAlignment = 64;  // c10's CPU alignment (AVX-512 loads)
+constexpr size_t kGranule = 4096;  // large requests are rounded up to whole pages
 
 // nullptr when the system has no memory to give.
 void* try_system_alloc(size_t n) {
@@ -30,9 +30,9 @@ void* try_system_alloc(size_t n) {
 // What LibTorch's own CPU allocator would throw, with the size asked for in bytes (the
 // training loop's failure line quotes it: "... N bytes").
 [[noreturn]] void out_of_memory(size_t n, int64_t released) {
-  TORCH_CHECK_WITH(OutOfMemoryError, false, "CPU allocator: out of memory: tried to allocate ", n, " bytes",
-                   released > 0 ? " after releasing " + std::to_string(released >> 20) + " MiB of cached blocks"
-                                : std::string());
+  TORCH_CHECK_WITH(
+      OutOfMemoryError, false, "CPU allocator: out of memory: tried to allocate ", n, " bytes",
+      released > 0 ? " after releasing " + std::to_string(released >> 20) + " MiB of cached blocks" : std::string());
 }
 
 void* system_alloc(size_t n) {
@@ -56,9 +56,7 @@ class CachingCpuAllocator final : public c10::Allocator {
   }
   // Context == data, so raw_allocate/raw_deallocate work (oneDNN's bf16 matmuls use them).
   c10::DeleterFnPtr raw_deleter() const override { return &free_block; }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 
   static CachingCpuAllocator& self() {
     static auto* a = new CachingCpuAllocator();  // never destroyed: tensors may outlive main
@@ -160,8 +158,8 @@ class CachingCpuAllocator final : public c10::Allocator {
   }
 
   std::mutex mu_;
-  std::multimap<size_t, void*> free_;        // size → block, cached
-  std::unordered_map<void*, size_t> live_;   // block → size, in a tensor
+  std::multimap<size_t, void*> free_;       // size → block, cached
+  std::unordered_map<void*, size_t> live_;  // block → size, in a tensor
   CpuAllocatorStats stats_;
   int64_t max_cached_;
 };

@@ -20,11 +20,11 @@ namespace ctitan {
 
 struct CpuAllocatorStats {
   bool installed = false;
-  int64_t cached_bytes = 0;   // held in the cache, not in any tensor
+  int64_t cached_bytes = 0;  // held in the cache, not in any tensor
   int64_t cached_blocks = 0;
-  int64_t live_bytes = 0;     // large blocks currently in tensors
-  int64_t hits = 0;           // large requests served from the cache
-  int64_t misses = 0;         // large requests that went to the system
+  int64_t live_bytes = 0;  // large blocks currently in tensors
+  int64_t hits = 0;        // large requests served from the cache
+  int64_t misses = 0;      // large requests that went to the system
   int64_t max_cached_bytes = 0;
 };
 

@@ -32,7 +32,7 @@ double gpu_matmul_peak_flops(const std::string& dtype, int64_t device) {
   const int64_t n = 8192;  // large enough to reach the tensor cores' rate on an H100
   const auto opts = at::TensorOptions().dtype(st).device(at::kCUDA, static_cast<c10::DeviceIndex>(device));
   auto a = at::ones({n, n}, opts), b = at::ones({n, n}, opts);  // no draw from the seeded generators
-  auto c = at::mm(a, b);  // warm-up: cuBLAS handle, kernel selection
+  auto c = at::mm(a, b);                                        // warm-up: cuBLAS handle, kernel selection
   c10::cuda::device_synchronize();
   double best = 0.0, spent = 0.0;
   for (int rep = 0; rep < 5 || (spent < 0.3 && rep < 200); ++rep) {

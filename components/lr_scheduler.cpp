@@ -12,15 +12,14 @@ LRScheduler::LRScheduler(double base_lr, const LRScheduleSpec& spec)
   const int64_t steps = spec.training_steps;
   warmup_ = spec.warmup_steps;
   if (warmup_ > steps) {
-    spdlog::warn("lr_scheduler.warmup_steps ({}) exceeds training.steps ({}); using {}", warmup_,
-                 steps, steps);
+    spdlog::warn("lr_scheduler.warmup_steps ({}) exceeds training.steps ({}); using {}", warmup_, steps, steps);
     warmup_ = steps;
   }
   if (spec.decay_ratio) {
     decay_ = std::llround(static_cast<double>(steps) * *spec.decay_ratio);
     if (warmup_ + decay_ > steps) {
-      spdlog::warn("warmup ({}) + decay ({}) steps exceed training.steps ({}); decaying over {}",
-                   warmup_, decay_, steps, steps - warmup_);
+      spdlog::warn("warmup ({}) + decay ({}) steps exceed training.steps ({}); decaying over {}", warmup_, decay_,
+                   steps, steps - warmup_);
       decay_ = steps - warmup_;
     }
   } else {
@@ -38,8 +37,7 @@ double LRScheduler::factor(int64_t current) const {
     return static_cast<double>(current + 1) / static_cast<double>(warmup_);
   }
   if (current < warmup_ + stable_) return 1.0;
-  const double progress =
-      static_cast<double>(current + 1 - warmup_ - stable_) / static_cast<double>(decay_);
+  const double progress = static_cast<double>(current + 1 - warmup_ - stable_) / static_cast<double>(decay_);
   double f;
   if (decay_type_ == "linear") {
     f = 1.0 - progress;

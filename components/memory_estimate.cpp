@@ -81,8 +81,8 @@ double memory_available_per_rank(int64_t local_world_size, std::string* how) {
   const double ranks = static_cast<double>(local_world_size > 0 ? local_world_size : 1);
   double avail = meminfo_bytes("MemAvailable") / ranks;
   char buf[160];
-  std::snprintf(buf, sizeof buf, "MemAvailable %.1f GiB / %lld rank(s) on this node",
-                avail * ranks / (1 << 30), static_cast<long long>(ranks));
+  std::snprintf(buf, sizeof buf, "MemAvailable %.1f GiB / %lld rank(s) on this node", avail * ranks / (1 << 30),
+                static_cast<long long>(ranks));
   std::string h = buf;
   std::ifstream cg("/sys/fs/cgroup/memory.max");
   std::string v;
@@ -103,7 +103,8 @@ std::string describe(const MemoryEstimate& e) {
   const double G = 1024.0 * 1024.0 * 1024.0;
   char buf[400];
   std::snprintf(buf, sizeof buf,
-                "%.3f GiB (process %.2f + kernels' workspace and code %.2f + params %.2f + grads %.2f + AdamW %.2f + gathered units %.2f + activations "
+                "%.3f GiB (process %.2f + kernels' workspace and code %.2f + params %.2f + grads %.2f + AdamW %.2f + "
+                "gathered units %.2f + activations "
                 "%.2f + logits %.2f + checkpoint staging %.2f)",
                 e.total() / G, e.base / G, e.workspace / G, e.params / G, e.grads / G, e.optimizer / G, e.gathered / G,
                 e.activations / G, e.logits / G, e.staging / G);

@@ -12,17 +12,18 @@
 namespace ctitan {
 
 struct MemoryModel {  // the model's sizes
-  int64_t params = 0, largest_unit = 0, last_unit = 0, n_layers = 0, dim = 0, kv_dim = 0, ffn = 0, vocab = 0, head_dim = 0;
+  int64_t params = 0, largest_unit = 0, last_unit = 0, n_layers = 0, dim = 0, kv_dim = 0, ffn = 0, vocab = 0,
+          head_dim = 0;
 };
 
-struct MemoryRun {  // the run's choices
-  int64_t dp = 1;            // N
-  bool fsdp = false;         // sharded (also bf16 on one process)
+struct MemoryRun {    // the run's choices
+  int64_t dp = 1;     // N
+  bool fsdp = false;  // sharded (also bf16 on one process)
   // FSDP's policy as it applies (one process turns "default" into "never"): always | default | never.
   std::string reshard_after_forward = "default";
-  int64_t compute_bytes = 4; // e
+  int64_t compute_bytes = 4;  // e
   int64_t batch = 1, seq = 1;
-  std::string ac_mode = "none";  // none | full | selective
+  std::string ac_mode = "none";   // none | full | selective
   bool async_checkpoint = false;  // checkpoint.enable with async_mode other than "disabled"
 };
 
@@ -35,8 +36,8 @@ struct MemoryEstimate {  // bytes
   double gathered = 0;   // FSDP: unsharded units in e (those kept from forward to backward, the
                          // one running and the one prefetched) + the gradient reduction's buffers
   double activations = 0;
-  double logits = 0;     // [B·T, V] in e and its fp32 gradient
-  double staging = 0;    // async checkpoints: a copy of the parameters and optimizer state
+  double logits = 0;   // [B·T, V] in e and its fp32 gradient
+  double staging = 0;  // async checkpoints: a copy of the parameters and optimizer state
   double total() const {
     return base + workspace + params + grads + optimizer + gathered + activations + logits + staging;
   }

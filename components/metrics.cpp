@@ -62,10 +62,17 @@ static std::string num(double v) {
 }
 
 std::vector<std::pair<std::string, double>> MetricsLogger::fields(const StepMetrics& m) {
-  std::vector<std::pair<std::string, double>> f = {
-      {"loss", m.loss}, {"max_loss", m.max_loss}, {"grad_norm", m.grad_norm}, {"lr", m.lr},
-      {"n_tokens_seen", m.n_tokens_seen}, {"tps", m.tps}, {"tflops", m.tflops}, {"mfu", m.mfu},
-      {"memory_gib", m.memory_gib}, {"data_loading_s", m.data_loading_s}, {"elapsed_s", m.elapsed_s}};
+  std::vector<std::pair<std::string, double>> f = {{"loss", m.loss},
+                                                   {"max_loss", m.max_loss},
+                                                   {"grad_norm", m.grad_norm},
+                                                   {"lr", m.lr},
+                                                   {"n_tokens_seen", m.n_tokens_seen},
+                                                   {"tps", m.tps},
+                                                   {"tflops", m.tflops},
+                                                   {"mfu", m.mfu},
+                                                   {"memory_gib", m.memory_gib},
+                                                   {"data_loading_s", m.data_loading_s},
+                                                   {"elapsed_s", m.elapsed_s}};
   f.insert(f.end(), m.extra.begin(), m.extra.end());
   return f;
 }
@@ -120,15 +127,16 @@ void MetricsLogger::log(const StepMetrics& m) {
   spdlog::info(
       "step: {:>5}/{}  loss: {:7.4f}  grad_norm: {:7.4f}  lr: {:.3e}  memory: {:.2f}GiB  "
       "tps: {:.0f}  tflops: {:.3f}  mfu: {:.2f}%  data: {:.3f}s{}  eta: {}",
-      m.step, total_steps_, m.loss, m.grad_norm, m.lr, m.memory_gib, m.tps, m.tflops, m.mfu,
-      m.data_loading_s, extra, format_duration(eta));
+      m.step, total_steps_, m.loss, m.grad_norm, m.lr, m.memory_gib, m.tps, m.tflops, m.mfu, m.data_loading_s, extra,
+      format_duration(eta));
   write_line(to_json(m));
   if (tb_) tb_->add_scalars(m.step, tagged(fields(m)));
 }
 
 void MetricsLogger::log_validation(const ValidationMetrics& v) {
-  spdlog::info("validate step: {:>5}  loss: {:7.4f}  tokens: {:.0f} ({:.0f} batches per rank)  tps: {:.0f}  time: {:.2f}s",
-               v.step, v.loss, v.tokens, v.batches, v.tps, v.seconds);
+  spdlog::info(
+      "validate step: {:>5}  loss: {:7.4f}  tokens: {:.0f} ({:.0f} batches per rank)  tps: {:.0f}  time: {:.2f}s",
+      v.step, v.loss, v.tokens, v.batches, v.tps, v.seconds);
   write_line(to_json(v));
   if (tb_) tb_->add_scalars(v.step, tagged(fields(v)));
 }

@@ -17,9 +17,9 @@ namespace ctitan {
 
 struct StepMetrics {
   int64_t step = 0;
-  double loss = 0;            // mean token cross-entropy over the global batch (nats)
-  double max_loss = 0;        // the largest rank's own mean loss (torchtitan's global_max_loss)
-  double grad_norm = 0;       // global L2 norm before clipping
+  double loss = 0;       // mean token cross-entropy over the global batch (nats)
+  double max_loss = 0;   // the largest rank's own mean loss (torchtitan's global_max_loss)
+  double grad_norm = 0;  // global L2 norm before clipping
   double lr = 0;
   double n_tokens_seen = 0;   // tokens trained on so far, all ranks
   double tps = 0;             // tokens per second per rank since the last log
@@ -36,11 +36,11 @@ struct StepMetrics {
 // followed, {"step": N, "validation_loss": ..., ...}; torchtitan's validation_metrics/ tags.
 struct ValidationMetrics {
   int64_t step = 0;
-  double loss = 0;      // mean token cross-entropy over every validation token of every rank
-  double tokens = 0;    // validation tokens, all ranks
-  double batches = 0;   // validation batches per rank
-  double tps = 0;       // validation tokens per second per rank
-  double seconds = 0;   // wall time of the validation run
+  double loss = 0;     // mean token cross-entropy over every validation token of every rank
+  double tokens = 0;   // validation tokens, all ranks
+  double batches = 0;  // validation batches per rank
+  double tps = 0;      // validation tokens per second per rank
+  double seconds = 0;  // wall time of the validation run
 };
 
 class MetricsLogger {

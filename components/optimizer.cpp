@@ -21,8 +21,7 @@ struct AdamWCoefs {
 };
 
 // One AdamW update of elements [begin, end) (formula above the class below).
-CTITAN_KERNEL void adamw_range(float* P, const float* G, float* M, float* V, AdamWCoefs k, int64_t begin,
-                               int64_t end) {
+CTITAN_KERNEL void adamw_range(float* P, const float* G, float* M, float* V, AdamWCoefs k, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
     const float gi = G[i];
     const float pi = P[i] * k.decay;
@@ -102,8 +101,8 @@ class FusedAdamW : public torch::optim::AdamW {
     return static_cast<torch::optim::AdamWParamState&>(*it->second);
   }
 
-  static void update(const torch::Tensor& p, const torch::Tensor& g, const torch::Tensor& m,
-                     const torch::Tensor& v, const torch::optim::AdamWOptions& o, int64_t step) {
+  static void update(const torch::Tensor& p, const torch::Tensor& g, const torch::Tensor& m, const torch::Tensor& v,
+                     const torch::optim::AdamWOptions& o, int64_t step) {
     const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
     const float decay = static_cast<float>(1.0 - o.lr() * o.weight_decay());
     const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2);
@@ -150,16 +149,13 @@ double sum_of_squares(const torch::Tensor& t) {
 
 }  // namespace
 
-std::unique_ptr<torch::optim::Optimizer> build_optimizer(std::vector<torch::Tensor> params,
-                                                         const OptimizerSpec& s) {
+std::unique_ptr<torch::optim::Optimizer> build_optimizer(std::vector<torch::Tensor> params, const OptimizerSpec& s) {
   if (s.name == "AdamW") {
-    auto o = torch::optim::AdamWOptions(s.lr).betas({s.beta1, s.beta2}).eps(s.eps).weight_decay(
-        s.weight_decay);
+    auto o = torch::optim::AdamWOptions(s.lr).betas({s.beta1, s.beta2}).eps(s.eps).weight_decay(s.weight_decay);
     return std::make_unique<FusedAdamW>(std::move(params), o);
   }
   if (s.name == "Adam") {
-    auto o = torch::optim::AdamOptions(s.lr).betas({s.beta1, s.beta2}).eps(s.eps).weight_decay(
-        s.weight_decay);
+    auto o = torch::optim::AdamOptions(s.lr).betas({s.beta1, s.beta2}).eps(s.eps).weight_decay(s.weight_decay);
     return std::make_unique<torch::optim::Adam>(std::move(params), o);
   }
   throw UserError("config error: optimizer.name = \"" + s.name + "\" is not one of: AdamW, Adam");

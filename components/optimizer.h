@@ -19,8 +19,7 @@ struct OptimizerSpec {
 };
 
 // params: the tensors this rank updates (with FSDP: its local shards only).
-std::unique_ptr<torch::optim::Optimizer> build_optimizer(std::vector<torch::Tensor> params,
-                                                         const OptimizerSpec& spec);
+std::unique_ptr<torch::optim::Optimizer> build_optimizer(std::vector<torch::Tensor> params, const OptimizerSpec& spec);
 
 void set_learning_rate(torch::optim::Optimizer& opt, double lr);
 

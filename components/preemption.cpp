@@ -64,16 +64,17 @@ void watch() {
     if (g_signal.load() == 0) {
       first = Clock::now();
       g_signal.store(sig);
-      spdlog::warn("received {}: stopping at the end of this step (a checkpoint is saved when checkpoint.enable); "
-                   "send it again to exit at once",
-                   stop_signal_name(sig));
+      spdlog::warn(
+          "received {}: stopping at the end of this step (a checkpoint is saved when checkpoint.enable); "
+          "send it again to exit at once",
+          stop_signal_name(sig));
       continue;
     }
     if (std::chrono::duration<double>(Clock::now() - first).count() < kRepeatWindowSeconds) continue;
     // Written directly: the logger may be held by a thread that is stuck.
     char msg[128];
-    const int len = std::snprintf(msg, sizeof msg, "received %s again: exiting now, without a checkpoint\n",
-                                  stop_signal_name(sig));
+    const int len =
+        std::snprintf(msg, sizeof msg, "received %s again: exiting now, without a checkpoint\n", stop_signal_name(sig));
     if (len > 0) (void)!write(STDERR_FILENO, msg, static_cast<size_t>(len));
     die_by(sig);
   }
@@ -90,7 +91,7 @@ void install_stop_signal_watcher() {
   const sigset_t set = stop_signals();
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   std::thread(watch).detach();
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_handler = on_signal;
   sa.sa_flags = SA_RESTART;
   sigfillset(&sa.sa_mask);
@@ -108,8 +109,7 @@ int stop_signal_received() { return g_signal.load(); }
 
 void request_stop_for_test(int sig) {
   kill(getpid(), sig);  // process-directed: the watcher's sigwait takes it
-  for (int i = 0; i < 200 && g_signal.load() == 0; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  for (int i = 0; i < 200 && g_signal.load() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
 }
 
 const char* stop_signal_name(int sig) {

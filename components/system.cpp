@@ -1,6 +1,7 @@
 #include "components/system.h"
 
 #include "components/cpu_allocator.h"
+#include "kernels/gemm.h"
 #include "util/env.h"
 
 #include <dlfcn.h>
@@ -124,20 +125,10 @@ bool reset_peak_rss() {
 double measure_matmul_peak_flops(const std::string& dtype) {
   torch::NoGradGuard no_grad;
   const auto st = dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat32;
-  const int64_t n = 1024;
-  auto a = torch::randn({n, n}).to(st);
-  auto b = torch::randn({n, n}).to(st);
-  auto c = torch::matmul(a, b);  // warm-up (thread pool, oneDNN kernels)
-  double best = 0.0, spent = 0.0;  // best of runs over >= 0.3 s, as gemm::peak_flops
-  for (int rep = 0; rep < 5 || (spent < 0.3 && rep < 200); ++rep) {
-    auto t0 = std::chrono::steady_clock::now();
-    c = torch::matmul(a, b);
-    const double s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    spent += s;
-    best = std::max(best, 2.0 * n * n * n / s);
-  }
-  return best;
+  return gemm::best_product_rate(1024, [st](int64_t n) -> std::function<void()> {
+    const auto a = torch::full({n, n}, 0.5).to(st), b = torch::full({n, n}, 0.5).to(st);  // no RNG drawn
+    return [a, b] { torch::matmul(a, b); };
+  });
 }
 
 }  // namespace ctitan

@@ -5,7 +5,7 @@
 namespace ctitan {
 
 struct BlasInfo {
-  std::string library;     // resolved path of the library that provides sgemm_
+  std::string library;        // resolved path of the library that provides sgemm_
   bool is_reference = false;  // netlib's reference BLAS: ~60x slower fp32 matmul
 };
 

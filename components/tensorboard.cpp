@@ -121,7 +121,7 @@ TensorBoardWriter::TensorBoardWriter(const std::string& folder) {
   gethostname(host, sizeof host - 1);
   const double now = tensorboard::unix_seconds();
   path_ = (std::filesystem::path(folder) / ("events.out.tfevents." + std::to_string(static_cast<int64_t>(now)) + "." +
-                                             host + "." + std::to_string(getpid()) + ".0"))
+                                            host + "." + std::to_string(getpid()) + ".0"))
               .string();
   fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (fd_ < 0) throw RuntimeFailure("tensorboard: cannot create " + path_ + ": " + std::strerror(errno));

@@ -11,8 +11,8 @@ namespace ctitan {
 namespace {
 
 std::unique_ptr<DataLoader> open_loader(const Tokenizer& tok, const ValidationSpec& s, int64_t rank, int64_t world) {
-  auto loader = std::make_unique<DataLoader>(tok, s.source, s.seq_len, s.local_batch_size, rank, world,
-                                             "validation:" + s.source);
+  auto loader =
+      std::make_unique<DataLoader>(tok, s.source, s.seq_len, s.local_batch_size, rank, world, "validation:" + s.source);
   // steps = -1 reads the set once; a fixed number of steps repeats it when it is short.
   loader->set_repeat(s.steps != -1);
   return loader;
@@ -46,9 +46,9 @@ ValidationMetrics Validator::validate(int64_t step, const Forward& forward, cons
       if (ready[0] < static_cast<double>(dp_world_)) break;
     }
     Batch batch = loader->next();
-    auto inputs = torch::from_blob(batch.inputs.data(), {B, T}, torch::kInt64);  // [B, T]
+    auto inputs = torch::from_blob(batch.inputs.data(), {B, T}, torch::kInt64);   // [B, T]
     auto labels = torch::from_blob(batch.labels.data(), {B * T}, torch::kInt64);  // [B·T]
-    auto logits = forward(inputs);                                                 // [B, T, V]
+    auto logits = forward(inputs);                                                // [B, T, V]
     loss_sum += fused_cross_entropy(logits.reshape({B * T, -1}), labels.to(logits.device()), 1.0).item<double>();
     ++batches;
   }

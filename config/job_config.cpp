@@ -61,8 +61,8 @@ class Problems {
   void add(size_t order, std::string msg) { list_.emplace_back(order, std::move(msg)); }
   void throw_first() const {
     if (list_.empty()) return;
-    auto first = std::min_element(list_.begin(), list_.end(),
-                                  [](const auto& a, const auto& b) { return a.first < b.first; });
+    auto first =
+        std::min_element(list_.begin(), list_.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
     throw UserError(first->second);
   }
 
@@ -76,8 +76,7 @@ class Problems {
 // ---------------------------------------------------------------------------------------
 
 std::string number_text(double x) {
-  if (std::isfinite(x) && x == std::floor(x) && std::fabs(x) < 1e15)
-    return std::to_string(static_cast<long long>(x));
+  if (std::isfinite(x) && x == std::floor(x) && std::fabs(x) < 1e15) return std::to_string(static_cast<long long>(x));
   char buf[32];
   std::snprintf(buf, sizeof buf, "%g", x);
   return buf;
@@ -91,8 +90,7 @@ std::string range_text(const KeyRules& r) {
   std::string bounds;
   if (r.min) bounds += (r.min_exclusive ? "> " : ">= ") + number_text(*r.min);
   if (r.max)
-    bounds += (bounds.empty() ? "" : " and ") + std::string(r.max_exclusive ? "< " : "<= ") +
-              number_text(*r.max);
+    bounds += (bounds.empty() ? "" : " and ") + std::string(r.max_exclusive ? "< " : "<= ") + number_text(*r.max);
   s += bounds;
   if (r.excluded) s += " and != " + number_text(*r.excluded) + ": " + r.excluded_why;
   return s;
@@ -128,24 +126,21 @@ std::string violation(int64_t x, const KeyRules& r) { return violation(static_ca
 std::string violation(const std::string& v, const KeyRules& r) {
   if (!r.choices.empty() && !(r.none_allowed && v.empty()) && !is_choice(v, r))
     return "is not one of: " + choices_text(r);
-  if (r.text_check && !r.text_check(v))
-    return std::string("is not valid (expected ") + r.text_expected + ")";
+  if (r.text_check && !r.text_check(v)) return std::string("is not valid (expected ") + r.text_expected + ")";
   return "";
 }
 
 std::string violation(const StrList& v, const KeyRules& r) {
   if (r.choices.empty()) return "";
   for (const std::string& e : v)
-    if (!is_choice(e, r))
-      return "contains " + quote(e) + ", which is not one of: " + choices_text(r);
+    if (!is_choice(e, r)) return "contains " + quote(e) + ", which is not one of: " + choices_text(r);
   return "";
 }
 
 [[maybe_unused]] std::string violation(const IntList& v, const KeyRules& r) {
   for (int64_t e : v)
     if (has_range(r) && !number_ok(static_cast<double>(e), r))
-      return "contains " + std::to_string(e) + ", which is out of range (must be " + range_text(r) +
-             ")";
+      return "contains " + std::to_string(e) + ", which is out of range (must be " + range_text(r) + ")";
   return "";
 }
 
@@ -176,9 +171,7 @@ class PathVisitor {
 
  protected:
   std::string table_path() const { return join(stack_, "."); }
-  std::string path_of(const std::string& key) const {
-    return stack_.empty() ? key : table_path() + "." + key;
-  }
+  std::string path_of(const std::string& key) const { return stack_.empty() ? key : table_path() + "." + key; }
 
  private:
   Derived& self() { return static_cast<Derived&>(*this); }
@@ -212,9 +205,9 @@ struct Registry {
   std::vector<KeyInfo> keys;                                // declaration order
   std::vector<std::pair<std::string, std::string>> tables;  // (path, help), declaration order
   std::set<std::string> table_paths;                        // canonical tables
-  std::set<std::string> legacy_table_paths;   // tables that exist only in legacy names
-  std::map<std::string, size_t> index;        // canonical and legacy path -> keys[i]
-  std::map<std::string, std::string> legacy;  // legacy path -> canonical path
+  std::set<std::string> legacy_table_paths;                 // tables that exist only in legacy names
+  std::map<std::string, size_t> index;                      // canonical and legacy path -> keys[i]
+  std::map<std::string, std::string> legacy;                // legacy path -> canonical path
 
   const KeyInfo* find(const std::string& path) const {
     auto it = index.find(path);
@@ -225,8 +218,7 @@ struct Registry {
 class Collector : public PathVisitor<Collector> {
  public:
   template <class T>
-  void operator()(T&, const char* key, const NoDeduceT<T>& def, const char* help,
-                  const KeyRules& rules = KeyRules()) {
+  void operator()(T&, const char* key, const NoDeduceT<T>& def, const char* help, const KeyRules& rules = KeyRules()) {
     KeyInfo k;
     k.path = path_of(key);
     k.table = table_path();
@@ -237,8 +229,7 @@ class Collector : public PathVisitor<Collector> {
     k.rules = rules;
     for (const std::string& old : rules.legacy)
       k.legacy_paths.push_back(old.find('.') == std::string::npos ? path_of(old) : old);
-    for (const std::string& s : rules.supported)
-      k.supported_shown.push_back(supported_item(Tag<T>(), s));
+    for (const std::string& s : rules.supported) k.supported_shown.push_back(supported_item(Tag<T>(), s));
     reg.keys.push_back(std::move(k));
   }
   void enter_table(const std::string& path, const char* help) {
@@ -264,8 +255,7 @@ Registry build_registry() {
         throw std::logic_error("[config] legacy name " + old + " collides with another key");
       reg.legacy[old] = reg.keys[i].path;
       for (size_t dot = old.find('.'); dot != std::string::npos; dot = old.find('.', dot + 1))
-        if (!reg.table_paths.count(old.substr(0, dot)))
-          reg.legacy_table_paths.insert(old.substr(0, dot));
+        if (!reg.table_paths.count(old.substr(0, dot))) reg.legacy_table_paths.insert(old.substr(0, dot));
     }
   }
   return reg;
@@ -358,22 +348,14 @@ bool from_toml(const toml::value& v, std::optional<T>& out) {
 
 const char* toml_type(const toml::value& v) {
   switch (v.type()) {
-    case toml::value_t::boolean:
-      return "boolean";
-    case toml::value_t::integer:
-      return "integer";
-    case toml::value_t::floating:
-      return "float";
-    case toml::value_t::string:
-      return "string";
-    case toml::value_t::array:
-      return "array";
-    case toml::value_t::table:
-      return "table";
-    case toml::value_t::empty:
-      return "empty";
-    default:
-      return "date-time";
+    case toml::value_t::boolean: return "boolean";
+    case toml::value_t::integer: return "integer";
+    case toml::value_t::floating: return "float";
+    case toml::value_t::string: return "string";
+    case toml::value_t::array: return "array";
+    case toml::value_t::table: return "table";
+    case toml::value_t::empty: return "empty";
+    default: return "date-time";
   }
 }
 
@@ -390,14 +372,10 @@ std::string describe(const toml::value& v) {
 // The value as the user wrote it (one line), for messages.
 std::string render_toml(const toml::value& v) {
   switch (v.type()) {
-    case toml::value_t::boolean:
-      return render(v.as_boolean());
-    case toml::value_t::integer:
-      return render(static_cast<int64_t>(v.as_integer()));
-    case toml::value_t::floating:
-      return format_double(v.as_floating());
-    case toml::value_t::string:
-      return quote(v.as_string().str);
+    case toml::value_t::boolean: return render(v.as_boolean());
+    case toml::value_t::integer: return render(static_cast<int64_t>(v.as_integer()));
+    case toml::value_t::floating: return format_double(v.as_floating());
+    case toml::value_t::string: return quote(v.as_string().str);
     case toml::value_t::array: {
       std::vector<std::string> items;
       for (const toml::value& e : v.as_array()) items.push_back(render_toml(e));
@@ -405,8 +383,7 @@ std::string render_toml(const toml::value& v) {
     }
     case toml::value_t::table: {
       std::vector<std::string> items;
-      for (const auto& kv : v.as_table())
-        items.push_back(kv.first + " = " + render_toml(kv.second));
+      for (const auto& kv : v.as_table()) items.push_back(kv.first + " = " + render_toml(kv.second));
       std::sort(items.begin(), items.end());
       return "{" + join(items, ", ") + "}";
     }
@@ -438,9 +415,8 @@ struct TomlLeaf {
 
 // Maps the document's leaves to canonical key paths; reports unknown keys and sections,
 // non-tables where a table belongs, and a key given under two spellings.
-void collect_leaves(const Registry& reg, const toml::value& table, const std::string& prefix,
-                    const std::string& file, std::map<std::string, TomlLeaf>& leaves,
-                    Problems& problems) {
+void collect_leaves(const Registry& reg, const toml::value& table, const std::string& prefix, const std::string& file,
+                    std::map<std::string, TomlLeaf>& leaves, Problems& problems) {
   for (const auto& kv : table.as_table()) {
     const std::string path = prefix.empty() ? kv.first : prefix + "." + kv.first;
     const toml::value& v = kv.second;
@@ -452,22 +428,22 @@ void collect_leaves(const Registry& reg, const toml::value& table, const std::st
       if (!inserted) {
         const TomlLeaf& early = it->second.line <= line ? it->second : leaf;
         const TomlLeaf& late = it->second.line <= line ? leaf : it->second;
-        problems.add(late.line, message(where_in_file(file, late.line),
-                                        late.spelled + " and " + early.spelled + " (line " +
-                                            std::to_string(early.line) + ") are the same key " +
-                                            key->path + " (one is its legacy spelling); keep one"));
+        problems.add(late.line,
+                     message(where_in_file(file, late.line),
+                             late.spelled + " and " + early.spelled + " (line " + std::to_string(early.line) +
+                                 ") are the same key " + key->path + " (one is its legacy spelling); keep one"));
       }
     } else if (reg.table_paths.count(path) || reg.legacy_table_paths.count(path)) {
       if (v.is_table())
         collect_leaves(reg, v, path, file, leaves, problems);
       else
-        problems.add(line, message(where, path + " = " + render_toml(v) + " has type " +
-                                              describe(v) + ", expected table [" + path + "]"));
+        problems.add(line, message(where, path + " = " + render_toml(v) + " has type " + describe(v) +
+                                              ", expected table [" + path + "]"));
     } else if (kIgnoredKeys.count(path)) {
       continue;
     } else if (v.is_table()) {
-      problems.add(line, message(where, "unknown section [" + path + "]" +
-                                            suggestion(path, table_path_list(reg), "[", "]")));
+      problems.add(line,
+                   message(where, "unknown section [" + path + "]" + suggestion(path, table_path_list(reg), "[", "]")));
     } else {
       problems.add(line, message(where, "unknown key " + path + suggestion(path, key_paths(reg))));
     }
@@ -476,22 +452,19 @@ void collect_leaves(const Registry& reg, const toml::value& table, const std::st
 
 class TomlApplier : public PathVisitor<TomlApplier> {
  public:
-  TomlApplier(const std::map<std::string, TomlLeaf>& leaves, const std::string& file,
-              Problems& problems)
+  TomlApplier(const std::map<std::string, TomlLeaf>& leaves, const std::string& file, Problems& problems)
       : leaves_(leaves), file_(file), problems_(problems) {}
 
   template <class T>
-  void operator()(T& field, const char* key, const NoDeduceT<T>&, const char*,
-                  const KeyRules& rules = KeyRules()) {
+  void operator()(T& field, const char* key, const NoDeduceT<T>&, const char*, const KeyRules& rules = KeyRules()) {
     auto it = leaves_.find(path_of(key));
     if (it == leaves_.end()) return;
     const TomlLeaf& leaf = it->second;
     const std::string where = where_in_file(file_, leaf.line);
     T value{};
     if (!from_toml(*leaf.value, value)) {
-      problems_.add(leaf.line, message(where, leaf.spelled + " = " + render_toml(*leaf.value) +
-                                                  " has type " + describe(*leaf.value) +
-                                                  ", expected " + type_name(Tag<T>())));
+      problems_.add(leaf.line, message(where, leaf.spelled + " = " + render_toml(*leaf.value) + " has type " +
+                                                  describe(*leaf.value) + ", expected " + type_name(Tag<T>())));
       return;
     }
     const std::string bad = violation(value, rules);
@@ -519,9 +492,7 @@ struct CliValue {
   size_t position;
 };
 
-bool starts_with_dashes(const std::string& s) {
-  return s.size() >= 2 && s[0] == '-' && s[1] == '-';
-}
+bool starts_with_dashes(const std::string& s) { return s.size() >= 2 && s[0] == '-' && s[1] == '-'; }
 
 std::map<std::string, CliValue> tokenize(const std::vector<std::string>& args) {
   const Registry& reg = registry();
@@ -529,10 +500,9 @@ std::map<std::string, CliValue> tokenize(const std::vector<std::string>& args) {
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& arg = args[i];
     if (!starts_with_dashes(arg) || arg.size() == 2) {
-      if (arg.size() > 1 && arg[0] == '-' && arg != "--")
-        fail(kCommandLine, "unknown option " + arg);
-      fail(kCommandLine, "unexpected argument " + quote(arg) +
-                             " (options are --section.key VALUE or --section.key=VALUE)");
+      if (arg.size() > 1 && arg[0] == '-' && arg != "--") fail(kCommandLine, "unknown option " + arg);
+      fail(kCommandLine,
+           "unexpected argument " + quote(arg) + " (options are --section.key VALUE or --section.key=VALUE)");
     }
     std::string name = arg.substr(2), value;
     const size_t eq = name.find('=');
@@ -550,8 +520,7 @@ std::map<std::string, CliValue> tokenize(const std::vector<std::string>& args) {
         if (k && k->is_bool) key = k, negated = true;
       }
     }
-    if (!key)
-      fail(kCommandLine, "unknown option --" + name + suggestion(name, key_paths(reg), "--"));
+    if (!key) fail(kCommandLine, "unknown option --" + name + suggestion(name, key_paths(reg), "--"));
     CliValue v{name, "", true, i};
     if (negated) {
       if (has_eq) fail(kCommandLine, "--" + name + " takes no value");
@@ -582,22 +551,20 @@ class CliApplier : public PathVisitor<CliApplier> {
       : values_(values), problems_(problems) {}
 
   template <class T>
-  void operator()(T& field, const char* key, const NoDeduceT<T>&, const char*,
-                  const KeyRules& rules = KeyRules()) {
+  void operator()(T& field, const char* key, const NoDeduceT<T>&, const char*, const KeyRules& rules = KeyRules()) {
     auto it = values_.find(path_of(key));
     if (it == values_.end()) return;
     const CliValue& c = it->second;
     T value{};
     // A bare flag only reaches here for bool keys (tokenize() checked).
     if (!parse_text(c.has_value ? c.text : std::string("true"), value)) {
-      problems_.add(c.position, message(kCommandLine, c.spelled + " = " + quote(c.text) + " " +
-                                                          cli_expected(Tag<T>())));
+      problems_.add(c.position,
+                    message(kCommandLine, c.spelled + " = " + quote(c.text) + " " + cli_expected(Tag<T>())));
       return;
     }
     const std::string bad = violation(value, rules);
     if (!bad.empty()) {
-      problems_.add(c.position,
-                    message(kCommandLine, c.spelled + " = " + render(value) + " " + bad));
+      problems_.add(c.position, message(kCommandLine, c.spelled + " = " + render(value) + " " + bad));
       return;
     }
     field = std::move(value);
@@ -641,8 +608,7 @@ std::string toml_line(const char* key, const std::optional<T>& v) {
 class TomlWriter : public PathVisitor<TomlWriter> {
  public:
   template <class T>
-  void operator()(T& field, const char* key, const NoDeduceT<T>&, const char*,
-                  const KeyRules& = KeyRules()) {
+  void operator()(T& field, const char* key, const NoDeduceT<T>&, const char*, const KeyRules& = KeyRules()) {
     frames_.back().leaves += toml_line(key, field);
   }
   void enter_table(const std::string& path, const char*) { frames_.push_back({path, "", ""}); }
@@ -665,8 +631,7 @@ class TomlWriter : public PathVisitor<TomlWriter> {
 class SupportChecker : public PathVisitor<SupportChecker> {
  public:
   template <class T>
-  void operator()(T& field, const char* key, const NoDeduceT<T>&, const char*,
-                  const KeyRules& rules = KeyRules()) {
+  void operator()(T& field, const char* key, const NoDeduceT<T>&, const char*, const KeyRules& rules = KeyRules()) {
     const auto& ok = rules.supported;
     if (ok.empty() || std::find(ok.begin(), ok.end(), plain_text(field)) != ok.end()) return;
     std::vector<std::string> items;
@@ -687,8 +652,7 @@ JobConfig parse_job_config_toml(std::istream& in, const std::string& filename) {
   try {
     root = toml::parse(in, filename);
   } catch (const toml::exception& e) {
-    fail(where_in_file(filename, e.location().line()),
-         "malformed TOML: " + toml_error_summary(e.what()));
+    fail(where_in_file(filename, e.location().line()), "malformed TOML: " + toml_error_summary(e.what()));
   } catch (const std::exception& e) {
     fail(filename, "malformed TOML: " + toml_error_summary(e.what()));
   }
@@ -732,9 +696,7 @@ std::string job_config_to_toml(const JobConfig& cfg) {
          writer.result();
 }
 
-bool operator==(const JobConfig& a, const JobConfig& b) {
-  return job_config_to_toml(a) == job_config_to_toml(b);
-}
+bool operator==(const JobConfig& a, const JobConfig& b) { return job_config_to_toml(a) == job_config_to_toml(b); }
 
 void check_supported(const JobConfig& cfg) {
   JobConfig copy = cfg;

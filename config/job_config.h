@@ -40,26 +40,59 @@ struct KeyRules {
   std::optional<double> excluded;    // a value inside the range that is still rejected
   const char* excluded_why = "";
   bool (*text_check)(const std::string&) = nullptr;  // custom rule for string values
-  const char* text_expected = "";                     // ... and what it expects
-  std::vector<std::string> legacy;   // older spellings accepted on read ("a" or "sec.a")
-  std::vector<std::string> supported;  // values ctitan implements now (strings unquoted,
-                                       // others as TOML, None as "None"); empty = all
+  const char* text_expected = "";                    // ... and what it expects
+  std::vector<std::string> legacy;                   // older spellings accepted on read ("a" or "sec.a")
+  std::vector<std::string> supported;                // values ctitan implements now (strings unquoted,
+                                                     // others as TOML, None as "None"); empty = all
 
-  KeyRules& one_of(std::vector<std::string> c) { choices = std::move(c); return *this; }
-  KeyRules& or_none() { none_allowed = true; return *this; }
-  KeyRules& at_least(double v) { min = v; return *this; }
-  KeyRules& greater_than(double v) { min = v; min_exclusive = true; return *this; }
-  KeyRules& at_most(double v) { max = v; return *this; }
-  KeyRules& below(double v) { max = v; max_exclusive = true; return *this; }
-  KeyRules& or_value(double v) { also_allowed.push_back(v); return *this; }
-  KeyRules& except(double v, const char* why) { excluded = v; excluded_why = why; return *this; }
+  KeyRules& one_of(std::vector<std::string> c) {
+    choices = std::move(c);
+    return *this;
+  }
+  KeyRules& or_none() {
+    none_allowed = true;
+    return *this;
+  }
+  KeyRules& at_least(double v) {
+    min = v;
+    return *this;
+  }
+  KeyRules& greater_than(double v) {
+    min = v;
+    min_exclusive = true;
+    return *this;
+  }
+  KeyRules& at_most(double v) {
+    max = v;
+    return *this;
+  }
+  KeyRules& below(double v) {
+    max = v;
+    max_exclusive = true;
+    return *this;
+  }
+  KeyRules& or_value(double v) {
+    also_allowed.push_back(v);
+    return *this;
+  }
+  KeyRules& except(double v, const char* why) {
+    excluded = v;
+    excluded_why = why;
+    return *this;
+  }
   KeyRules& text(bool (*check)(const std::string&), const char* expected) {
     text_check = check;
     text_expected = expected;
     return *this;
   }
-  KeyRules& alias(std::string old_name) { legacy.push_back(std::move(old_name)); return *this; }
-  KeyRules& supported_only(std::vector<std::string> v) { supported = std::move(v); return *this; }
+  KeyRules& alias(std::string old_name) {
+    legacy.push_back(std::move(old_name));
+    return *this;
+  }
+  KeyRules& supported_only(std::vector<std::string> v) {
+    supported = std::move(v);
+    return *this;
+  }
 };
 
 inline KeyRules rules() { return KeyRules(); }
@@ -67,9 +100,7 @@ inline KeyRules one_of(std::vector<std::string> c) { return KeyRules().one_of(st
 inline KeyRules at_least(double v) { return KeyRules().at_least(v); }
 inline KeyRules greater_than(double v) { return KeyRules().greater_than(v); }
 inline KeyRules in_range(double lo, double hi) { return KeyRules().at_least(lo).at_most(hi); }
-inline KeyRules supported_only(std::vector<std::string> v) {
-  return KeyRules().supported_only(std::move(v));
-}
+inline KeyRules supported_only(std::vector<std::string> v) { return KeyRules().supported_only(std::move(v)); }
 inline KeyRules alias(std::string old_name) { return KeyRules().alias(std::move(old_name)); }
 
 // activation_checkpoint.selective_ac_option: a positive integer (every n-th block) or "op".
@@ -78,7 +109,9 @@ bool is_positive_int_or_op(const std::string& s);
 namespace config {
 
 template <class T>
-struct NoDeduce { using type = T; };
+struct NoDeduce {
+  using type = T;
+};
 // The default argument of a key must not take part in deducing the field's type.
 template <class T>
 using NoDeduceT = typename NoDeduce<T>::type;
@@ -86,8 +119,7 @@ using NoDeduceT = typename NoDeduce<T>::type;
 // Sets every field to its declared default (used by each struct's constructor).
 struct DefaultsVisitor {
   template <class T>
-  void operator()(T& field, const char*, const NoDeduceT<T>& def, const char*,
-                  const KeyRules& = KeyRules()) {
+  void operator()(T& field, const char*, const NoDeduceT<T>& def, const char*, const KeyRules& = KeyRules()) {
     field = def;
   }
   template <class S>
@@ -112,18 +144,17 @@ struct Job {
   template <class V>
   void visit_keys(V& v) {
     v(config_file, "config_file", "", "TOML file to read the job config from (command line only)");
-    v(dump_folder, "dump_folder", "./outputs",
-      "Folder for all job outputs (logs, metrics, checkpoints)");
+    v(dump_folder, "dump_folder", "./outputs", "Folder for all job outputs (logs, metrics, checkpoints)");
     v(description, "description", "default job", "Free-text description of the job");
-    v(print_config, "print_config", false,
-      "Print the effective config as TOML and exit 0 without training", alias("print_args"));
+    v(print_config, "print_config", false, "Print the effective config as TOML and exit 0 without training",
+      alias("print_args"));
     v(validate_only, "validate_only", false,
       "ctitan: check the config, launch environment, tokenizer and dataset as a run would, print "
       "\"config ok: ...\" and exit 0 without training or writing anything");
     v(save_config_file, "save_config_file", "",
       "Extra file name under dump_folder to save the effective config to (\"\" = None)");
-    v(custom_config_module, "custom_config_module", "",
-      "Python module extending JobConfig (torchtitan only)", supported_only({""}));
+    v(custom_config_module, "custom_config_module", "", "Python module extending JobConfig (torchtitan only)",
+      supported_only({""}));
   }
   CTITAN_CONFIG_DEFAULTS(Job)
 };
@@ -145,12 +176,9 @@ struct Profiling {
     v(save_traces_folder, "save_traces_folder", "profile_traces", "Folder for profiler traces");
     v(profile_freq, "profile_freq", 10, "Collect a trace every this many steps", at_least(1));
     v(profiler_active, "profiler_active", 1, "Steps the profiler records per cycle", at_least(1).supported_only({"1"}));
-    v(profiler_warmup, "profiler_warmup", 3, "Profiler warm-up steps before each active step",
-      at_least(0));
-    v(enable_memory_snapshot, "enable_memory_snapshot", false, "Dump memory snapshots",
-      supported_only({"false"}));
-    v(save_memory_snapshot_folder, "save_memory_snapshot_folder", "memory_snapshot",
-      "Folder for memory snapshots");
+    v(profiler_warmup, "profiler_warmup", 3, "Profiler warm-up steps before each active step", at_least(0));
+    v(enable_memory_snapshot, "enable_memory_snapshot", false, "Dump memory snapshots", supported_only({"false"}));
+    v(save_memory_snapshot_folder, "save_memory_snapshot_folder", "memory_snapshot", "Folder for memory snapshots");
   }
   CTITAN_CONFIG_DEFAULTS(Profiling)
 };
@@ -174,8 +202,7 @@ struct Metrics {
     v(save_for_all_ranks, "save_for_all_ranks", false,
       "TensorBoard files from every rank (in rank_<r>/) instead of rank 0 only");
     v(enable_wandb, "enable_wandb", false,
-      "Log metrics to Weights & Biases (ctitan has no W&B client: use enable_tensorboard)",
-      supported_only({"false"}));
+      "Log metrics to Weights & Biases (ctitan has no W&B client: use enable_tensorboard)", supported_only({"false"}));
   }
   CTITAN_CONFIG_DEFAULTS(Metrics)
 };
@@ -200,10 +227,8 @@ struct Model {
       "One tokenizer file (tokenizer.json, vocab.json or a sentencepiece .model); wins over "
       "hf_assets_path (torchtitan deprecated this key)");
     v(converters, "converters", std::vector<std::string>{},
-      "Model converters to apply, e.g. float8 (comma-separated on the command line)",
-      supported_only({"[]"}));
-    v(print_after_conversion, "print_after_conversion", false,
-      "Print the model after the converters ran");
+      "Model converters to apply, e.g. float8 (comma-separated on the command line)", supported_only({"[]"}));
+    v(print_after_conversion, "print_after_conversion", false, "Print the model after the converters ran");
   }
   CTITAN_CONFIG_DEFAULTS(Model)
 };
@@ -225,13 +250,12 @@ struct Optimizer {
     v(beta1, "beta1", 0.9, "Adam first-moment decay", at_least(0).below(1));
     v(beta2, "beta2", 0.95, "Adam second-moment decay", at_least(0).below(1));
     v(eps, "eps", 1e-8, "Adam epsilon", greater_than(0));
-    v(weight_decay, "weight_decay", 0.1, "Decoupled weight decay (AdamW) or L2 penalty (Adam)",
-      at_least(0));
+    v(weight_decay, "weight_decay", 0.1, "Decoupled weight decay (AdamW) or L2 penalty (Adam)", at_least(0));
     v(implementation, "implementation", "fused",
       "Kernel variant in PyTorch; ctitan's CPU build has one implementation and ignores it",
       one_of({"for-loop", "foreach", "fused"}));
-    v(early_step_in_backward, "early_step_in_backward", false,
-      "Step the optimizer per parameter during backward", supported_only({"false"}));
+    v(early_step_in_backward, "early_step_in_backward", false, "Step the optimizer per parameter during backward",
+      supported_only({"false"}));
   }
   CTITAN_CONFIG_DEFAULTS(Optimizer)
 };
@@ -246,13 +270,11 @@ struct LRScheduler {
   template <class V>
   void visit_keys(V& v) {
     v(warmup_steps, "warmup_steps", 200, "Linear warm-up steps", at_least(0));
-    v(total_steps, "total_steps", std::nullopt,
-      "Steps the schedule spans (None = training.steps)", at_least(1).supported_only({"None"}));
+    v(total_steps, "total_steps", std::nullopt, "Steps the schedule spans (None = training.steps)",
+      at_least(1).supported_only({"None"}));
     v(decay_ratio, "decay_ratio", std::nullopt,
-      "Share of steps spent decaying after a stable phase (WSD); None = decay right after warm-up",
-      in_range(0, 1));
-    v(decay_type, "decay_type", "linear", "Shape of the decay",
-      one_of({"linear", "sqrt", "cosine"}));
+      "Share of steps spent decaying after a stable phase (WSD); None = decay right after warm-up", in_range(0, 1));
+    v(decay_type, "decay_type", "linear", "Shape of the decay", one_of({"linear", "sqrt", "cosine"}));
     v(min_lr_factor, "min_lr_factor", 0.0, "Floor of the decay, as a fraction of optimizer.lr",
       in_range(0, 1).alias("lr_min"));
   }
@@ -271,8 +293,7 @@ struct DataLoader {
       at_least(0).supported_only({"0"}));
     v(persistent_workers, "persistent_workers", false, "Keep workers alive between epochs");
     v(pin_memory, "pin_memory", false, "Pin batches in page-locked memory");
-    v(prefetch_factor, "prefetch_factor", std::nullopt, "Batches each worker loads ahead",
-      at_least(1));
+    v(prefetch_factor, "prefetch_factor", std::nullopt, "Batches each worker loads ahead", at_least(1));
   }
   CTITAN_CONFIG_DEFAULTS(DataLoader)
 };
@@ -291,37 +312,34 @@ struct Training {
   std::string mixed_precision_reduce;
   int64_t gc_freq;
   bool gc_debug;
-  std::string on_nonfinite;    // ctitan only
-  double loss_spike_factor;    // ctitan only
+  std::string on_nonfinite;     // ctitan only
+  double loss_spike_factor;     // ctitan only
   std::string on_bad_document;  // ctitan only
   DataLoader dataloader;
 
   template <class V>
   void visit_keys(V& v) {
-    v(dataset, "dataset", "moby_dick",
-      "Named corpus (ctitan's default is moby_dick; torchtitan's is c4_test)");
+    v(dataset, "dataset", "moby_dick", "Named corpus (ctitan's default is moby_dick; torchtitan's is c4_test)");
     v(dataset_path, "dataset_path", "",
       "A .txt/.jsonl/.json/.jsonl.gz/.json.gz file or a folder of them to read instead of the named corpus "
       "(\"\" = None)");
-    v(local_batch_size, "local_batch_size", 8, "Sequences per rank per micro-batch",
-      at_least(1).alias("batch_size"));
+    v(local_batch_size, "local_batch_size", 8, "Sequences per rank per micro-batch", at_least(1).alias("batch_size"));
     v(global_batch_size, "global_batch_size", -1,
       "Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree",
       at_least(1).or_value(-1));
     v(seq_len, "seq_len", 2048, "Sequence length in tokens", at_least(1));
     v(max_norm, "max_norm", 1.0, "Gradient-norm clipping threshold", at_least(0));
     v(steps, "steps", 10000, "Optimizer steps to train", at_least(1));
-    v(enable_cpu_offload, "enable_cpu_offload", false,
-      "Offload FSDP parameters, gradients and optimizer state to CPU", supported_only({"false"}));
+    v(enable_cpu_offload, "enable_cpu_offload", false, "Offload FSDP parameters, gradients and optimizer state to CPU",
+      supported_only({"false"}));
     v(dtype, "dtype", "float32", "Dtype of parameters, gradients and optimizer state",
       one_of({"bfloat16", "float32"}).supported_only({"float32"}));
     v(mixed_precision_param, "mixed_precision_param", "bfloat16",
       "Compute dtype of FSDP-gathered parameters (ctitan's single-process path ignores it)",
       one_of({"bfloat16", "float32"}));
-    v(mixed_precision_reduce, "mixed_precision_reduce", "float32",
-      "Dtype of gradient reductions under FSDP", one_of({"float32"}));
-    v(gc_freq, "gc_freq", 50, "Python GC interval in torchtitan (no effect in ctitan)",
-      at_least(1));
+    v(mixed_precision_reduce, "mixed_precision_reduce", "float32", "Dtype of gradient reductions under FSDP",
+      one_of({"float32"}));
+    v(gc_freq, "gc_freq", 50, "Python GC interval in torchtitan (no effect in ctitan)", at_least(1));
     v(gc_debug, "gc_debug", false, "Python GC debugging in torchtitan (no effect in ctitan)");
     v(on_nonfinite, "on_nonfinite", "stop",
       "ctitan: a NaN/inf loss or gradient norm stops the run naming the step, or skips the step "
@@ -369,8 +387,7 @@ struct Parallelism {
     v(data_parallel_replicate_degree, "data_parallel_replicate_degree", 1,
       "Ranks holding full replicas (DDP/HSDP); 1 = off", at_least(1));
     v(data_parallel_shard_degree, "data_parallel_shard_degree", -1,
-      "Ranks sharding parameters (FSDP); -1 = all ranks left over by the other degrees",
-      at_least(1).or_value(-1));
+      "Ranks sharding parameters (FSDP); -1 = all ranks left over by the other degrees", at_least(1).or_value(-1));
     v(fsdp_reshard_after_forward, "fsdp_reshard_after_forward", "default",
       "Free gathered parameters after forward: default (all but the root), always, never",
       one_of({"default", "always", "never"}));
@@ -378,19 +395,15 @@ struct Parallelism {
       "(ctitan) Issue the next FSDP unit's all-gather while the current one computes");
     v(tensor_parallel_degree, "tensor_parallel_degree", 1, "Tensor parallelism degree; 1 = off",
       at_least(1).supported_only({"1"}));
-    v(disable_loss_parallel, "disable_loss_parallel", false,
-      "Compute the loss without loss parallelism under TP");
-    v(enable_async_tensor_parallel, "enable_async_tensor_parallel", false,
-      "Overlap TP communication with compute", supported_only({"false"}));
-    v(pipeline_parallel_degree, "pipeline_parallel_degree", 1,
-      "Pipeline parallelism degree; 1 = off", at_least(1).supported_only({"1"}));
+    v(disable_loss_parallel, "disable_loss_parallel", false, "Compute the loss without loss parallelism under TP");
+    v(enable_async_tensor_parallel, "enable_async_tensor_parallel", false, "Overlap TP communication with compute",
+      supported_only({"false"}));
+    v(pipeline_parallel_degree, "pipeline_parallel_degree", 1, "Pipeline parallelism degree; 1 = off",
+      at_least(1).supported_only({"1"}));
     v(pipeline_parallel_split_points, "pipeline_parallel_split_points", std::vector<std::string>{},
-      "Deprecated in torchtitan: module names that start each pipeline stage",
-      supported_only({"[]"}));
-    v(module_fqns_per_model_part, "module_fqns_per_model_part",
-      std::vector<std::vector<std::string>>{},
-      "Module names of each pipeline chunk ([] = None; command line: a,b;c,d)",
-      supported_only({"[]"}));
+      "Deprecated in torchtitan: module names that start each pipeline stage", supported_only({"[]"}));
+    v(module_fqns_per_model_part, "module_fqns_per_model_part", std::vector<std::vector<std::string>>{},
+      "Module names of each pipeline chunk ([] = None; command line: a,b;c,d)", supported_only({"[]"}));
     v(pipeline_parallel_first_stage_less_layers, "pipeline_parallel_first_stage_less_layers", 1,
       "Layers fewer on the first stage (it also holds the embedding)", at_least(0));
     v(pipeline_parallel_last_stage_less_layers, "pipeline_parallel_last_stage_less_layers", 1,
@@ -400,8 +413,8 @@ struct Parallelism {
     v(pipeline_parallel_schedule, "pipeline_parallel_schedule", "1F1B", "Pipeline schedule name");
     v(pipeline_parallel_schedule_csv, "pipeline_parallel_schedule_csv", "",
       "CSV file describing a custom pipeline schedule");
-    v(pipeline_parallel_microbatch_size, "pipeline_parallel_microbatch_size", 1,
-      "Sequences per pipeline micro-batch", at_least(1));
+    v(pipeline_parallel_microbatch_size, "pipeline_parallel_microbatch_size", 1, "Sequences per pipeline micro-batch",
+      at_least(1));
     v(pipeline_parallel_expert_parallel_overlap, "pipeline_parallel_expert_parallel_overlap", true,
       "Overlap EP and PP communication (DualPipeV only)");
     v(context_parallel_degree, "context_parallel_degree", 1, "Context parallelism degree; 1 = off",
@@ -409,10 +422,9 @@ struct Parallelism {
     v(context_parallel_load_balancer, "context_parallel_load_balancer", "headtail",
       "Context-parallel load balancer (\"\" = None)", one_of({"headtail", "ptrr"}).or_none());
     v(context_parallel_rotate_method, "context_parallel_rotate_method", "allgather",
-      "Collective exchanging KV shards under context parallelism",
-      one_of({"allgather", "alltoall"}));
-    v(expert_parallel_degree, "expert_parallel_degree", 1,
-      "Expert parallelism degree (MoE only); 1 = off", at_least(1).supported_only({"1"}));
+      "Collective exchanging KV shards under context parallelism", one_of({"allgather", "alltoall"}));
+    v(expert_parallel_degree, "expert_parallel_degree", 1, "Expert parallelism degree (MoE only); 1 = off",
+      at_least(1).supported_only({"1"}));
     v(expert_tensor_parallel_degree, "expert_tensor_parallel_degree", 1,
       "Tensor parallelism degree inside routed experts", at_least(1).supported_only({"1"}));
     v(expert_parallel_comm_backend, "expert_parallel_comm_backend", "standard",
@@ -446,16 +458,15 @@ struct Checkpoint {
 
   template <class V>
   void visit_keys(V& v) {
-    v(enable, "enable", false, "Save checkpoints and resume from the latest one",
-      alias("enable_checkpoint"));
+    v(enable, "enable", false, "Save checkpoints and resume from the latest one", alias("enable_checkpoint"));
     v(enable_ft_dataloader_checkpoints, "enable_ft_dataloader_checkpoints", true,
       "Checkpoint the data-loader position under fault tolerance");
     v(folder, "folder", "checkpoint", "Checkpoint folder, relative to job.dump_folder");
     v(interval, "interval", 500, "Save every this many steps", at_least(1));
     v(initial_load_path, "initial_load_path", "",
       "Checkpoint to start from when the run's own folder has none (\"\" = None)");
-    v(initial_load_model_only, "initial_load_model_only", true,
-      "Load only the model from initial_load_path", alias("initial_load_model_weights_only"));
+    v(initial_load_model_only, "initial_load_model_only", true, "Load only the model from initial_load_path",
+      alias("initial_load_model_weights_only"));
     v(initial_load_in_hf, "initial_load_in_hf", false,
       "initial_load_path (or model.hf_assets_path) is a folder of HF *.safetensors + config.json");
     v(initial_load_in_hf_quantized, "initial_load_in_hf_quantized", false,
@@ -470,8 +481,9 @@ struct Checkpoint {
     v(async_mode, "async_mode", "disabled", "Save in the background",
       one_of({"disabled", "async", "async_with_pinned_mem"}).supported_only({"disabled", "async"}));
     v(keep_latest_k, "keep_latest_k", 10, "Keep only the newest k checkpoints; 0 = keep all",
-      at_least(0).except(1, "the newest checkpoint may still be being written when older ones "
-                            "are purged, so keep at least 2"));
+      at_least(0).except(1,
+                         "the newest checkpoint may still be being written when older ones "
+                         "are purged, so keep at least 2"));
     v(load_step, "load_step", -1, "Step to resume from; -1 = the latest", at_least(0).or_value(-1));
     v(format, "format", "ctitan",
       "On-disk form of saves: ctitan's own, or a torch.distributed.checkpoint (DCP) folder that "
@@ -479,8 +491,7 @@ struct Checkpoint {
       one_of({"ctitan", "dcp"}));
     v(exclude_from_loading, "exclude_from_loading", std::vector<std::string>{},
       "State entries not to load, e.g. optimizer,lr_scheduler,dataloader");
-    v(enable_first_step_checkpoint, "enable_first_step_checkpoint", false,
-      "Also save right after the first step");
+    v(enable_first_step_checkpoint, "enable_first_step_checkpoint", false, "Also save right after the first step");
     v(create_seed_checkpoint, "create_seed_checkpoint", false,
       "Initialise the full model, save it as step 0, and exit");
     v(load_only, "load_only", false, "Load checkpoints but never save");
@@ -517,14 +528,13 @@ struct ActivationCheckpoint {
       std::vector<std::string>{"moe.router.gate"},
       "Per-op SAC: Linear modules whose matmul shapes are always recomputed");
     v(early_stop, "early_stop", false, "Stop recomputing once all needed activations exist");
-    v(memory_budget, "memory_budget", 0.5,
-      "memory_budget mode: 0 = recompute everything, 1 = keep everything", in_range(0, 1));
+    v(memory_budget, "memory_budget", 0.5, "memory_budget mode: 0 = recompute everything, 1 = keep everything",
+      in_range(0, 1));
     v(visualize_memory_budget_pareto, "visualize_memory_budget_pareto", false,
       "Write the runtime/memory Pareto curve as SVG");
-    v(preserve_rng_state, "preserve_rng_state", false,
-      "Replay the RNG state in recomputation (exact dropout)");
-    v(determinism_check, "determinism_check", "default",
-      "Check recomputed tensors against the originals", one_of({"default", "none"}));
+    v(preserve_rng_state, "preserve_rng_state", false, "Replay the RNG state in recomputation (exact dropout)");
+    v(determinism_check, "determinism_check", "default", "Check recomputed tensors against the originals",
+      one_of({"default", "none"}));
     v(debug, "debug", false, "Capture AC debug information");
   }
   CTITAN_CONFIG_DEFAULTS(ActivationCheckpoint)
@@ -539,8 +549,8 @@ struct Compile {
   void visit_keys(V& v) {
     v(enable, "enable", false, "torch.compile the components below",
       supported_only({"false"}).alias("training.compile"));
-    v(components, "components", std::vector<std::string>{"model", "loss"},
-      "What to compile", one_of({"model", "loss"}));
+    v(components, "components", std::vector<std::string>{"model", "loss"}, "What to compile",
+      one_of({"model", "loss"}));
     v(backend, "backend", "inductor", "torch.compile backend");
   }
   CTITAN_CONFIG_DEFAULTS(Compile)
@@ -556,17 +566,13 @@ struct Float8Linear {
   template <class V>
   void visit_keys(V& v) {
     v(enable_fsdp_float8_all_gather, "enable_fsdp_float8_all_gather", false,
-      "All-gather parameters in float8 under FSDP",
-      alias("float8.enable_fsdp_float8_all_gather"));
+      "All-gather parameters in float8 under FSDP", alias("float8.enable_fsdp_float8_all_gather"));
     v(precompute_float8_dynamic_scale_for_fsdp, "precompute_float8_dynamic_scale_for_fsdp", false,
-      "Precompute float8 scales for FSDP",
-      alias("float8.precompute_float8_dynamic_scale_for_fsdp"));
+      "Precompute float8 scales for FSDP", alias("float8.precompute_float8_dynamic_scale_for_fsdp"));
     v(recipe_name, "recipe_name", "", "float8 recipe (\"\" = None)",
-      one_of({"tensorwise", "rowwise", "rowwise_with_gw_hp"})
-          .or_none()
-          .alias("float8.recipe_name"));
-    v(filter_fqns, "filter_fqns", std::vector<std::string>{},
-      "Linear modules not to convert to float8", alias("float8.filter_fqns"));
+      one_of({"tensorwise", "rowwise", "rowwise_with_gw_hp"}).or_none().alias("float8.recipe_name"));
+    v(filter_fqns, "filter_fqns", std::vector<std::string>{}, "Linear modules not to convert to float8",
+      alias("float8.filter_fqns"));
     v(emulate, "emulate", false, "Emulate float8 matmuls (testing only)", alias("float8.emulate"));
   }
   CTITAN_CONFIG_DEFAULTS(Float8Linear)
@@ -579,12 +585,11 @@ struct MXLinear {
 
   template <class V>
   void visit_keys(V& v) {
-    v(mxfp8_dim1_cast_kernel_choice, "mxfp8_dim1_cast_kernel_choice", "triton",
-      "Kernel for the MX dim-1 cast",
+    v(mxfp8_dim1_cast_kernel_choice, "mxfp8_dim1_cast_kernel_choice", "triton", "Kernel for the MX dim-1 cast",
       one_of({"triton", "cuda", "torch"}).alias("mx.mxfp8_dim1_cast_kernel_choice"));
     v(recipe_name, "recipe_name", "mxfp8_cublas", "MX recipe", alias("mx.recipe_name"));
-    v(filter_fqns, "filter_fqns", std::vector<std::string>{"output"},
-      "Linear modules not to convert to MX", alias("mx.filter_fqns"));
+    v(filter_fqns, "filter_fqns", std::vector<std::string>{"output"}, "Linear modules not to convert to MX",
+      alias("mx.filter_fqns"));
   }
   CTITAN_CONFIG_DEFAULTS(MXLinear)
 };
@@ -657,15 +662,12 @@ struct Comm {
 
   template <class V>
   void visit_keys(V& v) {
-    v(init_timeout_seconds, "init_timeout_seconds", 300,
-      "Collective timeout during start-up and the first step", at_least(1));
-    v(train_timeout_seconds, "train_timeout_seconds", 100,
-      "Collective timeout after the first step", at_least(1));
-    v(trace_buf_size, "trace_buf_size", 20000,
-      "Entries in the collective flight recorder; 0 = off", at_least(0));
+    v(init_timeout_seconds, "init_timeout_seconds", 300, "Collective timeout during start-up and the first step",
+      at_least(1));
+    v(train_timeout_seconds, "train_timeout_seconds", 100, "Collective timeout after the first step", at_least(1));
+    v(trace_buf_size, "trace_buf_size", 20000, "Entries in the collective flight recorder; 0 = off", at_least(0));
     v(save_traces_folder, "save_traces_folder", "comm_traces", "Folder for flight-recorder dumps");
-    v(save_traces_file_prefix, "save_traces_file_prefix", "rank_",
-      "File-name prefix of flight-recorder dumps");
+    v(save_traces_file_prefix, "save_traces_file_prefix", "rank_", "File-name prefix of flight-recorder dumps");
     v(mode, "mode", "default", "Communication mode (fake backends are for dry runs)",
       one_of({"default", "fake_backend", "local_tensor"}).supported_only({"default"}));
   }
@@ -678,8 +680,7 @@ struct MemoryEstimation {
 
   template <class V>
   void visit_keys(V& v) {
-    v(enable, "enable", false, "Estimate FSDP memory use before training",
-      supported_only({"false"}).alias("enabled"));
+    v(enable, "enable", false, "Estimate FSDP memory use before training", supported_only({"false"}).alias("enabled"));
     v(disable_fake_mode, "disable_fake_mode", false, "Estimate with real tensors");
   }
   CTITAN_CONFIG_DEFAULTS(MemoryEstimation)
@@ -701,10 +702,8 @@ struct FaultTolerance {
   template <class V>
   void visit_keys(V& v) {
     v(enable, "enable", false, "TorchFT fault-tolerant training", supported_only({"false"}));
-    v(process_group, "process_group", "gloo", "Process group used by TorchFT",
-      one_of({"gloo", "nccl"}));
-    v(process_group_timeout_ms, "process_group_timeout_ms", 10000,
-      "TorchFT collective timeout in ms", at_least(1));
+    v(process_group, "process_group", "gloo", "Process group used by TorchFT", one_of({"gloo", "nccl"}));
+    v(process_group_timeout_ms, "process_group_timeout_ms", 10000, "TorchFT collective timeout in ms", at_least(1));
     v(replica_id, "replica_id", 0, "TorchFT replica id of this run", at_least(0));
     v(group_size, "group_size", 0, "Number of TorchFT replica groups", at_least(0));
     v(min_replica_size, "min_replica_size", 1, "Minimum replicas per step", at_least(1));
@@ -712,10 +711,9 @@ struct FaultTolerance {
       one_of({"local_sgd", "diloco"}).or_none());
     v(sync_steps, "sync_steps", 5, "Steps between semi-sync synchronisations", at_least(1));
     v(should_quantize, "should_quantize", false, "Quantize pseudo-gradients before all-reduce");
-    v(fragment_sync_delay, "fragment_sync_delay", 0, "Steps to delay fragment syncs",
-      at_least(0));
-    v(fragment_update_alpha, "fragment_update_alpha", 0.0,
-      "Mix of local and global parameters after a sync", in_range(0, 1));
+    v(fragment_sync_delay, "fragment_sync_delay", 0, "Steps to delay fragment syncs", at_least(0));
+    v(fragment_update_alpha, "fragment_update_alpha", 0.0, "Mix of local and global parameters after a sync",
+      in_range(0, 1));
   }
   CTITAN_CONFIG_DEFAULTS(FaultTolerance)
 };
@@ -726,10 +724,9 @@ struct Experimental {
 
   template <class V>
   void visit_keys(V& v) {
-    v(custom_import, "custom_import", "", "Python module to import (torchtitan only)",
+    v(custom_import, "custom_import", "", "Python module to import (torchtitan only)", supported_only({""}));
+    v(custom_args_module, "custom_args_module", "", "Deprecated Python JobConfig extension (torchtitan only)",
       supported_only({""}));
-    v(custom_args_module, "custom_args_module", "",
-      "Deprecated Python JobConfig extension (torchtitan only)", supported_only({""}));
   }
   CTITAN_CONFIG_DEFAULTS(Experimental)
 };
@@ -746,8 +743,7 @@ struct Validation {
 
   template <class V>
   void visit_keys(V& v) {
-    v(enable, "enable", false,
-      "Forward-only validation loss on held-out data (after step 1 and every freq steps)",
+    v(enable, "enable", false, "Forward-only validation loss on held-out data (after step 1 and every freq steps)",
       alias("enabled"));
     v(dataset, "dataset", "c4_validation",
       "Named validation corpus (as training.dataset; torchtitan's default c4_validation is read from "
@@ -757,8 +753,7 @@ struct Validation {
     v(local_batch_size, "local_batch_size", 8, "Validation sequences per rank per batch", at_least(1));
     v(seq_len, "seq_len", 2048, "Validation sequence length (at most training.seq_len)", at_least(1));
     v(freq, "freq", 10, "Validate after step 1 and every this many steps", at_least(1));
-    v(steps, "steps", -1,
-      "Validation batches per rank per run; -1 = until the first rank has no whole batch left",
+    v(steps, "steps", -1, "Validation batches per rank per run; -1 = until the first rank has no whole batch left",
       at_least(1).or_value(-1));
     v.table(dataloader, "dataloader", "Validation data-loader settings");
   }
@@ -778,8 +773,8 @@ struct Debug {
       alias("training.deterministic"));
     v(deterministic_warn_only, "deterministic_warn_only", false,
       "Only warn about ops without a deterministic implementation");
-    v(moe_force_load_balance, "moe_force_load_balance", false,
-      "Route tokens round-robin to experts (debugging)", supported_only({"false"}));
+    v(moe_force_load_balance, "moe_force_load_balance", false, "Route tokens round-robin to experts (debugging)",
+      supported_only({"false"}));
   }
   CTITAN_CONFIG_DEFAULTS(Debug)
 };

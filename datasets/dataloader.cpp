@@ -32,9 +32,8 @@ std::string hex(uint64_t v) {
 
 }  // namespace
 
-DataLoader::DataLoader(const Tokenizer& tokenizer, std::string source_path, int64_t seq_len,
-                       int64_t local_batch_size, int64_t dp_rank, int64_t dp_world,
-                       std::string name)
+DataLoader::DataLoader(const Tokenizer& tokenizer, std::string source_path, int64_t seq_len, int64_t local_batch_size,
+                       int64_t dp_rank, int64_t dp_world, std::string name)
     : tokenizer_(&tokenizer),
       reader_(source_path),
       name_(name.empty() ? basename_of(source_path) : std::move(name)),
@@ -47,12 +46,11 @@ DataLoader::DataLoader(const Tokenizer& tokenizer, std::string source_path, int6
     throw UserError("dataloader: seq_len=" + std::to_string(seq_len) + " must be >= 1");
   }
   if (local_batch_size < 1) {
-    throw UserError("dataloader: local_batch_size=" + std::to_string(local_batch_size) +
-                    " must be >= 1");
+    throw UserError("dataloader: local_batch_size=" + std::to_string(local_batch_size) + " must be >= 1");
   }
   if (dp_world < 1 || dp_rank < 0 || dp_rank >= dp_world) {
-    throw UserError("dataloader: dp rank " + std::to_string(dp_rank) + " is not in [0, " +
-                    std::to_string(dp_world) + ")");
+    throw UserError("dataloader: dp rank " + std::to_string(dp_rank) + " is not in [0, " + std::to_string(dp_world) +
+                    ")");
   }
   // What sharding needs of each file: sizes from the file system (.ctok: from its header,
   // which is also where a shard made with another tokenizer is refused).
@@ -92,9 +90,10 @@ void DataLoader::new_pass() {
   static bool said = false;  // once a process
   if (!shared.empty() && !said) {
     said = true;
-    spdlog::warn("dataset {}: {} is gzip-compressed and cannot be split by bytes: the ranks sharing it each "
-                 "inflate all of it and keep every k-th document (more files than dp ranks avoid this)",
-                 name_, shared.front());
+    spdlog::warn(
+        "dataset {}: {} is gzip-compressed and cannot be split by bytes: the ranks sharing it each "
+        "inflate all of it and keep every k-th document (more files than dp ranks avoid this)",
+        name_, shared.front());
   }
 }
 
@@ -124,8 +123,7 @@ void DataLoader::fill(size_t need) {
         return;
       }
       epoch_ += 1;
-      spdlog::warn("dataset {} exhausted on dp rank {}, re-looping (epoch {})", name_, dp_rank_,
-                   epoch_);
+      spdlog::warn("dataset {} exhausted on dp rank {}, re-looping (epoch {})", name_, dp_rank_, epoch_);
       new_pass();
       continue;
     }
@@ -222,9 +220,8 @@ void DataLoader::load_state_dict(const std::string& state) {
   const std::string where = "dataloader state for dataset " + name_;
   LoaderState s = parse_loader_state(state, sources_, tokenizer_->vocab_size(), where);
   if (s.dp_rank != dp_rank_ || s.dp_world != dp_world_) {
-    throw UserError(where + " was saved by dp rank " + std::to_string(s.dp_rank) + " of " +
-                    std::to_string(s.dp_world) + ", this is dp rank " + std::to_string(dp_rank_) +
-                    " of " + std::to_string(dp_world_) +
+    throw UserError(where + " was saved by dp rank " + std::to_string(s.dp_rank) + " of " + std::to_string(s.dp_world) +
+                    ", this is dp rank " + std::to_string(dp_rank_) + " of " + std::to_string(dp_world_) +
                     " (changing the data-parallel degree needs checkpoint.dataloader_reshard = \"redistribute\")");
   }
   if (s.version == 1 && !s.work.empty()) {
@@ -259,9 +256,10 @@ std::string DataLoader::redistributed_state(const std::vector<std::string>& save
   LoaderState mine = redistribute(states, sources_, dp_rank_, dp_world_);
   mine.seq_len = seq_len_;
   mine.vocab_size = tokenizer_->vocab_size();
-  spdlog::info("dataloader: redistributed from dp {} to dp {}: this rank takes {} of the saved ranks' remaining "
-               "ranges and {} of their {} buffered tokens (epoch {})",
-               saved.size(), dp_world_, mine.work.size(), mine.buffer.size(), buffered, mine.epoch);
+  spdlog::info(
+      "dataloader: redistributed from dp {} to dp {}: this rank takes {} of the saved ranks' remaining "
+      "ranges and {} of their {} buffered tokens (epoch {})",
+      saved.size(), dp_world_, mine.work.size(), mine.buffer.size(), buffered, mine.epoch);
   return to_json(mine);
 }
 

@@ -44,11 +44,10 @@ class DataLoader {
  public:
   // tokenizer must outlive the loader. name is used in logs (default: the source's
   // file/folder name). UserError for bad sizes or ranks, or an unusable source.
-  DataLoader(const Tokenizer& tokenizer, std::string source_path, int64_t seq_len,
-             int64_t local_batch_size, int64_t dp_rank, int64_t dp_world,
-             std::string name = "");
+  DataLoader(const Tokenizer& tokenizer, std::string source_path, int64_t seq_len, int64_t local_batch_size,
+             int64_t dp_rank, int64_t dp_world, std::string name = "");
 
-  Batch next();                       // local_batch_size windows
+  Batch next();                        // local_batch_size windows
   std::vector<int64_t> next_window();  // one window of seq_len+1 tokens
 
   // Malformed documents (bad JSON, no string "text", NUL bytes, invalid UTF-8):
@@ -69,7 +68,7 @@ class DataLoader {
   int64_t dp_rank() const { return dp_rank_; }
   int64_t dp_world() const { return dp_world_; }
   int64_t windows_produced() const { return windows_; }
-  int64_t epoch() const { return epoch_; }            // completed passes over the data
+  int64_t epoch() const { return epoch_; }  // completed passes over the data
   // Documents this rank has parsed (taken or passed over inside a shared .gz), all passes.
   int64_t documents_parsed() const { return parsed_; }
   // Corpus bytes this rank has read (a .ctok shard: its token bytes), all passes.
@@ -102,16 +101,16 @@ class DataLoader {
   int64_t windows_ = 0;
   bool repeat_ = true;
   BadDocuments bad_mode_ = BadDocuments::kStop;
-  int64_t skipped_ = 0;  // malformed documents left out, this rank, all epochs
-  bool exhausted_ = false;  // repeat_ off and the data's end reached
+  int64_t skipped_ = 0;          // malformed documents left out, this rank, all epochs
+  bool exhausted_ = false;       // repeat_ off and the data's end reached
   std::vector<int64_t> buffer_;  // tokens not yet emitted start at head_
   size_t head_ = 0;
   std::vector<SourceFile> sources_;  // what sharding needs of each file
   std::vector<WorkUnit> work_;       // this pass's ranges; work_[cur_] is being read
   size_t cur_ = 0;
   bool unit_open_ = false;
-  bool pass_fresh_ = true;   // this pass began with a full plan (not a restored remainder)
-  int64_t pass_docs_ = 0;    // documents taken in this pass
+  bool pass_fresh_ = true;  // this pass began with a full plan (not a restored remainder)
+  int64_t pass_docs_ = 0;   // documents taken in this pass
   int64_t parsed_ = 0;
 };
 

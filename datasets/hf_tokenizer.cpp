@@ -95,8 +95,7 @@ uint32_t next_code_point(std::string_view s, size_t* i) {
     *i += 3;
     return cp;
   }
-  const uint32_t cp = ((c & 0x07) << 18) | ((b(*i + 1) & 0x3F) << 12) | ((b(*i + 2) & 0x3F) << 6) |
-                      (b(*i + 3) & 0x3F);
+  const uint32_t cp = ((c & 0x07) << 18) | ((b(*i + 1) & 0x3F) << 12) | ((b(*i + 2) & 0x3F) << 6) | (b(*i + 3) & 0x3F);
   *i += 4;
   return cp;
 }
@@ -340,13 +339,12 @@ class Regex {
     const std::string translated = literal ? pattern : onig_to_pcre2(pattern, file);
     uint32_t opts = PCRE2_UTF | PCRE2_UCP;
     if (literal) opts |= PCRE2_LITERAL;
-    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(translated.data()), translated.size(), opts,
-                          &err, &at, nullptr);
+    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(translated.data()), translated.size(), opts, &err, &at, nullptr);
     if (code_ == nullptr) {
       PCRE2_UCHAR msg[256];
       pcre2_get_error_message(err, msg, sizeof(msg));
-      file.unsupported("the regex " + pattern + " (PCRE2: " + reinterpret_cast<const char*>(msg) +
-                       " at offset " + std::to_string(at) + ")");
+      file.unsupported("the regex " + pattern + " (PCRE2: " + reinterpret_cast<const char*>(msg) + " at offset " +
+                       std::to_string(at) + ")");
     }
     jit_ = pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE) == 0;
   }
@@ -390,8 +388,7 @@ class Regex {
 };
 
 // GPT-2's pre-tokenizer pattern: what ByteLevel with use_regex splits with.
-constexpr const char* kGpt2Pattern =
-    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+constexpr const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
 // ---- NFC (ICU) ---------------------------------------------------------------------------
 
@@ -433,8 +430,8 @@ struct AddedToken {
   std::string content;
   bool single_word = false, lstrip = false, rstrip = false, normalized = true, special = false;
   bool operator==(const AddedToken& o) const {
-    return content == o.content && single_word == o.single_word && lstrip == o.lstrip &&
-           rstrip == o.rstrip && normalized == o.normalized && special == o.special;
+    return content == o.content && single_word == o.single_word && lstrip == o.lstrip && rstrip == o.rstrip &&
+           normalized == o.normalized && special == o.special;
   }
 };
 
@@ -452,7 +449,8 @@ class TokenMatcher {
       any_ = true;
     }
     for (auto& v : by_first_) {
-      std::stable_sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+      std::stable_sort(v.begin(), v.end(),
+                       [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
     }
   }
   bool empty() const { return !any_; }
@@ -489,13 +487,13 @@ class TokenMatcher {
 
 struct PreTokenizer {
   enum class Kind { Split, ByteLevel } kind;
-  std::unique_ptr<Regex> regex;  // Split's pattern, or GPT-2's for ByteLevel with use_regex
-  bool remove_matches = false;   // Split behavior "Removed" (else "Isolated")
+  std::unique_ptr<Regex> regex;   // Split's pattern, or GPT-2's for ByteLevel with use_regex
+  bool remove_matches = false;    // Split behavior "Removed" (else "Isolated")
   bool add_prefix_space = false;  // ByteLevel
 };
 
 struct TemplatePiece {
-  bool sequence;               // Sequence A, else a special token's ids
+  bool sequence;  // Sequence A, else a special token's ids
   std::vector<int32_t> ids;
 };
 
@@ -518,8 +516,8 @@ struct HfTokenizer::Impl {
   bool ignore_merges = false;
 
   // Added tokens, as tokenizers' AddedVocabulary keeps them.
-  std::map<std::string, int32_t> added_ids;        // content -> id
-  std::unordered_map<int32_t, AddedToken> added;   // id -> token (latest flags)
+  std::map<std::string, int32_t> added_ids;               // content -> id
+  std::unordered_map<int32_t, AddedToken> added;          // id -> token (latest flags)
   std::vector<std::string> special_order, classic_order;  // registration order
   std::unordered_set<std::string> special_set;
   std::unordered_map<std::string, bool> trie_normalized;  // content -> normalized flag used for matching
@@ -544,7 +542,8 @@ struct HfTokenizer::Impl {
   }
 
   void add_vocab_entry(const std::string& token, int64_t id, const JsonFile& file) {
-    if (id < 0 || id > std::numeric_limits<int32_t>::max() - 1) file.fail("vocabulary id " + std::to_string(id) + " of " + token + " is out of range");
+    if (id < 0 || id > std::numeric_limits<int32_t>::max() - 1)
+      file.fail("vocabulary id " + std::to_string(id) + " of " + token + " is out of range");
     const auto i32 = static_cast<int32_t>(id);
     vocab[token] = i32;  // duplicate keys: the last wins, as in a Python/serde map
     if (static_cast<size_t>(id) >= id_to_token.size()) {
@@ -570,9 +569,11 @@ struct HfTokenizer::Impl {
   void add_merge(const std::string& a, const std::string& b, int32_t rank, const JsonFile& file) {
     const auto ia = vocab.find(a), ib = vocab.find(b), im = vocab.find(a + b);
     if (ia == vocab.end() || ib == vocab.end() || im == vocab.end()) {
-      file.fail("merge \"" + a + " " + b + "\" (rank " + std::to_string(rank) + ") uses a token that is not in the vocabulary");
+      file.fail("merge \"" + a + " " + b + "\" (rank " + std::to_string(rank) +
+                ") uses a token that is not in the vocabulary");
     }
-    const uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(ia->second)) << 32) | static_cast<uint32_t>(ib->second);
+    const uint64_t key =
+        (static_cast<uint64_t>(static_cast<uint32_t>(ia->second)) << 32) | static_cast<uint32_t>(ib->second);
     merges[key] = {rank, im->second};  // a repeated pair: the last rank wins, as in tokenizers
   }
 
@@ -794,20 +795,21 @@ struct HfTokenizer::Impl {
   void encode_piece(std::string_view piece, std::vector<int32_t>* out) const {
     std::string normalized;
     if (nfc && nfc_normalize(piece, &normalized)) piece = normalized;
-    split_added(piece, normalized_matcher,
-                [&](size_t a, size_t b) { pre_tokenize(0, piece.substr(a, b - a), out); },
-                [&](int32_t id) { out->push_back(id); });
+    split_added(
+        piece, normalized_matcher, [&](size_t a, size_t b) { pre_tokenize(0, piece.substr(a, b - a), out); },
+        [&](int32_t id) { out->push_back(id); });
   }
 
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens) const {
     if (const size_t bad = find_invalid_utf8(text); bad != std::string_view::npos) {
-      throw RuntimeFailure("tokenizer: the text to encode is not valid UTF-8 (byte " + std::to_string(bad) +
-                           " of " + std::to_string(text.size()) + ")");
+      throw RuntimeFailure("tokenizer: the text to encode is not valid UTF-8 (byte " + std::to_string(bad) + " of " +
+                           std::to_string(text.size()) + ")");
     }
     std::vector<int32_t> ids;
     ids.reserve(text.size() / 3 + 4);
-    split_added(text, raw_matcher, [&](size_t a, size_t b) { encode_piece(text.substr(a, b - a), &ids); },
-                [&](int32_t id) { ids.push_back(id); });
+    split_added(
+        text, raw_matcher, [&](size_t a, size_t b) { encode_piece(text.substr(a, b - a), &ids); },
+        [&](int32_t id) { ids.push_back(id); });
     if (!add_special_tokens || single_template.empty()) return ids;
     std::vector<int32_t> framed;
     framed.reserve(ids.size() + 4);
@@ -893,7 +895,8 @@ void parse_model(const Value& m, const JsonFile& f, HfTokenizer::Impl* impl) {
     if (d->type != Value::Type::Number || p != 0.0) f.unsupported("BPE dropout " + d->text);
   }
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
-    if (const Value* s = m.find(key); s && s->type != Value::Type::Null && !(s->type == Value::Type::String && s->text.empty())) {
+    if (const Value* s = m.find(key);
+        s && s->type != Value::Type::Null && !(s->type == Value::Type::String && s->text.empty())) {
       f.unsupported(std::string("BPE ") + key + " \"" + s->text + "\"");
     }
   }
@@ -925,7 +928,8 @@ void parse_model(const Value& m, const JsonFile& f, HfTokenizer::Impl* impl) {
       }
       impl->add_merge(mv.text.substr(0, sp), mv.text.substr(sp + 1), rank, f);
     } else if (mv.type == Value::Type::Array && mv.items.size() == 2) {  // ["a", "b"]
-      impl->add_merge(f.str(mv.items[0], "merge " + std::to_string(rank)), f.str(mv.items[1], "merge " + std::to_string(rank)), rank, f);
+      impl->add_merge(f.str(mv.items[0], "merge " + std::to_string(rank)),
+                      f.str(mv.items[1], "merge " + std::to_string(rank)), rank, f);
     } else {
       f.fail("merge " + std::to_string(rank) + " is neither \"a b\" nor [\"a\", \"b\"]");
     }
@@ -951,17 +955,20 @@ void parse_post_processor(const Value* v, const JsonFile& f, HfTokenizer::Impl* 
   for (const auto& piece : single.items) {
     TemplatePiece tp;
     if (const Value* seq = piece.find("Sequence")) {
-      const std::string id = f.str(f.member(*seq, "id", "post_processor.single Sequence"), "post_processor.single Sequence.id");
+      const std::string id =
+          f.str(f.member(*seq, "id", "post_processor.single Sequence"), "post_processor.single Sequence.id");
       if (id != "A") f.unsupported("a TemplateProcessing single template with sequence " + id);
       tp.sequence = true;
     } else if (const Value* st = piece.find("SpecialToken")) {
       tp.sequence = false;
-      const std::string name = f.str(f.member(*st, "id", "post_processor.single SpecialToken"), "post_processor.single SpecialToken.id");
+      const std::string name =
+          f.str(f.member(*st, "id", "post_processor.single SpecialToken"), "post_processor.single SpecialToken.id");
       const Value* entry = specials.find(name);
       if (entry == nullptr) f.fail("post_processor.special_tokens has no \"" + name + "\"");
       const Value& ids = f.member(*entry, "ids", "post_processor.special_tokens[" + name + "]");
       if (ids.type != Value::Type::Array) f.fail("post_processor.special_tokens[" + name + "].ids is not an array");
-      for (const auto& id : ids.items) tp.ids.push_back(static_cast<int32_t>(f.integer(id, "post_processor.special_tokens[" + name + "].ids")));
+      for (const auto& id : ids.items)
+        tp.ids.push_back(static_cast<int32_t>(f.integer(id, "post_processor.special_tokens[" + name + "].ids")));
     } else {
       f.fail("post_processor.single has an item that is neither Sequence nor SpecialToken");
     }
@@ -978,7 +985,8 @@ void parse_decoder(const Value* v, const JsonFile& f, HfTokenizer::Impl* impl) {
   if (type == "ByteLevel") return;
   if (type == "Sequence") {
     const Value& list = f.member(*v, "decoders", "decoder (Sequence)");
-    if (list.type != Value::Type::Array || list.items.size() != 1) f.unsupported("a Sequence decoder other than [ByteLevel]");
+    if (list.type != Value::Type::Array || list.items.size() != 1)
+      f.unsupported("a Sequence decoder other than [ByteLevel]");
     parse_decoder(&list.items[0], f, impl);
     return;
   }
@@ -1014,7 +1022,8 @@ std::unique_ptr<HfTokenizer> HfTokenizer::from_tokenizer_json(const std::string&
   Impl& impl = *tok->impl_;
   impl.path = tokenizer_json;
   for (const char* key : {"truncation", "padding"}) {
-    if (const Value* v = root.find(key); v && v->type != Value::Type::Null) f.unsupported(std::string(key) + " settings");
+    if (const Value* v = root.find(key); v && v->type != Value::Type::Null)
+      f.unsupported(std::string(key) + " settings");
   }
   parse_model(f.member(root, "model", "the file"), f, &impl);
   parse_normalizer(root.find("normalizer"), f, &impl);
@@ -1035,8 +1044,8 @@ std::unique_ptr<HfTokenizer> HfTokenizer::from_tokenizer_json(const std::string&
       const int32_t got = impl.token_to_id(t.content);
       if (want >= 0 && got != want) {
         // tokenizers assigns the id itself and warns the same way.
-        spdlog::warn("tokenizer: {}: added token {} was expected to have id {} but was given id {}",
-                     tokenizer_json, t.content, want, got);
+        spdlog::warn("tokenizer: {}: added token {} was expected to have id {} but was given id {}", tokenizer_json,
+                     t.content, want, got);
       }
     }
   }

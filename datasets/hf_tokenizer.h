@@ -44,8 +44,7 @@ class HfTokenizer final : public Tokenizer {
   // GPT-2 style files, as torchtitan builds them: BPE(vocab, merges) with a ByteLevel
   // pre-tokenizer (add_prefix_space false, GPT-2's regex) and decoder; with
   // <dir>/tokenizer_config.json beside vocab.json.
-  static std::unique_ptr<HfTokenizer> from_vocab_merges(const std::string& vocab_json,
-                                                        const std::string& merges_txt);
+  static std::unique_ptr<HfTokenizer> from_vocab_merges(const std::string& vocab_json, const std::string& merges_txt);
   ~HfTokenizer() override;
 
   // torchtitan's HuggingFaceTokenizer.encode(text, add_bos=bos, add_eos=eos). Thread-safe.

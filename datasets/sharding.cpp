@@ -23,8 +23,10 @@ uint64_t weight(const WorkUnit& u, const std::vector<SourceFile>& files) {
     // whole file's size says anything there.
     const uint64_t b = f == u.file && sf.splittable ? std::min(u.begin, sf.extent) : 0;
     const uint64_t e = f == u.file && !u.chain ? std::min(u.end, sf.extent) : sf.extent;
-    if (e > b) w += static_cast<u128>(e - b) * sf.unit_weight;
-    else if (!sf.splittable) w += 1;  // an empty .gz file: weightless but not done
+    if (e > b)
+      w += static_cast<u128>(e - b) * sf.unit_weight;
+    else if (!sf.splittable)
+      w += 1;  // an empty .gz file: weightless but not done
     if (!u.chain) break;
   }
   const auto stride = static_cast<uint64_t>(std::max<int64_t>(1, u.stride));
@@ -172,7 +174,8 @@ LoaderState parse_loader_state(const std::string& text, const std::vector<Source
                     (i < names.size() ? names[i] : std::string("(none)")) + " here (different corpus?)");
   }
   const json::Value* work = root.find("work");
-  if (work == nullptr || work->type != json::Value::Type::Array) throw UserError(where + " is corrupt: missing \"work\"");
+  if (work == nullptr || work->type != json::Value::Type::Array)
+    throw UserError(where + " is corrupt: missing \"work\"");
   for (size_t i = 0; i < work->items.size(); ++i) {
     const json::Value& w = work->items[i];
     const std::string what = "\"work\"[" + std::to_string(i) + "]";

@@ -56,9 +56,9 @@ struct WorkUnit {
 
 // What sharding needs to know of each corpus file.
 struct SourceFile {
-  std::string name;      // basename
-  uint64_t extent = 0;   // bytes, or documents of a .ctok shard
-  bool splittable = true;  // false for .gz
+  std::string name;          // basename
+  uint64_t extent = 0;       // bytes, or documents of a .ctok shard
+  bool splittable = true;    // false for .gz
   uint64_t unit_weight = 1;  // bytes per extent unit (a shard: ~bytes per document)
 };
 
@@ -84,7 +84,7 @@ LoaderState parse_loader_state(const std::string& json, const std::vector<Source
                                const std::string& where);
 
 // dp rank `rank` of `world`'s state from every saved rank's state (see above).
-LoaderState redistribute(const std::vector<LoaderState>& saved, const std::vector<SourceFile>& files,
-                         int64_t rank, int64_t world);
+LoaderState redistribute(const std::vector<LoaderState>& saved, const std::vector<SourceFile>& files, int64_t rank,
+                         int64_t world);
 
 }  // namespace ctitan

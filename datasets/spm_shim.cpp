@@ -30,12 +30,9 @@ void set_error(char* err, size_t err_cap, const std::string& message) {
 
 extern "C" {
 
-__attribute__((visibility("default"))) int ctitan_spm_abi_version(void) {
-  return CTITAN_SPM_SHIM_ABI;
-}
+__attribute__((visibility("default"))) int ctitan_spm_abi_version(void) { return CTITAN_SPM_SHIM_ABI; }
 
-__attribute__((visibility("default"))) ctitan_spm* ctitan_spm_load(const char* model_path,
-                                                                   char* err, size_t err_cap) {
+__attribute__((visibility("default"))) ctitan_spm* ctitan_spm_load(const char* model_path, char* err, size_t err_cap) {
   try {
     if (model_path == nullptr) {
       set_error(err, err_cap, "no path given");
@@ -70,13 +67,11 @@ __attribute__((visibility("default"))) ctitan_spm* ctitan_spm_load(const char* m
   return nullptr;
 }
 
-__attribute__((visibility("default"))) void ctitan_spm_free(ctitan_spm* handle) {
-  delete handle;
-}
+__attribute__((visibility("default"))) void ctitan_spm_free(ctitan_spm* handle) { delete handle; }
 
-__attribute__((visibility("default"))) int32_t* ctitan_spm_encode(
-    const ctitan_spm* handle, const char* text, size_t len, size_t* out_count, char* err,
-    size_t err_cap) {
+__attribute__((visibility("default"))) int32_t* ctitan_spm_encode(const ctitan_spm* handle, const char* text,
+                                                                  size_t len, size_t* out_count, char* err,
+                                                                  size_t err_cap) {
   try {
     std::vector<int> ids;
     const auto status = handle->processor.Encode(absl::string_view(text, len), &ids);
@@ -98,9 +93,8 @@ __attribute__((visibility("default"))) int32_t* ctitan_spm_encode(
   return nullptr;
 }
 
-__attribute__((visibility("default"))) char* ctitan_spm_decode(const ctitan_spm* handle,
-                                                               const int32_t* ids, size_t count,
-                                                               size_t* out_len, char* err,
+__attribute__((visibility("default"))) char* ctitan_spm_decode(const ctitan_spm* handle, const int32_t* ids,
+                                                               size_t count, size_t* out_len, char* err,
                                                                size_t err_cap) {
   try {
     const int vocab = handle->processor.GetPieceSize();
@@ -134,9 +128,7 @@ __attribute__((visibility("default"))) char* ctitan_spm_decode(const ctitan_spm*
   return nullptr;
 }
 
-__attribute__((visibility("default"))) void ctitan_spm_free_buffer(void* buffer) {
-  std::free(buffer);
-}
+__attribute__((visibility("default"))) void ctitan_spm_free_buffer(void* buffer) { std::free(buffer); }
 
 __attribute__((visibility("default"))) int32_t ctitan_spm_vocab_size(const ctitan_spm* handle) {
   return handle->processor.GetPieceSize();

@@ -32,13 +32,13 @@ void ctitan_spm_free(ctitan_spm* handle);
 
 // text[0..len) -> ids; *out_count receives the number of ids. Returns a malloc'ed array
 // (non-NULL even when the count is 0) or NULL on failure (reason in err).
-int32_t* ctitan_spm_encode(const ctitan_spm* handle, const char* text, size_t len,
-                           size_t* out_count, char* err, size_t err_cap);
+int32_t* ctitan_spm_encode(const ctitan_spm* handle, const char* text, size_t len, size_t* out_count, char* err,
+                           size_t err_cap);
 
 // ids[0..count) -> UTF-8 text of *out_len bytes (plus a NUL). NULL on failure, e.g. an
 // id outside [0, vocab_size).
-char* ctitan_spm_decode(const ctitan_spm* handle, const int32_t* ids, size_t count,
-                        size_t* out_len, char* err, size_t err_cap);
+char* ctitan_spm_decode(const ctitan_spm* handle, const int32_t* ids, size_t count, size_t* out_len, char* err,
+                        size_t err_cap);
 
 void ctitan_spm_free_buffer(void* buffer);
 

@@ -56,8 +56,7 @@ std::string known_list() {
 }
 
 bool blank(const std::string& line) {
-  return std::all_of(line.begin(), line.end(),
-                     [](char c) { return c == ' ' || c == '\t' || c == '\f' || c == '\v'; });
+  return std::all_of(line.begin(), line.end(), [](char c) { return c == ' ' || c == '\t' || c == '\f' || c == '\v'; });
 }
 
 }  // namespace
@@ -79,8 +78,8 @@ std::string resolve_dataset_path(const std::string& dataset, const std::string& 
   std::error_code ec;
   if (!dataset_path.empty()) {
     if (!fs::exists(dataset_path, ec)) {
-      throw UserError(section + ".dataset_path=" + dataset_path +
-                      " does not exist (expected a " + kKinds + " file or a folder of them)");
+      throw UserError(section + ".dataset_path=" + dataset_path + " does not exist (expected a " + kKinds +
+                      " file or a folder of them)");
     }
     return dataset_path;
   }
@@ -95,8 +94,8 @@ std::string resolve_dataset_path(const std::string& dataset, const std::string& 
     path = data_root + (dataset == "c4" ? "/c4/en/c4-train.*" : "/c4/en/c4-validation.*");
   } else {
     throw UserError(section + ".dataset=" + (dataset.empty() ? std::string("\"\"") : dataset) +
-                    " is not a known corpus (known: " + known_list() + "); or set " + section +
-                    ".dataset_path to a " + kKinds + " file or folder");
+                    " is not a known corpus (known: " + known_list() + "); or set " + section + ".dataset_path to a " +
+                    kKinds + " file or folder");
   }
   bool present = true;
   try {
@@ -164,8 +163,8 @@ void DocumentReader::seek(const SourcePosition& pos) {
   if (pos.next_document < 0 || pos.line < 0 || pos.file > files_.size() ||
       (pos.file == files_.size() && (pos.offset != 0 || pos.line != 0))) {
     throw UserError("dataset: position (file " + std::to_string(pos.file) + ", document " +
-                    std::to_string(pos.next_document) + ") does not fit " + source_path_ +
-                    " (" + std::to_string(files_.size()) + " files)");
+                    std::to_string(pos.next_document) + ") does not fit " + source_path_ + " (" +
+                    std::to_string(files_.size()) + " files)");
   }
   if (pos.file < files_.size()) {
     const std::string& path = files_[pos.file];
@@ -345,7 +344,7 @@ bool DocumentReader::read_line(std::string* line, bool checked) {
     char hex[8];
     std::snprintf(hex, sizeof hex, "0x%02x", static_cast<unsigned char>((*line)[bad]));
     bad_line(std::string("not valid UTF-8 (byte ") + hex + " at column " + std::to_string(bad + 1) +
-              "); convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8");
+             "); convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8");
   }
   return true;
 }
@@ -359,8 +358,7 @@ void DocumentReader::bad_line(const std::string& what) {
 }
 
 void DocumentReader::fail_line(const std::string& what) {
-  throw UserError("dataset: " + files_[pos_.file] + ":" + std::to_string(absolute_line(pos_.line)) + ": " +
-                  what);
+  throw UserError("dataset: " + files_[pos_.file] + ":" + std::to_string(absolute_line(pos_.line)) + ": " + what);
 }
 
 bool DocumentReader::next_in_file(Document* doc) {

@@ -63,11 +63,11 @@ std::vector<std::string> list_source_files(const std::string& source_path);
 
 struct Document {
   std::string text;
-  int64_t index = 0;  // global position in the corpus order (0-based)
-  size_t file = 0;    // index into DocumentReader::files()
-  int64_t line = 0;   // 1-based line of the file where the document starts; 0 when not known
-                      // (a range read from the middle of a file counts lines only for errors)
-  uint64_t offset = 0;  // byte offset of its first line (text) or its index (.ctok): its identity
+  int64_t index = 0;         // global position in the corpus order (0-based)
+  size_t file = 0;           // index into DocumentReader::files()
+  int64_t line = 0;          // 1-based line of the file where the document starts; 0 when not known
+                             // (a range read from the middle of a file counts lines only for errors)
+  uint64_t offset = 0;       // byte offset of its first line (text) or its index (.ctok): its identity
   std::vector<int32_t> ids;  // .ctok: the document's tokens as stored (with BOS/EOS); text empty
   // Why the document is malformed ("" when it is fine): bad JSON, not a JSON object, no
   // string "text", a NUL byte, invalid UTF-8. Set only with report_bad_documents(true);
@@ -118,10 +118,10 @@ class DocumentReader {
   bool open_current();  // opens files_[pos_.file] at pos_.offset; false past the last file
   // One line of the current file, '\n'/'\r' stripped; checked: NUL bytes and UTF-8 looked at.
   bool read_line(std::string* line, bool checked = true);
-  void align();          // at a range's begin: to the first document starting at or after it
+  void align();                         // at a range's begin: to the first document starting at or after it
   int64_t absolute_line(int64_t line);  // a line counted from where reading began -> 1-based
   void close();
-  bool next_in_file(Document* doc);   // false when the current file has no more documents
+  bool next_in_file(Document* doc);  // false when the current file has no more documents
   [[noreturn]] void fail_line(const std::string& what);
   void bad_line(const std::string& what);  // fail_line, or remembered when reporting
 
@@ -140,7 +140,7 @@ class DocumentReader {
   int64_t line_base_ = 0;      // lines before where pos_.line started counting; -1: not known
   uint64_t line_origin_ = 0;   // the byte offset where it started
   uint64_t bytes_read_ = 0;
-  struct Shard;                // an open .ctok file (token_shard.h)
+  struct Shard;  // an open .ctok file (token_shard.h)
   std::unique_ptr<Shard> shard_;
 };
 

@@ -158,8 +158,8 @@ void TokenShard::document(uint64_t d, std::vector<int32_t>* ids) const {
   ids->resize(e - b);
   const unsigned char* t = base_ + kHeaderBytes + b * h_.token_bytes;
   for (uint64_t i = 0; i < e - b; ++i) {
-    const uint32_t v = h_.token_bytes == 2 ? uint32_t{static_cast<uint16_t>(t[2 * i] | t[2 * i + 1] << 8)}
-                                           : get_u32(t + 4 * i);
+    const uint32_t v =
+        h_.token_bytes == 2 ? uint32_t{static_cast<uint16_t>(t[2 * i] | t[2 * i + 1] << 8)} : get_u32(t + 4 * i);
     if (v >= h_.vocab_size)
       bad(path_, "corrupt token shard: document " + std::to_string(d) + " holds id " + std::to_string(v) +
                      ", not below vocab_size " + std::to_string(h_.vocab_size));
@@ -255,7 +255,8 @@ TokenizeReport tokenize_corpus(const std::string& source, const Tokenizer& tok, 
     if (!out || doc.file != file) {
       finish();
       file = doc.file;
-      out = std::make_unique<TokenShardWriter>(out_dir + "/" + fs::path(files[file]).filename().string() + ".ctok", tok);
+      out =
+          std::make_unique<TokenShardWriter>(out_dir + "/" + fs::path(files[file]).filename().string() + ".ctok", tok);
     }
     if (!doc.ids.empty()) throw UserError("tokenize: " + files[file] + " is already a token shard");
     if (!doc.error.empty()) {
@@ -313,9 +314,9 @@ int tokenize_main(const std::vector<std::string>& args) {
     const bool folder = fs::is_directory(tokenizer);
     const auto tok = Tokenizer::load(resolve_tokenizer_path(folder ? "" : tokenizer, folder ? tokenizer : ""));
     const TokenizeReport r = tokenize_corpus(source, *tok, output, bad == "skip");
-    std::cout << "tokenize: " << r.files << " shards in " << output << ": " << r.documents << " documents, "
-              << r.tokens << " tokens (" << (tok->vocab_size() <= 65536 ? "uint16" : "uint32") << "), "
-              << r.skipped << " skipped; " << r.bytes_in << " bytes of text -> " << r.bytes_out << " bytes\n";
+    std::cout << "tokenize: " << r.files << " shards in " << output << ": " << r.documents << " documents, " << r.tokens
+              << " tokens (" << (tok->vocab_size() <= 65536 ? "uint16" : "uint32") << "), " << r.skipped << " skipped; "
+              << r.bytes_in << " bytes of text -> " << r.bytes_out << " bytes\n";
     return 0;
   });
 }

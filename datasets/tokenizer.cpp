@@ -59,9 +59,7 @@ void resolve(void* lib, const char* name, Fn* out, std::string* missing) {
 
 // Tries one candidate; on failure appends "<path>: <reason>" to `tried`.
 bool try_open(const std::string& path, ShimApi* api, std::string* tried) {
-  auto note = [&](const std::string& why) {
-    *tried += (tried->empty() ? "" : "; ") + path + ": " + why;
-  };
+  auto note = [&](const std::string& why) { *tried += (tried->empty() ? "" : "; ") + path + ": " + why; };
   if (!is_file(path)) {
     note("no such file");
     return false;
@@ -100,8 +98,8 @@ bool try_open(const std::string& path, ShimApi* api, std::string* tried) {
     return false;
   }
   if (a.abi_version() != CTITAN_SPM_SHIM_ABI) {
-    note("ABI version " + std::to_string(a.abi_version()) + ", expected " +
-         std::to_string(CTITAN_SPM_SHIM_ABI) + " (stale build?)");
+    note("ABI version " + std::to_string(a.abi_version()) + ", expected " + std::to_string(CTITAN_SPM_SHIM_ABI) +
+         " (stale build?)");
     ::dlclose(lib);
     return false;
   }
@@ -131,8 +129,7 @@ ShimApi open_shim() {
       return api;
     }
   }
-  throw RuntimeFailure("tokenizer: cannot load the sentencepiece shim " +
-                       std::string(kShimFileName) + " (tried " +
+  throw RuntimeFailure("tokenizer: cannot load the sentencepiece shim " + std::string(kShimFileName) + " (tried " +
                        (tried.empty() ? std::string("nothing") : tried) +
                        "); build target ctitan_spm_shim or set CTITAN_SPM_SHIM");
 }
@@ -174,11 +171,10 @@ class SentencePieceTokenizer final : public Tokenizer {
     const ShimApi& api = shim();
     char err[1024] = {0};
     size_t count = 0;
-    int32_t* ids = api.encode(static_cast<const ctitan_spm*>(handle_), text.data(), text.size(),
-                              &count, err, sizeof(err));
+    int32_t* ids =
+        api.encode(static_cast<const ctitan_spm*>(handle_), text.data(), text.size(), &count, err, sizeof(err));
     if (ids == nullptr) {
-      throw RuntimeFailure("tokenizer: encoding " + std::to_string(text.size()) +
-                           " bytes failed: " + err);
+      throw RuntimeFailure("tokenizer: encoding " + std::to_string(text.size()) + " bytes failed: " + err);
     }
     std::vector<int32_t> out;
     out.reserve(count + 2);
@@ -193,8 +189,7 @@ class SentencePieceTokenizer final : public Tokenizer {
     const ShimApi& api = shim();
     char err[1024] = {0};
     size_t len = 0;
-    char* text = api.decode(static_cast<const ctitan_spm*>(handle_), ids.data(), ids.size(), &len,
-                            err, sizeof(err));
+    char* text = api.decode(static_cast<const ctitan_spm*>(handle_), ids.data(), ids.size(), &len, err, sizeof(err));
     if (text == nullptr) throw std::out_of_range(std::string("[tokenizer] decode: ") + err);
     std::string out(text, len);
     api.free_buffer(text);
@@ -229,8 +224,7 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& path) {
   return SentencePieceTokenizer::load(path);
 }
 
-std::string resolve_tokenizer_path(const std::string& tokenizer_path,
-                                   const std::string& hf_assets_path) {
+std::string resolve_tokenizer_path(const std::string& tokenizer_path, const std::string& hf_assets_path) {
   if (!tokenizer_path.empty()) {
     if (is_file(tokenizer_path)) return tokenizer_path;
     throw UserError("model.tokenizer_path=" + tokenizer_path +

@@ -69,7 +69,6 @@ class Tokenizer {
 //   sentencepiece .model), else in model.hf_assets_path the first of tokenizer.json,
 //   vocab.json (with merges.txt), tokenizer.model.
 // UserError naming both keys when neither gives an existing file.
-std::string resolve_tokenizer_path(const std::string& tokenizer_path,
-                                   const std::string& hf_assets_path);
+std::string resolve_tokenizer_path(const std::string& tokenizer_path, const std::string& hf_assets_path);
 
 }  // namespace ctitan

@@ -20,8 +20,8 @@ namespace {
 
 using kernel::exp_fast;
 using kernel::ld;
-using kernel::st;
 using kernel::narrow_to;
+using kernel::st;
 using kernel::widen;
 using torch::Tensor;
 using torch::autograd::AutogradContext;
@@ -59,8 +59,8 @@ CTITAN_KERNEL void softmax_tile_forward_rows(const acc_t* S, scalar_t* P, acc_t*
     const int64_t vis = visible_keys(t, i);
     const acc_t* __restrict__ sr = S + i * nk;
     scalar_t* __restrict__ pr = P + i * nk;
-    const acc_t mx = kernel::lane_max<acc_t>(vis, -std::numeric_limits<acc_t>::infinity(),
-                                             [&](auto j) { return ld(sr, j); });
+    const acc_t mx =
+        kernel::lane_max<acc_t>(vis, -std::numeric_limits<acc_t>::infinity(), [&](auto j) { return ld(sr, j); });
     const acc_t m_old = M[i], m_new = std::max(m_old, mx);
     const acc_t sum = kernel::lane_sum<acc_t>(vis, [&](auto j) {
       const auto v = exp_fast(ld(sr, j) - m_new);
@@ -140,8 +140,7 @@ struct ForwardBlock {
     std::fill(L, L + nq, acc_t(0));
     for (int64_t k0 = 0; k0 < kend; k0 += block_k) {
       const Tile t{q0, nq, k0, std::min(block_k, kend - k0)};
-      gemm::gemm(type, nq, t.nk, hd, scale, rows_of(Q + q0 * ldq, ldq), transposed(K + k0 * ldk, ldk), 0.0, S,
-                 t.nk);
+      gemm::gemm(type, nq, t.nk, hd, scale, rows_of(Q + q0 * ldq, ldq), transposed(K + k0 * ldk, ldk), 0.0, S, t.nk);
       softmax_tile_forward_rows<scalar_t, acc_t>(S, P, M, L, A, nq, t.nk, t);
       if (k0 > 0)  // online softmax: the rows' earlier sums were taken against a smaller max
         for (int64_t i = 0; i < nq; ++i)
@@ -186,8 +185,8 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
         for (int64_t task = begin; task < end; ++task) {
           const int64_t bh = task / nblocks, b = bh / H, h = bh % H, q0 = (task % nblocks) * block_q;
           const int64_t qoff = (b * T * H + h) * hd, koff = (b * T * KV + h / rep) * hd;
-          const ForwardBlock<scalar_t, acc_t> fb{Q + qoff, K + koff,    V + koff, O + qoff, LSE + bh * T,
-                                                 H * hd,   KV * hd, hd, bk,       scale};
+          const ForwardBlock<scalar_t, acc_t> fb{Q + qoff, K + koff, V + koff, O + qoff, LSE + bh * T,
+                                                 H * hd,   KV * hd,  hd,       bk,       scale};
           fb(q0, std::min(block_q, T - q0), S, P, acc, stats, stats + bq, stats + 2 * bq);
         }
       });
@@ -260,11 +259,11 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
 
 }  // namespace
 
-torch::Tensor flash_causal_attention(const torch::Tensor& q, const torch::Tensor& k,
-                                     const torch::Tensor& v, FlashAttentionBlocks blocks) {
+torch::Tensor flash_causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                     FlashAttentionBlocks blocks) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(),
-              "[models] flash_causal_attention expects q [B, T, H, hd] and k, v [B, T, KV, hd], got ",
-              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+              "[models] flash_causal_attention expects q [B, T, H, hd] and k, v [B, T, KV, hd], got ", q.sizes(), ", ",
+              k.sizes(), ", ", v.sizes());
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), hd = q.size(3), KV = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(1) == T && k.size(3) == hd && KV > 0 && H % KV == 0,
               "[models] flash_causal_attention: q ", q.sizes(), " and k ", k.sizes(), " do not fit");

@@ -28,7 +28,7 @@ struct FlashAttentionBlocks {
 
 // q [B, T, H, hd], k and v [B, T, KV, hd] (H a multiple of KV; query head h reads kv head
 // h / (H / KV)) → [B, T, H, hd] in q's dtype. Differentiable in q, k and v.
-torch::Tensor flash_causal_attention(const torch::Tensor& q, const torch::Tensor& k,
-                                     const torch::Tensor& v, FlashAttentionBlocks blocks = {});
+torch::Tensor flash_causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                     FlashAttentionBlocks blocks = {});
 
 }  // namespace ctitan

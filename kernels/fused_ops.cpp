@@ -17,8 +17,8 @@ namespace {
 using kernel::acc_dtype;
 using kernel::exp_fast;
 using kernel::ld;
-using kernel::st;
 using kernel::narrow_to;
+using kernel::st;
 using kernel::widen;
 using torch::Tensor;
 using torch::autograd::AutogradContext;
@@ -58,7 +58,7 @@ template <class scalar_t, class acc_t>
 CTITAN_KERNEL void rms_norm_backward_rows(const scalar_t* X, const scalar_t* W, const scalar_t* DY, const acc_t* R,
                                           scalar_t* DX, acc_t* pw, int64_t D, int64_t row_b, int64_t row_e) {
   for (int64_t n = row_b; n < row_e; ++n) {
-    const scalar_t *__restrict__ xr = X + n * D, *__restrict__ gr = DY + n * D;
+    const scalar_t* __restrict__ xr = X + n * D, * __restrict__ gr = DY + n * D;
     const acc_t r = R[n];
     for (int64_t d = 0; d < D; ++d) pw[d] += widen(gr[d]) * widen(narrow_to<scalar_t>(widen(xr[d]) * r));
     // Σ dxhat · xhat
@@ -88,9 +88,8 @@ class RMSNormFn : public torch::autograd::Function<RMSNormFn> {
       const scalar_t* W = wc.data_ptr<scalar_t>();
       scalar_t* Y = y.data_ptr<scalar_t>();
       acc_t* R = rstd.data_ptr<acc_t>();
-      at::parallel_for(0, N, rows_per_chunk(D), [&](int64_t b, int64_t e) {
-        rms_norm_rows<scalar_t, acc_t>(X, W, Y, R, D, eps, b, e);
-      });
+      at::parallel_for(0, N, rows_per_chunk(D),
+                       [&](int64_t b, int64_t e) { rms_norm_rows<scalar_t, acc_t>(X, W, Y, R, D, eps, b, e); });
     });
     ctx->save_for_backward({x, wc, rstd});
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(w.scalar_type());
@@ -155,9 +154,8 @@ Tensor rotate_pairs(const Tensor& x, const Tensor& table, int64_t sign) {
     const acc_t* C = tab.data_ptr<acc_t>();
     scalar_t* O = out.data_ptr<scalar_t>();
     const acc_t sg = static_cast<acc_t>(sign);
-    at::parallel_for(0, B * T, rows_per_chunk(H * hd), [&](int64_t b, int64_t e) {
-      rotate_rows<scalar_t, acc_t>(X, C, O, T, H, hd, sg, b, e);
-    });
+    at::parallel_for(0, B * T, rows_per_chunk(H * hd),
+                     [&](int64_t b, int64_t e) { rotate_rows<scalar_t, acc_t>(X, C, O, T, H, hd, sg, b, e); });
   });
   return out;
 }
@@ -174,7 +172,6 @@ class RotaryFn : public torch::autograd::Function<RotaryFn> {
     return {rotate_pairs(grads[0].contiguous(), table, -1), Tensor()};
   }
 };
-
 
 // ---- SwiGLU -----------------------------------------------------------------------------
 template <class scalar_t, class acc_t>
@@ -212,9 +209,8 @@ class SwiGLUFn : public torch::autograd::Function<SwiGLUFn> {
       const scalar_t* __restrict__ A = a.data_ptr<scalar_t>();
       const scalar_t* __restrict__ Bv = b.data_ptr<scalar_t>();
       scalar_t* __restrict__ Y = y.data_ptr<scalar_t>();
-      at::parallel_for(0, a.numel(), kElemChunk, [&](int64_t begin, int64_t end) {
-        swiglu_range<scalar_t, acc_t>(A, Bv, Y, begin, end);
-      });
+      at::parallel_for(0, a.numel(), kElemChunk,
+                       [&](int64_t begin, int64_t end) { swiglu_range<scalar_t, acc_t>(A, Bv, Y, begin, end); });
     });
     ctx->save_for_backward({a, b});
     return y;
@@ -249,8 +245,8 @@ CTITAN_KERNEL void cross_entropy_rows(const scalar_t* X, const int64_t* Lb, acc_
                                       int64_t b, int64_t e) {
   for (int64_t n = b; n < e; ++n) {
     const scalar_t* __restrict__ xr = X + n * V;
-    const acc_t mx = kernel::lane_max<acc_t>(V, -std::numeric_limits<acc_t>::infinity(),
-                                             [&](auto j) { return ld(xr, j); });
+    const acc_t mx =
+        kernel::lane_max<acc_t>(V, -std::numeric_limits<acc_t>::infinity(), [&](auto j) { return ld(xr, j); });
     const acc_t sum = kernel::lane_sum<acc_t>(V, [&](auto j) { return exp_fast(ld(xr, j) - mx); });
     const acc_t l = mx + std::log(sum);
     LSE[n] = l;
@@ -290,7 +286,8 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
       const scalar_t* X = logits.data_ptr<scalar_t>();
       acc_t* LSE = lse.data_ptr<acc_t>();
       double* RL = row_loss.data_ptr<double>();
-      at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) { cross_entropy_rows<scalar_t, acc_t>(X, Lb, LSE, RL, V, b, e); });
+      at::parallel_for(0, N, 1,
+                       [&](int64_t b, int64_t e) { cross_entropy_rows<scalar_t, acc_t>(X, Lb, LSE, RL, V, b, e); });
     });
     ctx->save_for_backward({logits, labels, lse});
     ctx->saved_data["scale"] = scale;
@@ -322,8 +319,8 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
 }  // namespace
 
 torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1),
-              "[models] fused_rms_norm: weight ", weight.sizes(), " does not fit x ", x.sizes());
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "[models] fused_rms_norm: weight ",
+              weight.sizes(), " does not fit x ", x.sizes());
   if (on_gpu(x)) return at::rms_norm(x, {x.size(-1)}, weight, eps);
   return RMSNormFn::apply(x, weight, eps);
 }
@@ -331,8 +328,7 @@ torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight
 torch::Tensor fused_rotary_emb(const torch::Tensor& x, const torch::Tensor& freqs_cis) {
   TORCH_CHECK(x.dim() == 4, "[models] rotary embedding expects x [B, T, h, hd], got ", x.sizes());
   const int64_t T = x.size(1), hd = x.size(3);
-  TORCH_CHECK(freqs_cis.dim() == 3 && freqs_cis.size(0) >= T && freqs_cis.size(1) * 2 == hd &&
-                  freqs_cis.size(2) == 2,
+  TORCH_CHECK(freqs_cis.dim() == 3 && freqs_cis.size(0) >= T && freqs_cis.size(1) * 2 == hd && freqs_cis.size(2) == 2,
               "[models] freqs_cis ", freqs_cis.sizes(), " does not fit x ", x.sizes());
   if (on_gpu(x)) {
     // The same rotation in ATen ops: float32 pairs (a, b) → (a cos − b sin, a sin + b cos).
@@ -347,8 +343,8 @@ torch::Tensor fused_rotary_emb(const torch::Tensor& x, const torch::Tensor& freq
 }
 
 torch::Tensor fused_swiglu(const torch::Tensor& a, const torch::Tensor& b) {
-  TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(),
-              "[models] fused_swiglu: a ", a.sizes(), " and b ", b.sizes(), " differ in shape or dtype");
+  TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(), "[models] fused_swiglu: a ", a.sizes(),
+              " and b ", b.sizes(), " differ in shape or dtype");
   if (on_gpu(a)) return at::silu(a) * b;
   return SwiGLUFn::apply(a, b);
 }

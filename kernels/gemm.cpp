@@ -24,15 +24,14 @@ using torch::autograd::variable_list;
 // copy could bring a second OpenMP runtime along.
 using RowMajorSgemm = void (*)(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
                                int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
-using RowMajorBf16Gemm = void (*)(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha,
-                                  const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta,
-                                  float* c, int64_t ldc);
+using RowMajorBf16Gemm = void (*)(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a,
+                                  int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
 // oneDNN's C API (oneapi/dnnl/dnnl.h): row-major, dnnl_dim_t = int64_t, returns dnnl_status_t.
 // Debian's LibTorch 1.13 linked libdnnl.so.2 and exported these; a LibTorch built that way
 // still does.
-using DnnlSgemm = int (*)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*,
-                          int64_t, float, float*, int64_t);
+using DnnlSgemm = int (*)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*, int64_t,
+                          float, float*, int64_t);
 using DnnlBf16 = int (*)(char, char, int64_t, int64_t, int64_t, float, const uint16_t*, int64_t, const uint16_t*,
                          int64_t, float, float*, int64_t);
 // MKL, which PyTorch's x86-64 wheels link statically and export: the Fortran BLAS sgemm_
@@ -81,8 +80,8 @@ int i32(int64_t v) {
 }
 // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: the same buffers with A and B
 // swapped, and m and n.
-void mkl_sgemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float al, const float* a, int64_t lda,
-               const float* b, int64_t ldb, float be, float* c, int64_t ldc) {
+void mkl_sgemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float al, const float* a, int64_t lda, const float* b,
+               int64_t ldb, float be, float* c, int64_t ldc) {
   static const auto f = lookup<MklSgemm>("sgemm_");
   const int M = i32(m), N = i32(n), K = i32(k), LDA = i32(lda), LDB = i32(ldb), LDC = i32(ldc);
   f(&tb, &ta, &N, &M, &K, &al, b, &LDB, a, &LDA, &be, c, &LDC);
@@ -111,9 +110,10 @@ const Library& library() {
       throw std::runtime_error("CTITAN_GEMM=" + want + " is not one of: aten, mkl, onednn");
     Library lib = find_library(w);
     if (w != Backend::ATen && lib.backend != w)
-      throw std::runtime_error("CTITAN_GEMM=" + want + ", but the loaded LibTorch does not export its GEMM (" +
-                               (w == Backend::MKL ? "sgemm_, cblas_gemm_bf16bf16f32" : "dnnl_sgemm, dnnl_gemm_bf16bf16f32") +
-                               "; unset CTITAN_GEMM to use the best one found)");
+      throw std::runtime_error(
+          "CTITAN_GEMM=" + want + ", but the loaded LibTorch does not export its GEMM (" +
+          (w == Backend::MKL ? "sgemm_, cblas_gemm_bf16bf16f32" : "dnnl_sgemm, dnnl_gemm_bf16bf16f32") +
+          "; unset CTITAN_GEMM to use the best one found)");
     return lib;
   }();
   return lib;
@@ -212,12 +212,12 @@ void gemm(at::ScalarType type, int64_t m, int64_t n, int64_t k, double alpha, Op
     float* cf = static_cast<float*>(c);
     const auto al = static_cast<float>(alpha), be = static_cast<float>(beta);
     if (type == at::kFloat) {
-      lib.sgemm(ta, tb, m, n, k, al, static_cast<const float*>(a.p), a.ld, static_cast<const float*>(b.p), b.ld, be,
-                cf, ldc);
+      lib.sgemm(ta, tb, m, n, k, al, static_cast<const float*>(a.p), a.ld, static_cast<const float*>(b.p), b.ld, be, cf,
+                ldc);
       return;
     }
-    lib.bf16(ta, tb, m, n, k, al, static_cast<const uint16_t*>(a.p), a.ld, static_cast<const uint16_t*>(b.p), b.ld,
-             be, cf, ldc);
+    lib.bf16(ta, tb, m, n, k, al, static_cast<const uint16_t*>(a.p), a.ld, static_cast<const uint16_t*>(b.p), b.ld, be,
+             cf, ldc);
     if (!g_bf16_unimplemented) return;
   }
   // ATen: the same product through at::mm on views of the operands. bf16 operands are
@@ -239,20 +239,42 @@ void gemm(at::ScalarType type, int64_t m, int64_t n, int64_t k, double alpha, Op
   }
 }
 
-double peak_flops(at::ScalarType type, int64_t n) {
-  const auto a = torch::randn({n, n}).to(type), b = torch::randn({n, n}).to(type);
-  auto c = torch::empty({n, n});
-  // The best of several runs over at least 0.3 s (the first is a warm-up: JIT, thread pool): a
-  // single burst on a shared machine can land on a busy moment and make MFU read above 100%.
-  double best = 0.0, spent = 0.0;
-  for (int rep = 0; rep < 6 || (spent < 0.3 && rep < 200); ++rep) {
+double best_product_rate(int64_t max_n, const std::function<std::function<void()>(int64_t n)>& product_of_size) {
+  int64_t n = std::min<int64_t>(256, max_n);
+  std::function<void()> run = product_of_size(n);
+  const auto time_one = [&run] {
     const auto t0 = std::chrono::steady_clock::now();
-    gemm(type, n, n, n, 1.0, {a.data_ptr(), n, false}, {b.data_ptr(), n, false}, 0.0, c.data_ptr(), n);
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    run();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  run();  // warm-up: JIT, thread pool, first touch
+  double s = time_one();
+  while (s < 0.02 && n * 2 <= max_n) {
+    n *= 2;
+    run = product_of_size(n);
+    run();
+    s = time_one();
+  }
+  const double flop = 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n);
+  double best = flop / s, spent = s;
+  for (int rep = 1; rep < 3 || (spent < 0.2 && rep < 200); ++rep) {
+    s = time_one();
     spent += s;
-    if (rep > 0) best = std::max(best, 2.0 * n * n * n / s);
+    best = std::max(best, flop / s);
   }
   return best;
+}
+
+double peak_flops(at::ScalarType type, int64_t max_n) {
+  return best_product_rate(max_n, [type](int64_t n) -> std::function<void()> {
+    // Constant operands: the speed does not depend on the values, and no random generator
+    // that training uses is drawn from.
+    const auto a = torch::full({n, n}, 0.5).to(type), b = torch::full({n, n}, 0.5).to(type);
+    auto c = torch::empty({n, n});
+    return [a, b, c, n, type] {
+      gemm(type, n, n, n, 1.0, {a.data_ptr(), n, false}, {b.data_ptr(), n, false}, 0.0, c.data_ptr(), n);
+    };
+  });
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
@@ -281,7 +303,7 @@ std::pair<at::Tensor, at::Tensor> linear_backward(const at::Tensor& g_in, const 
     return {gx, gw};
   }
   if (need_x) gx = mm_f32(g, w).view(x.sizes());  // dX = dY W
-  if (need_w) gw = mm_f32(g.t(), x2);               // dW = dYᵀ X
+  if (need_w) gw = mm_f32(g.t(), x2);             // dW = dYᵀ X
   return {gx, gw};
 }
 

@@ -15,6 +15,7 @@
 // if absent).
 #pragma once
 #include <cstdint>
+#include <functional>
 
 #include <ATen/core/Tensor.h>
 
@@ -40,9 +41,18 @@ struct Operand {
 void gemm(at::ScalarType type, int64_t m, int64_t n, int64_t k, double alpha, Operand a, Operand b, double beta,
           void* c, int64_t ldc);
 
-// Best FLOP/s of gemm() over >= 0.3 s of runs on n×n×n operands of `type` (kFloat or kBFloat16), on the
-// calling thread's intra-op threads: the MFU reference next to ATen's own matmul peak.
-double peak_flops(at::ScalarType type, int64_t n = 2048);
+// Best FLOP/s of gemm() on n×n×n operands of `type` (kFloat or kBFloat16), n up to max_n as
+// best_product_rate picks it, on the calling thread's intra-op threads: the MFU reference next
+// to ATen's own matmul peak.
+double peak_flops(at::ScalarType type, int64_t max_n = 2048);
+
+// The best FLOP/s of square products: product_of_size(n) prepares the operands of an n×n×n
+// product and returns what runs it once. n is the smallest of 256, 512, ... max_n whose product
+// takes >= 20 ms (a slow path, such as bfloat16 emulated on a CPU without native bf16
+// matmuls, is not timed on 2048^3 products for a minute); the first run of each size is a
+// warm-up; then the best of >= 3 runs and >= 0.2 s (one burst on a shared machine can land on a
+// busy moment and make MFU read above 100%).
+double best_product_rate(int64_t max_n, const std::function<std::function<void()>(int64_t n)>& product_of_size);
 
 // The operand view of a 2-D tensor with one unit stride (row-major or a transposed view of
 // a row-major matrix); false if it has neither.

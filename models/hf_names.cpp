@@ -1,9 +1,9 @@
-// ctitan <-> Hugging Face names of the shared decoder; see hf_config.h.
+// ctitan <-> Hugging Face names of the shared decoder; see hf_names.h.
 #include <map>
 #include <regex>
 
 #include "config/errors.h"
-#include "models/hf_config.h"
+#include "models/hf_names.h"
 
 namespace ctitan {
 
@@ -71,6 +71,14 @@ std::vector<HFPiece> decoder_hf_pieces(const std::string& fqn, const std::vector
     }
   }
   throw UserError("HF interop: ctitan parameter " + fqn + " has no Hugging Face name");
+}
+
+HFRopeScaling to_hf(const RoPEScalingArgs& a) {
+  return {a.scaling_factor, a.low_freq_factor, a.high_freq_factor, a.original_max_position_embeddings};
+}
+
+RoPEScalingArgs from_hf(const HFRopeScaling& s) {
+  return {s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings};
 }
 
 }  // namespace ctitan

@@ -10,8 +10,7 @@ namespace ctitan {
 // Inverse-CDF method, same op sequence as PyTorch: uniform_ on [2 cdf(a') - 1, 2 cdf(b') - 1]
 // from the default generator, erfinv_, scale by std*sqrt(2), shift by mean, clamp to [a, b].
 // Deterministic given torch::manual_seed; consumes the generator exactly like PyTorch.
-void trunc_normal_(const torch::Tensor& t, double mean = 0.0, double std = 1.0, double a = -2.0,
-                   double b = 2.0);
+void trunc_normal_(const torch::Tensor& t, double mean = 0.0, double std = 1.0, double a = -2.0, double b = 2.0);
 
 // In place N(mean, std^2) from the default generator (torch.nn.init.normal_).
 void normal_(const torch::Tensor& t, double mean = 0.0, double std = 1.0);

@@ -34,9 +34,7 @@ EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim) {
   weight = register_parameter("weight", new_parameter({num_embeddings, embedding_dim}));
 }
 
-torch::Tensor EmbeddingImpl::forward(const torch::Tensor& tokens) {
-  return torch::embedding(weight, tokens);
-}
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& tokens) { return torch::embedding(weight, tokens); }
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps_) : eps(eps_) {
   auto w = new_parameter({dim});
@@ -57,13 +55,11 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
 // ---------------------------------------------------------------------------------------
 torch::Tensor precompute_freqs_cis(int64_t head_dim, int64_t end, double theta,
                                    const std::optional<RoPEScalingArgs>& scaling) {
-  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "[models] RoPE head_dim must be even, got ",
-              head_dim);
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "[models] RoPE head_dim must be even, got ", head_dim);
   TORCH_CHECK(end > 0, "[models] RoPE table length must be positive, got ", end);
   torch::NoGradGuard no_grad;
   // f_i = 1 / theta^(2i/hd), i < hd/2, in float32 as torchtitan computes it.
-  const auto exponents =
-      torch::arange(0, head_dim, 2, torch::kLong).to(torch::kFloat) / static_cast<double>(head_dim);
+  const auto exponents = torch::arange(0, head_dim, 2, torch::kLong).to(torch::kFloat) / static_cast<double>(head_dim);
   auto freqs = 1.0 / torch::pow(theta, exponents);
   if (scaling) {
     // Llama 3.1: wavelengths longer than orig/low_freq_factor are slowed by scaling_factor,
@@ -73,14 +69,10 @@ torch::Tensor precompute_freqs_cis(int64_t head_dim, int64_t end, double theta,
     const double low_freq_wavelen = orig / s.low_freq_factor;
     const double high_freq_wavelen = orig / s.high_freq_factor;
     const auto wavelen = (2.0 * kPi) / freqs;
-    const auto new_freqs =
-        torch::where(wavelen > low_freq_wavelen, freqs / s.scaling_factor, freqs);
-    const auto smooth =
-        (orig / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+    const auto new_freqs = torch::where(wavelen > low_freq_wavelen, freqs / s.scaling_factor, freqs);
+    const auto smooth = (orig / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
     const auto in_band = (wavelen >= high_freq_wavelen).logical_and(wavelen <= low_freq_wavelen);
-    freqs = torch::where(in_band,
-                         (1 - smooth) * new_freqs / s.scaling_factor + smooth * new_freqs,
-                         new_freqs);
+    freqs = torch::where(in_band, (1 - smooth) * new_freqs / s.scaling_factor + smooth * new_freqs, new_freqs);
   }
   // angle[t, i] = t * f_i (float32 product, like torch.outer(t, freqs).float()).
   const auto positions = torch::arange(end, torch::kLong).to(torch::kFloat);
@@ -98,14 +90,12 @@ torch::Tensor repeat_kv(const torch::Tensor& x, int64_t n_rep) {
   return x.unsqueeze(3).expand({B, T, KV, n_rep, hd}).reshape({B, T, KV * n_rep, hd});
 }
 
-torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v) {
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   const int64_t T = q.size(2), hd = q.size(3);
   // [B, H, T, T]; entry (t, s) is query t against key s.
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   auto scores = torch::matmul(q * scale, k.transpose(-2, -1));
-  const auto future =
-      torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
+  const auto future = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
   scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
   const auto probs = torch::softmax(scores, -1, compute_dtype(scores)).to(v.scalar_type());
   return torch::matmul(probs, v);
@@ -124,8 +114,8 @@ KVCache KVCache::allocate(int64_t n_layers, int64_t batch, int64_t capacity, int
 
 AttentionImpl::AttentionImpl(int64_t dim, int64_t n_heads_, int64_t n_kv_heads_)
     : n_heads(n_heads_), n_kv_heads(n_kv_heads_), head_dim(dim / n_heads_) {
-  TORCH_CHECK(dim % n_heads == 0 && n_heads % n_kv_heads == 0,
-              "[models] Attention: dim=", dim, " n_heads=", n_heads, " n_kv_heads=", n_kv_heads);
+  TORCH_CHECK(dim % n_heads == 0 && n_heads % n_kv_heads == 0, "[models] Attention: dim=", dim, " n_heads=", n_heads,
+              " n_kv_heads=", n_kv_heads);
   wq = register_module("wq", Linear(dim, n_heads * head_dim));
   wk = register_module("wk", Linear(dim, n_kv_heads * head_dim));
   wv = register_module("wv", Linear(dim, n_kv_heads * head_dim));
@@ -163,7 +153,8 @@ torch::Tensor AttentionImpl::forward_cached(const torch::Tensor& x, const torch:
   const auto cdt = compute_dtype(x);
   // Query head h reads kv head h / rep: the rep query heads of a kv head and their T positions
   // are one [rep·T, hd] matrix against that head's [S, hd] keys (no copy of the cache).
-  const auto q = xq.view({B, T, KV, rep, head_dim}).permute({0, 2, 3, 1, 4}).reshape({B, KV, rep * T, head_dim}).to(cdt);
+  const auto q =
+      xq.view({B, T, KV, rep, head_dim}).permute({0, 2, 3, 1, 4}).reshape({B, KV, rep * T, head_dim}).to(cdt);
   const auto k = k_cache.narrow(2, 0, S).to(cdt);  // [B, KV, S, hd]
   const auto v = v_cache.narrow(2, 0, S).to(cdt);
   auto scores = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(head_dim)));

@@ -32,7 +32,7 @@ class EmbeddingImpl : public torch::nn::Module {
  public:
   EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim);
   torch::Tensor forward(const torch::Tensor& tokens);  // int64 [B, T] -> [B, T, D]
-  torch::Tensor weight;                                 // [V, D]
+  torch::Tensor weight;                                // [V, D]
 };
 TORCH_MODULE(Embedding);
 
@@ -43,7 +43,7 @@ class RMSNormImpl : public torch::nn::Module {
  public:
   RMSNormImpl(int64_t dim, double eps);
   torch::Tensor forward(const torch::Tensor& x);  // [..., D] -> [..., D]
-  void reset_parameters();                         // weight <- 1
+  void reset_parameters();                        // weight <- 1
   double eps;
   torch::Tensor weight;  // [D]
 };
@@ -67,8 +67,7 @@ torch::Tensor repeat_kv(const torch::Tensor& x, int64_t n_rep);
 
 // softmax(q k^T / sqrt(hd) with future positions masked) v.
 // q, k, v [B, H, T, hd] -> [B, H, T, hd]. Softmax in float32 for bf16/fp16 inputs.
-torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v);
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
 
 // Keys and values of the positions decoded so far, every layer's, for incremental decoding
 // (generation; training's forward keeps none). Layer i's k[i] / v[i] are [B, KV, capacity, hd]

@@ -14,7 +14,7 @@
 
 #include <torch/torch.h>
 
-#include "models/hf_config.h"
+#include "checkpoint/hf_config.h"
 #include "models/layers.h"
 #include "models/train_model.h"
 
@@ -34,9 +34,9 @@ struct ModelSizes {
 // parameters allocated but not loaded, train mode (the caller sets eval).
 struct InferenceNet {
   std::shared_ptr<torch::nn::Module> module;
-  std::function<torch::Tensor(const torch::Tensor&)> forward;               // tokens [B, T] -> logits
+  std::function<torch::Tensor(const torch::Tensor&)> forward;                   // tokens [B, T] -> logits
   std::function<torch::Tensor(const torch::Tensor&, KVCache&)> forward_cached;  // DecoderImpl::forward_cached
-  std::function<KVCache(int64_t batch, int64_t capacity)> new_cache;        // float32
+  std::function<KVCache(int64_t batch, int64_t capacity)> new_cache;            // float32
 };
 
 struct ModelSpec {
@@ -64,8 +64,7 @@ struct ModelSpec {
   std::function<HFModelConfig(const std::string& flavor, int64_t vocab_size)> hf_config;
   std::function<ParamList(const HFModelConfig&)> hf_params;  // named_parameters() order
   // The HF tensors of one parameter; UserError when it has none.
-  std::function<std::vector<HFPiece>(const std::string& fqn, const std::vector<int64_t>& shape,
-                                     const HFModelConfig&)>
+  std::function<std::vector<HFPiece>(const std::string& fqn, const std::vector<int64_t>& shape, const HFModelConfig&)>
       hf_pieces;
 };
 

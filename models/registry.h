@@ -11,7 +11,7 @@ namespace ctitan {
 // UserError "model.name = \"x\" is not one of: <registered names>" when unknown.
 const ModelSpec& model_spec(const std::string& name);
 const ModelSpec* find_model_spec(const std::string& name);  // nullptr when unknown
-std::vector<std::string> model_names();                      // registration order
+std::vector<std::string> model_names();                     // registration order
 
 // The family that loads an HF config.json of this architecture when the user names none:
 // the first registered with it, so the choice is deterministic (LlamaForCausalLM: llama3,

@@ -14,7 +14,7 @@ namespace ctitan {
 // The trainer's view of a model, whichever family: the calls FSDP, AC, the checkpoint and
 // the loop make. The MoE-only members are empty for dense models.
 struct TrainModel {
-  std::shared_ptr<torch::nn::Module> module;  // parameters, named_parameters
+  std::shared_ptr<torch::nn::Module> module;                   // parameters, named_parameters
   std::function<torch::Tensor(const torch::Tensor&)> forward;  // tokens [B, T] -> logits [B, T, V]
   std::function<std::vector<ModelUnit>()> units;
   std::function<void(UnitWrapper)> set_unit_wrapper;
@@ -24,10 +24,10 @@ struct TrainModel {
   double flops_per_token = 0;
   // MoE: the load-balancing loss joins the objective inside the blocks' backward; these
   // report it and keep the routing statistics (models/mixtral/model.h).
-  std::function<void(double)> set_aux_loss_scale;       // 1 / micro-batches
-  std::function<double()> load_balance_loss;           // Σ layers, last forward, unscaled
-  std::function<double()> aux_loss;                    // coeff · load_balance_loss()
-  std::function<torch::Tensor()> tokens_per_expert;    // [L, E] since the last step
+  std::function<void(double)> set_aux_loss_scale;               // 1 / micro-batches
+  std::function<double()> load_balance_loss;                    // Σ layers, last forward, unscaled
+  std::function<double()> aux_loss;                             // coeff · load_balance_loss()
+  std::function<torch::Tensor()> tokens_per_expert;             // [L, E] since the last step
   std::function<void(const torch::Tensor&)> step_load_balance;  // after the optimizer step
   bool moe() const { return static_cast<bool>(step_load_balance); }
 

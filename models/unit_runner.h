@@ -17,8 +17,7 @@ namespace ctitan {
 using UnitFn = std::function<at::Tensor(const at::Tensor&)>;
 
 // Called instead of fn(input) for each unit. Must return fn(input) (or an equal tensor).
-using UnitWrapper =
-    std::function<at::Tensor(const std::string& unit, const UnitFn& fn, const at::Tensor& input)>;
+using UnitWrapper = std::function<at::Tensor(const std::string& unit, const UnitFn& fn, const at::Tensor& input)>;
 
 // Turns a unit's function into another one (activation checkpointing: its checkpointed version).
 using UnitTransform = std::function<UnitFn(const std::string& unit, const UnitFn& fn)>;

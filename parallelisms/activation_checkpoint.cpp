@@ -94,9 +94,7 @@ class RecordingScope {
     tl_recorder.sink = sink;
     if (tl_recorder.handle == at::INVALID_CALLBACK_HANDLE) {
       tl_recorder.handle = at::addThreadLocalCallback(
-          at::RecordFunctionCallback(on_op_start, on_op_end)
-              .needsOutputs(true)
-              .scopes({at::RecordScope::FUNCTION}));
+          at::RecordFunctionCallback(on_op_start, on_op_end).needsOutputs(true).scopes({at::RecordScope::FUNCTION}));
       owner_ = true;
     }
   }
@@ -179,12 +177,12 @@ struct CheckpointRecord : torch::CustomClassHolder {
   UnitFn fn;
   std::shared_ptr<const ActivationCheckpoint::Policy> policy;
   std::shared_ptr<ACStats> stats;
-  at::Tensor rng;                                // CPU RNG state before the forward
-  std::vector<TensorMeta> metas;                 // every tensor the forward produced
+  at::Tensor rng;                                  // CPU RNG state before the forward
+  std::vector<TensorMeta> metas;                   // every tensor the forward produced
   std::vector<std::vector<at::Tensor>> decisions;  // recompute::decide results, in order
-  std::vector<at::Tensor> kept;                  // op SAC: kept matmul outputs, in order
-  std::vector<int64_t> kept_versions;            // ... and their version counters then
-  bool recomputed = false;                       // backward ran (what was kept is freed)
+  std::vector<at::Tensor> kept;                    // op SAC: kept matmul outputs, in order
+  std::vector<int64_t> kept_versions;              // ... and their version counters then
+  bool recomputed = false;                         // backward ran (what was kept is freed)
 };
 
 // A kept matmul output put back into the recompute's graph: y = x W^T with y given.
@@ -201,8 +199,8 @@ struct KeptLinear : public torch::autograd::Function<KeptLinear> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    auto [gx, gw] = gemm::linear_backward(grads[0], saved[0], saved[1], ctx->needs_input_grad(0),
-                                          ctx->needs_input_grad(1));
+    auto [gx, gw] =
+        gemm::linear_backward(grads[0], saved[0], saved[1], ctx->needs_input_grad(0), ctx->needs_input_grad(1));
     return {gx, gw, at::Tensor()};
   }
 };
@@ -266,9 +264,8 @@ class RecomputeContext final : public recompute::Context {
       std::vector<int64_t> want = x.sizes().vec();
       want.back() = w.size(0);
       if (kept.sizes().vec() != want)
-        throw RuntimeFailure(r_.unit + ": recomputed matmul output " + std::to_string(k) +
-                             " has shape " + shape_str(want, ",") + " but the forward saved " +
-                             shape_str(kept.sizes().vec(), ","));
+        throw RuntimeFailure(r_.unit + ": recomputed matmul output " + std::to_string(k) + " has shape " +
+                             shape_str(want, ",") + " but the forward saved " + shape_str(kept.sizes().vec(), ","));
       y = KeptLinear::apply(x, w, Kept{kept});
       ++r_.stats->reused_matmuls;
     } else {
@@ -331,7 +328,8 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     const auto holder = ctx->saved_data["record"].toCapsule();  // keeps the record alive
     CheckpointRecord* rec = static_cast<CheckpointRecord*>(holder.get());
     if (rec->recomputed)
-      throw RuntimeFailure(rec->unit + ": backward ran twice through a checkpointed unit "
+      throw RuntimeFailure(rec->unit +
+                           ": backward ran twice through a checkpointed unit "
                            "(retain_graph is not supported with activation checkpointing)");
     rec->recomputed = true;
     const at::Tensor x = ctx->get_saved_variables()[0];
@@ -397,8 +395,8 @@ ActivationCheckpoint::ActivationCheckpoint(ACOptions options, const std::vector<
     } else if (is_positive_int_or_op(opt_.selective_ac_option)) {
       every_n_ = std::stol(opt_.selective_ac_option);
     } else {
-      throw UserError("config error: activation_checkpoint.selective_ac_option = \"" +
-                      opt_.selective_ac_option + "\" is not valid (expected a positive integer or \"op\")");
+      throw UserError("config error: activation_checkpoint.selective_ac_option = \"" + opt_.selective_ac_option +
+                      "\" is not valid (expected a positive integer or \"op\")");
     }
   } else {
     throw UserError("not supported yet: activation_checkpoint.mode = \"" + opt_.mode +
@@ -456,7 +454,7 @@ UnitFn ActivationCheckpoint::wrap(const std::string& unit, UnitFn fn) {
 
 UnitWrapper compose(UnitWrapper outer, UnitTransform inner) {
   return [outer = std::move(outer), inner = std::move(inner)](const std::string& unit, const UnitFn& fn,
-                                                               const at::Tensor& x) -> at::Tensor {
+                                                              const at::Tensor& x) -> at::Tensor {
     const UnitFn f = inner ? inner(unit, fn) : fn;
     return outer ? outer(unit, f, x) : f(x);
   };

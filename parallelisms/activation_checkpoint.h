@@ -58,9 +58,9 @@ struct ActivationCheckpoint;
 }
 
 struct ACOptions {
-  std::string mode = "none";              // none | full | selective
-  std::string selective_ac_option = "2";  // a positive integer N, or "op"
-  bool preserve_rng_state = true;         // replay the CPU RNG in the recompute
+  std::string mode = "none";                  // none | full | selective
+  std::string selective_ac_option = "2";      // a positive integer N, or "op"
+  bool preserve_rng_state = true;             // replay the CPU RNG in the recompute
   std::string determinism_check = "default";  // default: compare metadata; none
   // Op-level SAC: Linear modules (substring of the module's fully qualified name) whose
   // matmuls are always recomputed (torchtitan: per_op_sac_force_recompute_mm_shapes_by_fqns).

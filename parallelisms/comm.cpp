@@ -21,15 +21,11 @@ std::atomic<int64_t> g_timeout_ms{300000};
 void CommContext::set_step(int64_t step) { g_step = step; }
 int64_t CommContext::step() { return g_step; }
 void CommContext::set_timeout(std::chrono::milliseconds t) { g_timeout_ms = t.count(); }
-std::chrono::milliseconds CommContext::timeout() {
-  return std::chrono::milliseconds(g_timeout_ms.load());
-}
+std::chrono::milliseconds CommContext::timeout() { return std::chrono::milliseconds(g_timeout_ms.load()); }
 
-PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work,
-                                     std::function<void()> finish, std::string what,
-                                     std::string where)
-    : work_(std::move(work)), finish_(std::move(finish)), what_(std::move(what)),
-      where_(std::move(where)) {}
+PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish,
+                                     std::string what, std::string where)
+    : work_(std::move(work)), finish_(std::move(finish)), what_(std::move(what)), where_(std::move(where)) {}
 
 void PendingCollective::wait() {
   if (work_) {
@@ -43,8 +39,8 @@ void PendingCollective::wait() {
       if (reason.find("timed out") != std::string::npos || reason.find("Timed out") != std::string::npos)
         reason = "timed out after " + std::to_string(CommContext::timeout().count() / 1000) +
                  " s (a rank died or took a different path): " + reason;
-      throw CollectiveFailure(where_ + ": " + what_ + " failed at step " +
-                           std::to_string(CommContext::step()) + ": " + reason);
+      throw CollectiveFailure(where_ + ": " + what_ + " failed at step " + std::to_string(CommContext::step()) + ": " +
+                              reason);
     }
   }
   if (finish_) {
@@ -55,8 +51,11 @@ void PendingCollective::wait() {
 }
 
 Comm::Comm(c10::intrusive_ptr<c10d::Backend> pg, std::string name, int64_t global_rank)
-    : pg_(std::move(pg)), name_(std::move(name)), global_rank_(global_rank),
-      rank_(pg_->getRank()), size_(pg_->getSize()) {}
+    : pg_(std::move(pg)),
+      name_(std::move(name)),
+      global_rank_(global_rank),
+      rank_(pg_->getRank()),
+      size_(pg_->getSize()) {}
 
 std::shared_ptr<Comm> Comm::single(std::string name) {
   auto c = std::shared_ptr<Comm>(new Comm());
@@ -67,17 +66,15 @@ std::shared_ptr<Comm> Comm::single(std::string name) {
 }
 
 void Comm::fail(const std::string& what, const std::string& reason) const {
-  throw CollectiveFailure("rank " + std::to_string(global_rank_) + ": " + what + " on group " +
-                       name_ + " failed at step " + std::to_string(CommContext::step()) + ": " +
-                       reason);
+  throw CollectiveFailure("rank " + std::to_string(global_rank_) + ": " + what + " on group " + name_ +
+                          " failed at step " + std::to_string(CommContext::step()) + ": " + reason);
 }
 
 static std::string where_of(int64_t global_rank, const std::string& group) {
   return "rank " + std::to_string(global_rank) + " (group " + group + ")";
 }
 
-PendingCollective Comm::all_gather_flat(const at::Tensor& input, at::Tensor out,
-                                        const std::string& tag) {
+PendingCollective Comm::all_gather_flat(const at::Tensor& input, at::Tensor out, const std::string& tag) {
   const int64_t S = input.numel();
   TORCH_CHECK(out.numel() == S * size_ && out.is_contiguous() && out.dtype() == input.dtype(),
               "[comm] all_gather_flat: output must be a contiguous [N*S] buffer of the input dtype");
@@ -94,11 +91,11 @@ PendingCollective Comm::all_gather_flat(const at::Tensor& input, at::Tensor out,
     fail("all_gather(" + tag + ")", e.what());
   }
   // Keep the input alive until the collective completes.
-  return PendingCollective(work, [in] {}, "all_gather(" + tag + ")", where_of(global_rank_, name_));
+  return PendingCollective(
+      work, [in] {}, "all_gather(" + tag + ")", where_of(global_rank_, name_));
 }
 
-PendingCollective Comm::reduce_scatter_sum(const at::Tensor& input, at::Tensor out,
-                                           const std::string& tag) {
+PendingCollective Comm::reduce_scatter_sum(const at::Tensor& input, at::Tensor out, const std::string& tag) {
   const int64_t S = out.numel();
   TORCH_CHECK(input.numel() == S * size_, "[comm] reduce_scatter_sum: input has ", input.numel(),
               " elements, expected N*S = ", size_, "*", S);
@@ -138,7 +135,8 @@ PendingCollective Comm::all_reduce_sum(at::Tensor t, const std::string& tag) {
   } catch (const std::exception& e) {
     fail("all_reduce(" + tag + ")", e.what());
   }
-  return PendingCollective(work, [ts] {}, "all_reduce(" + tag + ")", where_of(global_rank_, name_));
+  return PendingCollective(
+      work, [ts] {}, "all_reduce(" + tag + ")", where_of(global_rank_, name_));
 }
 
 void Comm::broadcast(at::Tensor t, int64_t root, const std::string& tag) {
@@ -162,14 +160,12 @@ void Comm::barrier(const std::string& tag) {
   all_reduce_sum(t, "barrier:" + tag).wait();
 }
 
-static c10::intrusive_ptr<c10d::Backend> make_gloo(const c10::intrusive_ptr<c10d::Store>& store,
-                                                        int64_t rank, int64_t size,
-                                                        std::chrono::milliseconds timeout) {
+static c10::intrusive_ptr<c10d::Backend> make_gloo(const c10::intrusive_ptr<c10d::Store>& store, int64_t rank,
+                                                   int64_t size, std::chrono::milliseconds timeout) {
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
   opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   opts->threads = 2;
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(rank),
-                                                     static_cast<int>(size), opts);
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(rank), static_cast<int>(size), opts);
 }
 
 std::shared_ptr<Comm> Distributed::new_group(const std::vector<int64_t>& ranks, const std::string& name) {
@@ -182,8 +178,7 @@ std::shared_ptr<Comm> Distributed::new_group(const std::vector<int64_t>& ranks, 
   auto prefix = c10::make_intrusive<c10d::PrefixStore>(key, store);
   try {
     return std::make_shared<Comm>(
-        make_gloo(prefix, group_rank, static_cast<int64_t>(ranks.size()), CommContext::timeout()),
-        name, env.rank);
+        make_gloo(prefix, group_rank, static_cast<int64_t>(ranks.size()), CommContext::timeout()), name, env.rank);
   } catch (const std::exception& e) {
     throw RuntimeFailure("rank " + std::to_string(env.rank) + ": creating process group " + name +
                          " failed: " + e.what());
@@ -251,15 +246,14 @@ std::string join_agent_store_namespace(const c10::intrusive_ptr<c10d::Store>& st
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  throw std::runtime_error("rank 0 of this attempt did not answer within the timeout" +
-                           (leader.empty() ? std::string(" (no rank 0 has joined the store)")
-                                           : " (last leader token " + leader + ")"));
+  throw std::runtime_error(
+      "rank 0 of this attempt did not answer within the timeout" +
+      (leader.empty() ? std::string(" (no rank 0 has joined the store)") : " (last leader token " + leader + ")"));
 }
 
 }  // namespace
 
-std::unique_ptr<Distributed> init_distributed(const LaunchEnv& env,
-                                              std::chrono::milliseconds init_timeout) {
+std::unique_ptr<Distributed> init_distributed(const LaunchEnv& env, std::chrono::milliseconds init_timeout) {
   auto d = std::make_unique<Distributed>();
   d->env = env;
   CommContext::set_timeout(init_timeout);

@@ -34,8 +34,8 @@ struct CommContext {
 class PendingCollective {
  public:
   PendingCollective() = default;
-  PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish,
-                    std::string what, std::string where);
+  PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish, std::string what,
+                    std::string where);
   void wait();
   bool pending() const { return static_cast<bool>(work_) || static_cast<bool>(finish_); }
 
@@ -94,7 +94,6 @@ struct Distributed {
 // keeps it across restarts: there each attempt's keys live under a namespace its rank 0
 // picks and confirms to every rank (comm.cpp says how). Throws RuntimeFailure naming the
 // address when the rendezvous times out.
-std::unique_ptr<Distributed> init_distributed(const LaunchEnv& env,
-                                              std::chrono::milliseconds init_timeout);
+std::unique_ptr<Distributed> init_distributed(const LaunchEnv& env, std::chrono::milliseconds init_timeout);
 
 }  // namespace ctitan

@@ -18,12 +18,11 @@ DeviceChoice choose_device(const DeviceFacts& f) {
                 : "no GPU visible";
     return c;
   }
-  const std::string seen = std::to_string(f.visible_gpus) + (f.visible_gpus == 1 ? " GPU" : " GPUs") +
-                           " visible" +
+  const std::string seen = std::to_string(f.visible_gpus) + (f.visible_gpus == 1 ? " GPU" : " GPUs") + " visible" +
                            (f.cuda_visible_devices_set ? " (CUDA_VISIBLE_DEVICES=" + f.cuda_visible_devices + ")" : "");
   if (f.local_rank < 0 || f.local_rank >= f.visible_gpus || f.local_world_size > f.visible_gpus) {
-    throw UserError("device: LOCAL_RANK=" + std::to_string(f.local_rank) + " of LOCAL_WORLD_SIZE=" +
-                    std::to_string(f.local_world_size) + " but only " + seen +
+    throw UserError("device: LOCAL_RANK=" + std::to_string(f.local_rank) +
+                    " of LOCAL_WORLD_SIZE=" + std::to_string(f.local_world_size) + " but only " + seen +
                     "; start at most " + std::to_string(f.visible_gpus) +
                     " ranks per node (NPROC / --nproc-per-node) or make more GPUs visible");
   }

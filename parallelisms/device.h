@@ -13,10 +13,10 @@
 namespace ctitan {
 
 struct DeviceFacts {
-  bool built_with_cuda = false;  // this binary links libtorch_cuda (CTITAN_WITH_CUDA)
-  int64_t visible_gpus = 0;      // what the CUDA runtime counts (after CUDA_VISIBLE_DEVICES)
-  int64_t local_rank = 0;        // LaunchEnv::local_rank (LOCAL_RANK)
-  int64_t local_world_size = 1;  // LaunchEnv::local_world_size (LOCAL_WORLD_SIZE)
+  bool built_with_cuda = false;      // this binary links libtorch_cuda (CTITAN_WITH_CUDA)
+  int64_t visible_gpus = 0;          // what the CUDA runtime counts (after CUDA_VISIBLE_DEVICES)
+  int64_t local_rank = 0;            // LaunchEnv::local_rank (LOCAL_RANK)
+  int64_t local_world_size = 1;      // LaunchEnv::local_world_size (LOCAL_WORLD_SIZE)
   std::string cuda_visible_devices;  // the variable's value, for messages ("" when unset)
   bool cuda_visible_devices_set = false;
 };

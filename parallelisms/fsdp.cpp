@@ -23,9 +23,7 @@ struct FSDP::Param {
   int64_t begin = 0, end = 0;  // global rows this rank holds
   at::Tensor shard;            // fp32 [chunk_rows, ...] leaf, the optimizer's parameter
   int64_t shard_numel() const { return chunk_rows * row_numel; }
-  size_t full_nbytes() const {
-    return static_cast<size_t>(rows * row_numel) * full.element_size();
-  }
+  size_t full_nbytes() const { return static_cast<size_t>(rows * row_numel) * full.element_size(); }
 };
 
 struct FSDP::Unit {
@@ -69,32 +67,29 @@ struct GradReadyHook : public torch::autograd::FunctionPostHook {
   size_t unit;
 };
 
-void free_storage(const at::Tensor& t) {
-  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0);
-}
+void free_storage(const at::Tensor& t) { at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0); }
 void alloc_storage(const at::Tensor& t, size_t nbytes) {
   at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), nbytes);
 }
 
 }  // namespace
 
-FSDP::FSDP(std::vector<ModelUnit> units, std::shared_ptr<Comm> shard,
-           std::shared_ptr<Comm> replicate, FSDPOptions options,
-           const std::function<void(size_t unit)>& init_unit)
+FSDP::FSDP(std::vector<ModelUnit> units, std::shared_ptr<Comm> shard, std::shared_ptr<Comm> replicate,
+           FSDPOptions options, const std::function<void(size_t unit)>& init_unit)
     : shard_(std::move(shard)), replicate_(std::move(replicate)), opt_(std::move(options)) {
   TORCH_CHECK(shard_, "[fsdp] a shard group is required");
   if (opt_.reshard_after_forward != "default" && opt_.reshard_after_forward != "always" &&
       opt_.reshard_after_forward != "never")
-    throw UserError("config error: parallelism.fsdp_reshard_after_forward = \"" +
-                    opt_.reshard_after_forward + "\" is not one of: default, always, never");
+    throw UserError("config error: parallelism.fsdp_reshard_after_forward = \"" + opt_.reshard_after_forward +
+                    "\" is not one of: default, always, never");
   const int64_t N = shard_->size(), r = shard_->rank();
   torch::NoGradGuard no_grad;
   for (size_t ui = 0; ui < units.size(); ++ui) {
     auto u = std::make_unique<Unit>();
     u->name = units[ui].name;
     const bool last = ui + 1 == units.size();
-    u->reshard_after_forward = opt_.reshard_after_forward == "always" ||
-                               (opt_.reshard_after_forward == "default" && !last);
+    u->reshard_after_forward =
+        opt_.reshard_after_forward == "always" || (opt_.reshard_after_forward == "default" && !last);
     // Deferred parameters (no storage yet): give them storage now, one unit at a time.
     bool deferred = false;
     for (auto& [fqn, t] : units[ui].params) deferred = deferred || (t.numel() > 0 && t.storage().nbytes() == 0);
@@ -264,7 +259,7 @@ void FSDP::reduce_grads(Unit& u) {
         const auto gr = g.to(opt_.reduce_dtype).reshape(p.shard.sizes());
         if (p.shard.grad().defined())
           p.shard.mutable_grad().add_(gr);  // computed in fp32, as fp32 + fp32 would be
-        else  // a tensor of its own (not a view: optimizers detach_ gradients in place)
+        else                                // a tensor of its own (not a view: optimizers detach_ gradients in place)
           p.shard.mutable_grad() = at::empty(p.shard.sizes(), p.shard.options()).copy_(gr);
       }
       p.full.mutable_grad() = at::Tensor();

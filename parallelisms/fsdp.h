@@ -43,7 +43,7 @@ struct FSDPOptions {
 };
 
 struct FSDPStats {
-  double comm_wait_s = 0;   // time blocked waiting on collectives (exposed communication)
+  double comm_wait_s = 0;  // time blocked waiting on collectives (exposed communication)
   int64_t all_gathers = 0;
   int64_t reduce_scatters = 0;
 };
@@ -61,8 +61,8 @@ class FSDP {
   // generator state the rows are bitwise those of a full init when init_unit(0, 1, …)
   // draws what the full init draws, in that order. Without init_unit the shards start as
   // zeros: the values come later (a checkpoint load) and nothing random is drawn.
-  FSDP(std::vector<ModelUnit> units, std::shared_ptr<Comm> shard, std::shared_ptr<Comm> replicate,
-       FSDPOptions options, const std::function<void(size_t unit)>& init_unit = {});
+  FSDP(std::vector<ModelUnit> units, std::shared_ptr<Comm> shard, std::shared_ptr<Comm> replicate, FSDPOptions options,
+       const std::function<void(size_t unit)>& init_unit = {});
   ~FSDP();
   FSDP(const FSDP&) = delete;
   FSDP& operator=(const FSDP&) = delete;

@@ -30,8 +30,7 @@ int64_t as_int(const Env& env, const std::string& key, int64_t min_value) {
   char* end = nullptr;
   const long long x = std::strtoll(v->c_str(), &end, 10);
   if (end == v->c_str() || *end != '\0' || x < min_value)
-    throw UserError("launch: " + key + "=" + *v + " is not an integer >= " +
-                    std::to_string(min_value));
+    throw UserError("launch: " + key + "=" + *v + " is not an integer >= " + std::to_string(min_value));
   return x;
 }
 
@@ -73,8 +72,7 @@ LaunchEnv detect_launch_env(const Env& env) {
     le.rank = as_int(env, "RANK", 0);
     le.world_size = as_int(env, "WORLD_SIZE", 1);
     le.local_rank = find(env, "LOCAL_RANK") ? as_int(env, "LOCAL_RANK", 0) : le.rank;
-    le.local_world_size =
-        find(env, "LOCAL_WORLD_SIZE") ? as_int(env, "LOCAL_WORLD_SIZE", 1) : le.world_size;
+    le.local_world_size = find(env, "LOCAL_WORLD_SIZE") ? as_int(env, "LOCAL_WORLD_SIZE", 1) : le.world_size;
     // torchrun: the elastic agent's additions (absent under scripts/run_train.sh).
     if (const std::string* id = find(env, "TORCHELASTIC_RUN_ID")) le.run_id = *id;
     if (find(env, "TORCHELASTIC_RESTART_COUNT")) le.restart_count = as_int(env, "TORCHELASTIC_RESTART_COUNT", 0);
@@ -87,9 +85,8 @@ LaunchEnv detect_launch_env(const Env& env) {
     le.rank = as_int(env, "OMPI_COMM_WORLD_RANK", 0);
     le.world_size = as_int(env, "OMPI_COMM_WORLD_SIZE", 1);
     le.local_rank = as_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0);
-    le.local_world_size = find(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
-                              ? as_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1)
-                              : le.world_size;
+    le.local_world_size =
+        find(env, "OMPI_COMM_WORLD_LOCAL_SIZE") ? as_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1) : le.world_size;
   } else if (find(env, "SLURM_PROCID")) {
     le.launcher = "srun";
     le.rank = as_int(env, "SLURM_PROCID", 0);
@@ -108,11 +105,11 @@ LaunchEnv detect_launch_env(const Env& env) {
     return le;  // no launcher: a single process
   }
   if (le.rank >= le.world_size)
-    throw UserError("launch: rank " + std::to_string(le.rank) + " (" + le.launcher +
-                    ") is not below the world size " + std::to_string(le.world_size));
+    throw UserError("launch: rank " + std::to_string(le.rank) + " (" + le.launcher + ") is not below the world size " +
+                    std::to_string(le.world_size));
   if (le.local_rank >= le.local_world_size)
-    throw UserError("launch: local rank " + std::to_string(le.local_rank) +
-                    " is not below the local world size " + std::to_string(le.local_world_size));
+    throw UserError("launch: local rank " + std::to_string(le.local_rank) + " is not below the local world size " +
+                    std::to_string(le.local_world_size));
 
   if (const std::string* a = find(env, "MASTER_ADDR")) {
     le.master_addr = *a;

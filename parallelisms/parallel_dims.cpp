@@ -6,15 +6,14 @@
 
 namespace ctitan {
 
-ParallelDims ParallelDims::build(int64_t dp_replicate, int64_t dp_shard, int64_t cp, int64_t tp,
-                                 int64_t pp, int64_t world_size) {
+ParallelDims ParallelDims::build(int64_t dp_replicate, int64_t dp_shard, int64_t cp, int64_t tp, int64_t pp,
+                                 int64_t world_size) {
   auto s = [](int64_t v) { return std::to_string(v); };
   for (auto [name, v] : {std::pair<const char*, int64_t>{"tensor_parallel_degree", tp},
                          {"pipeline_parallel_degree", pp},
                          {"context_parallel_degree", cp}})
     if (v != 1)
-      throw UserError(std::string("not supported yet: parallelism.") + name + " = " + s(v) +
-                      " (ctitan supports: 1)");
+      throw UserError(std::string("not supported yet: parallelism.") + name + " = " + s(v) + " (ctitan supports: 1)");
   if (dp_replicate < 1)
     throw UserError("config error: parallelism.data_parallel_replicate_degree = " + s(dp_replicate) +
                     " is out of range (must be >= 1)");
@@ -30,9 +29,9 @@ ParallelDims ParallelDims::build(int64_t dp_replicate, int64_t dp_shard, int64_t
   }
   const int64_t product = dp_replicate * dp_shard * cp * tp * pp;
   if (product != world_size)
-    throw UserError("parallelism: dp_replicate (" + s(dp_replicate) + ") · dp_shard (" + s(dp_shard) +
-                    ") · cp (" + s(cp) + ") · tp (" + s(tp) + ") · pp (" + s(pp) + ") = " + s(product) +
-                    " ≠ WORLD_SIZE (" + s(world_size) + ")");
+    throw UserError("parallelism: dp_replicate (" + s(dp_replicate) + ") · dp_shard (" + s(dp_shard) + ") · cp (" +
+                    s(cp) + ") · tp (" + s(tp) + ") · pp (" + s(pp) + ") = " + s(product) + " ≠ WORLD_SIZE (" +
+                    s(world_size) + ")");
   ParallelDims d;
   d.dp_replicate = dp_replicate;
   d.dp_shard = dp_shard;

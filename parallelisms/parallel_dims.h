@@ -16,8 +16,8 @@ struct ParallelDims {
 
   // dp_shard = -1 takes the ranks left over. Throws UserError showing every factor when
   // the product is not the world size, and rejects tp/pp/cp ≠ 1 (not built yet).
-  static ParallelDims build(int64_t dp_replicate, int64_t dp_shard, int64_t cp, int64_t tp,
-                            int64_t pp, int64_t world_size);
+  static ParallelDims build(int64_t dp_replicate, int64_t dp_shard, int64_t cp, int64_t tp, int64_t pp,
+                            int64_t world_size);
 
   int64_t dp() const { return dp_replicate * dp_shard; }
   bool fsdp_enabled() const { return dp_shard > 1; }

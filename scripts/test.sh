@@ -7,9 +7,19 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 ctitan_ensure_deps
-# Issue 15's rule: no function in checkpoint/, train*.cpp or training/ over 80 lines.
-(cd "$CTITAN_ROOT" && python3 scripts/check_function_length.py checkpoint/*.cpp checkpoint/*.h train*.cpp train.h \
-  training/*.cpp training/*.h)
+# Issue 15's rules, checked before anything is built: every C++ file formatted as
+# .clang-format says; no function in checkpoint/, tools/, train*.cpp or training/ over 80
+# lines; no header in checkpoint/ includes models/, datasets/ or parallelisms/.
+(
+  cd "$CTITAN_ROOT"
+  ./scripts/check_format.sh
+  python3 scripts/check_function_length.py checkpoint/*.cpp checkpoint/*.h tools/*.cpp tools/*.h train*.cpp train.h \
+    training/*.cpp training/*.h
+  if grep -nE '^#include "(models|datasets|parallelisms)/' checkpoint/*.h; then
+    echo "test.sh: a header in checkpoint/ includes models/, datasets/ or parallelisms/ (above)" >&2
+    exit 1
+  fi
+)
 start=$(date +%s)
 ctitan_build
 ctitan_log "build took $(( $(date +%s) - start )) s"

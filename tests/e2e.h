@@ -37,8 +37,8 @@ inline Cmd sh(const std::string& cmd) {
 inline std::string make_corpus(const std::filesystem::path& dir) {
   const char* subj[] = {"the whale", "the captain", "a sailor", "the harpooneer", "the mate", "the ship"};
   const char* verb[] = {"watched", "followed", "feared", "sought", "sailed past", "remembered"};
-  const char* obj[] = {"the white sea", "a distant spout", "the old chart", "the long voyage",
-                       "the quiet harbour", "the heavy storm"};
+  const char* obj[] = {"the white sea",   "a distant spout",   "the old chart",
+                       "the long voyage", "the quiet harbour", "the heavy storm"};
   const char* tail[] = {"at dawn.", "before the storm.", "in silence.", "for many days.", "with great care."};
   std::mt19937 rng(1234);
   std::filesystem::create_directories(dir);

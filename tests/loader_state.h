@@ -24,7 +24,8 @@ inline std::vector<StateUnit> state_work(const std::string& state) {
   const std::regex num("-?[0-9]+");
   for (auto it = std::sregex_iterator(w.begin(), w.end(), num); it != std::sregex_iterator(); ++it)
     v.push_back(std::stoll(it->str()));
-  for (size_t i = 0; i + 7 <= v.size(); i += 7) out.push_back({v[i], v[i + 1], v[i + 2], v[i + 3], v[i + 4], v[i + 5], v[i + 6]});
+  for (size_t i = 0; i + 7 <= v.size(); i += 7)
+    out.push_back({v[i], v[i + 1], v[i + 2], v[i + 3], v[i + 4], v[i + 5], v[i + 6]});
   return out;
 }
 

@@ -39,9 +39,9 @@ inline std::map<std::string, std::function<int()>>& child_registry() {
 }
 
 struct RankResult {
-  int exit_code = -1;   // exit status, or 128 + signal
+  int exit_code = -1;  // exit status, or 128 + signal
   bool timed_out = false;
-  std::string output;   // stdout + stderr
+  std::string output;  // stdout + stderr
 };
 
 // A TCP port that was free a moment ago (bind to port 0 and read it back).
@@ -70,8 +70,7 @@ inline std::string read_file(const std::string& path) {
 // killing every rank still alive after timeout_s. `env` entries override the inherited
 // environment for every rank.
 inline std::vector<RankResult> spawn_processes(const std::vector<std::string>& argv, int n,
-                                               std::map<std::string, std::string> env = {},
-                                               int timeout_s = 120) {
+                                               std::map<std::string, std::string> env = {}, int timeout_s = 120) {
   const int port = free_port();
   std::vector<pid_t> pids(n, -1);
   std::vector<std::string> logs(n);
@@ -147,8 +146,7 @@ inline std::vector<RankResult> spawn_processes(const std::vector<std::string>& a
 }
 
 // Runs the registered child `name` in n ranks of this very executable.
-inline std::vector<RankResult> spawn_ranks(const std::string& name, int n,
-                                           std::map<std::string, std::string> env = {},
+inline std::vector<RankResult> spawn_ranks(const std::string& name, int n, std::map<std::string, std::string> env = {},
                                            int timeout_s = 120) {
   env["CTITAN_TEST_CHILD"] = name;
   return spawn_processes({"/proc/self/exe"}, n, env, timeout_s);
@@ -174,28 +172,28 @@ inline int env_int(const char* name) {
 
 }  // namespace ctitan::testing
 
-#define CTITAN_CHILD(name)                                                               \
-  static int ctitan_child_##name();                                                      \
-  static const bool ctitan_child_reg_##name =                                            \
-      (::ctitan::testing::child_registry()[#name] = ctitan_child_##name, true);          \
+#define CTITAN_CHILD(name)                                                      \
+  static int ctitan_child_##name();                                             \
+  static const bool ctitan_child_reg_##name =                                   \
+      (::ctitan::testing::child_registry()[#name] = ctitan_child_##name, true); \
   static int ctitan_child_##name()
 
-#define CTITAN_MULTIPROCESS_MAIN()                                                       \
-  int main(int argc, char** argv) {                                                      \
-    if (const char* child = std::getenv("CTITAN_TEST_CHILD")) {                          \
-      auto& reg = ::ctitan::testing::child_registry();                                   \
-      auto it = reg.find(child);                                                         \
-      if (it == reg.end()) {                                                             \
-        std::cerr << "unknown child " << child << std::endl;                             \
-        return 99;                                                                       \
-      }                                                                                  \
-      try {                                                                              \
-        return it->second();                                                             \
-      } catch (const std::exception& e) {                                               \
-        std::cerr << "child " << child << " threw: " << e.what() << std::endl;           \
-        return 98;                                                                       \
-      }                                                                                  \
-    }                                                                                    \
-    ::testing::InitGoogleTest(&argc, argv);                                              \
-    return RUN_ALL_TESTS();                                                              \
+#define CTITAN_MULTIPROCESS_MAIN()                                             \
+  int main(int argc, char** argv) {                                            \
+    if (const char* child = std::getenv("CTITAN_TEST_CHILD")) {                \
+      auto& reg = ::ctitan::testing::child_registry();                         \
+      auto it = reg.find(child);                                               \
+      if (it == reg.end()) {                                                   \
+        std::cerr << "unknown child " << child << std::endl;                   \
+        return 99;                                                             \
+      }                                                                        \
+      try {                                                                    \
+        return it->second();                                                   \
+      } catch (const std::exception& e) {                                      \
+        std::cerr << "child " << child << " threw: " << e.what() << std::endl; \
+        return 98;                                                             \
+      }                                                                        \
+    }                                                                          \
+    ::testing::InitGoogleTest(&argc, argv);                                    \
+    return RUN_ALL_TESTS();                                                    \
   }

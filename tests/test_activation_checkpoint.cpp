@@ -37,8 +37,10 @@ constexpr int64_t kSteps = 5, kBatch = 4, kSeq = 32;
 struct Mode {
   std::string label, mode, option;
 };
-const std::vector<Mode> kModes = {
-    {"none", "none", "2"}, {"full", "full", "2"}, {"selective 2", "selective", "2"}, {"selective op", "selective", "op"}};
+const std::vector<Mode> kModes = {{"none", "none", "2"},
+                                  {"full", "full", "2"},
+                                  {"selective 2", "selective", "2"},
+                                  {"selective op", "selective", "op"}};
 
 ACOptions options_of(const Mode& m) {
   ACOptions o;
@@ -148,8 +150,8 @@ void expect_bitwise_equal(const TrainRun& want, const TrainRun& got, const std::
   for (size_t i = 0; i < want.params.size(); ++i) bad_params += !torch::equal(got.params[i], want.params[i]);
   EXPECT_EQ(bad_grads, 0) << what << ": step-1 gradients differ in " << bad_grads << " of " << want.grads1.size()
                           << " tensors";
-  EXPECT_EQ(bad_params, 0) << what << ": final parameters differ in " << bad_params << " of "
-                           << want.params.size() << " tensors";
+  EXPECT_EQ(bad_params, 0) << what << ": final parameters differ in " << bad_params << " of " << want.params.size()
+                           << " tensors";
 }
 
 // What each mode must have done per step on the 6-block debug model.
@@ -183,8 +185,8 @@ std::vector<torch::Tensor> flatten(const TrainRun& r) {
   std::vector<torch::Tensor> ts{torch::tensor(r.losses, torch::kFloat64)};
   for (auto& g : r.grads1) ts.push_back(g);
   for (auto& p : r.params) ts.push_back(p);
-  ts.push_back(torch::tensor(std::vector<int64_t>{r.ac.checkpointed_forwards, r.ac.recomputes,
-                                                  r.ac.kept_matmuls, r.ac.reused_matmuls}));
+  ts.push_back(torch::tensor(
+      std::vector<int64_t>{r.ac.checkpointed_forwards, r.ac.recomputes, r.ac.kept_matmuls, r.ac.reused_matmuls}));
   ts.push_back(torch::tensor(r.gathers));
   ts.push_back(torch::tensor(r.reduce_scatters));
   return ts;
@@ -299,8 +301,8 @@ TEST(ACComposition, AcThenFsdpAndFsdpThenAcBitwiseEqualOnTwoRanks) {
 TEST(ACUnits, BlocksOnlyEveryNthAsTorchtitan) {
   auto names = [](const ActivationCheckpoint& ac) {
     std::vector<std::string> out;
-    for (const char* u : {"tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "layers.4",
-                          "layers.5", "output"})
+    for (const char* u :
+         {"tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "layers.4", "layers.5", "output"})
       if (ac.applies_to(u)) out.push_back(u);
     return out;
   };
@@ -309,7 +311,8 @@ TEST(ACUnits, BlocksOnlyEveryNthAsTorchtitan) {
   EXPECT_EQ(names(ActivationCheckpoint(options_of({"", "full", "2"}), {})),
             (V{"layers.0", "layers.1", "layers.2", "layers.3", "layers.4", "layers.5"}));
   // torchtitan counts blocks from 1 and wraps those whose count is a multiple of N.
-  EXPECT_EQ(names(ActivationCheckpoint(options_of({"", "selective", "2"}), {})), (V{"layers.1", "layers.3", "layers.5"}));
+  EXPECT_EQ(names(ActivationCheckpoint(options_of({"", "selective", "2"}), {})),
+            (V{"layers.1", "layers.3", "layers.5"}));
   EXPECT_EQ(names(ActivationCheckpoint(options_of({"", "selective", "3"}), {})), (V{"layers.2", "layers.5"}));
   EXPECT_EQ(names(ActivationCheckpoint(options_of({"", "selective", "1"}), {})).size(), 6u);
   EXPECT_EQ(names(ActivationCheckpoint(options_of({"", "selective", "op"}), {})).size(), 6u);
@@ -404,8 +407,9 @@ TEST(ACDeterminismCheck, SecondBackwardThroughAUnitIsRefused) {
     loss.backward();
     ADD_FAILURE() << "no error";
   } catch (const RuntimeFailure& e) {
-    EXPECT_STREQ(e.what(), "layers.2: backward ran twice through a checkpointed unit (retain_graph is not "
-                           "supported with activation checkpointing)");
+    EXPECT_STREQ(e.what(),
+                 "layers.2: backward ran twice through a checkpointed unit (retain_graph is not "
+                 "supported with activation checkpointing)");
   }
 }
 
@@ -440,13 +444,13 @@ TEST(ACRecomputeApi, GuardedCounterUpdatedOncePerStep) {
 TEST(ACRecomputeApi, DecisionsAreReplayedNotRecomputed) {
   auto run = [](bool checkpoint, bool use_decide) {
     torch::manual_seed(3);
-    auto w = torch::randn({2, 6}, torch::requires_grad());     // two "experts"
-    auto x = torch::randn({5, 6}, torch::requires_grad());     // 5 tokens
+    auto w = torch::randn({2, 6}, torch::requires_grad());  // two "experts"
+    auto x = torch::randn({5, 6}, torch::requires_grad());  // 5 tokens
     const auto zero = torch::zeros({1, 2});
     const auto ulp = torch::tensor({{0.0f, 1e-6f}});
     UnitFn fn = [=](const at::Tensor& in) {
       auto logits = torch::zeros({in.size(0), 2}) + (recompute::in_recompute() ? ulp : zero);  // tie
-      auto pick = [&] { return std::get<1>(logits.max(-1)); };                               // [T]
+      auto pick = [&] { return std::get<1>(logits.max(-1)); };                                 // [T]
       auto idx = use_decide ? recompute::decide(pick) : pick();
       return in * w.index_select(0, idx);  // each token scaled by its expert's row
     };
@@ -499,8 +503,9 @@ TEST(ACOpSac, ForcedRecomputeShapesAreNotKept) {
   // Two "Linear modules": the gate [2, 8] (forced to recompute, like moe.router.gate) and
   // a projection [8, 8]. Matmuls: proj (kept, 1st counted), gate (forced), proj (2nd:
   // recomputed), proj (3rd: kept).
-  ModelUnit unit{"layers.0", {{"layers.0.moe.router.gate.weight", torch::zeros({2, 8})},
-                              {"layers.0.attention.wq.weight", torch::zeros({8, 8})}}};
+  ModelUnit unit{"layers.0",
+                 {{"layers.0.moe.router.gate.weight", torch::zeros({2, 8})},
+                  {"layers.0.attention.wq.weight", torch::zeros({8, 8})}}};
   ACOptions o = options_of({"", "selective", "op"});
   o.force_recompute_mm_fqns = {"moe.router.gate"};
   ActivationCheckpoint ac(o, {unit});
@@ -536,8 +541,9 @@ TEST(ACOpSac, KeptOutputModifiedInPlaceIsRefused) {
     ac.wrap("layers.1", fn)(x).sum().backward();
     ADD_FAILURE() << "no error";
   } catch (const RuntimeFailure& e) {
-    EXPECT_STREQ(e.what(), "layers.1: matmul output 0 kept by the forward was modified in place afterwards; "
-                           "op-level SAC cannot reuse it (use mode full or selective N)");
+    EXPECT_STREQ(e.what(),
+                 "layers.1: matmul output 0 kept by the forward was modified in place afterwards; "
+                 "op-level SAC cannot reuse it (use mode full or selective N)");
   }
 }
 
@@ -605,7 +611,8 @@ TEST(ACTrainBinary, FullAndSelectiveGiveTheLossesOfNone) {
     auto c = sh(kTrain + " --job.config_file " + kSrc + "/train_configs/debug_model.toml --model.tokenizer_path " +
                 tok + " --training.dataset_path " + corpus + " --job.dump_folder " + dump +
                 " --training.steps 5 --training.seq_len 64 --training.local_batch_size 4 --metrics.log_freq 1"
-                " --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-3 " + ac_args);
+                " --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-3 " +
+                ac_args);
     EXPECT_EQ(c.code, 0) << c.out;
     return std::make_pair(c.out, dump + "/metrics.jsonl");
   };

@@ -20,12 +20,13 @@
 #include "util/env.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/format.h"
-#include "checkpoint/tool.h"
+#include "checkpoint/convert.h"
 #include "config/errors.h"
 #include "config/job_config.h"
 #include "tests/e2e.h"
 #include "tests/loader_state.h"
 #include "tests/multiprocess.h"
+#include "tools/checkpoint_tool.h"
 
 namespace fs = std::filesystem;
 using namespace ctitan;
@@ -114,7 +115,8 @@ ShardedParam shard_of(const std::string& fqn, const torch::Tensor& global, int64
 // Two "parameters" with rows that divide unevenly by 3 and 4.
 std::map<std::string, torch::Tensor> global_params() {
   auto g = at::detail::createCPUGenerator(11);
-  return {{"layers.0.w", torch::randn({11, 5}, g)}, {"tok_embeddings.weight", torch::randn({7, 3}, g)},
+  return {{"layers.0.w", torch::randn({11, 5}, g)},
+          {"tok_embeddings.weight", torch::randn({7, 3}, g)},
           {"norm.weight", torch::randn({6}, g)}};
 }
 
@@ -171,8 +173,7 @@ struct RankState {
     ++last_step;
   }
   torch::Tensor exp_avg(size_t i) {
-    auto& st = static_cast<torch::optim::AdamWParamState&>(
-        *opt->state().at(params[i].local.unsafeGetTensorImpl()));
+    auto& st = static_cast<torch::optim::AdamWParamState&>(*opt->state().at(params[i].local.unsafeGetTensorImpl()));
     return st.exp_avg();
   }
 };
@@ -192,7 +193,7 @@ TEST(CheckpointFormat, Crc32MatchesTheStandardCheckValue) {
   for (char& c : big) c = static_cast<char>(rng());
   for (size_t cut : {size_t{0}, size_t{1}, size_t{7}, size_t{4096}, size_t{69999}, big.size()})
     EXPECT_EQ(crc::crc32_combine(crc::crc32(big.data(), cut), crc::crc32(big.data() + cut, big.size() - cut),
-                                  big.size() - cut),
+                                 big.size() - cut),
               crc::crc32(big.data(), big.size()))
         << cut;
   // And a file written through DurableFileWriter with precomputed chunk CRCs has the CRC of its bytes.
@@ -295,8 +296,7 @@ void reshard_roundtrip(int from, int to, bool dcp = false) {
         throw std::runtime_error("exp_avg rows differ: " + p.fqn);
       if (p.local.size(0) > n && p.local.narrow(0, n, p.local.size(0) - n).abs().sum().item<double>() != 0)
         throw std::runtime_error("padding not zero: " + p.fqn);
-      auto& st = static_cast<torch::optim::AdamWParamState&>(
-          *s.opt->state().at(p.local.unsafeGetTensorImpl()));
+      auto& st = static_cast<torch::optim::AdamWParamState&>(*s.opt->state().at(p.local.unsafeGetTensorImpl()));
       if (st.step() != 2) throw std::runtime_error("step not restored");
     }
     // The optimizer keeps using the loaded state (same keys LibTorch uses): no new entries.
@@ -542,8 +542,7 @@ TEST(CheckpointFaults, ARankRaisingDuringSaveFailsEveryRankAndKeepsThePrevious) 
   unsetenv("CTITAN_CHECKPOINT_FAULT");
   reload_runtime_env();
   for (int r = 0; r < 3; ++r)
-    EXPECT_NE(errs[r].find("checkpoint save of step 2 failed on rank 2: injected fault"), std::string::npos)
-        << errs[r];
+    EXPECT_NE(errs[r].find("checkpoint save of step 2 failed on rank 2: injected fault"), std::string::npos) << errs[r];
   EXPECT_NE(errs[0].find("the previous checkpoint step-1 is intact"), std::string::npos) << errs[0];
   const auto scan = ckpt::scan_folder(o.folder);
   EXPECT_EQ(scan.complete, (std::vector<int64_t>{1}));
@@ -661,8 +660,7 @@ TEST(CheckpointFaults, CorruptionIsReportedAndIncompleteFoldersAreSkipped) {
       s.mgr->load();
       ADD_FAILURE() << "shape mismatch accepted";
     } catch (const UserError& err) {
-      EXPECT_NE(std::string(err.what()).find("layers.0.w has shape [11, 5], this run's is [12, 5]"),
-                std::string::npos)
+      EXPECT_NE(std::string(err.what()).find("layers.0.w has shape [11, 5], this run's is [12, 5]"), std::string::npos)
           << err.what();
     }
   }
@@ -797,8 +795,8 @@ class CheckpointE2E : public ::testing::Test {
     return spawn_processes(argv, n, env, 120);
   }
   static std::string launcher(int n) {
-    return "NPROC=" + std::to_string(n) + " CTITAN_BUILD_DIR=" + fs::path(kTrain).parent_path().string() + " " +
-           kSrc + "/scripts/run_train.sh";
+    return "NPROC=" + std::to_string(n) + " CTITAN_BUILD_DIR=" + fs::path(kTrain).parent_path().string() + " " + kSrc +
+           "/scripts/run_train.sh";
   }
   static std::string launcher_args(const std::string& dump, int steps) {
     const std::string a = args(dump, steps);
@@ -903,9 +901,9 @@ TEST_F(CheckpointE2E, FailuresDuringSaveKeepThePreviousCheckpoint) {
             << r.output;
     } else {
       EXPECT_EQ(rs[1].exit_code, 128 + SIGKILL);
-      EXPECT_NE(rs[0].output.find("checkpoint save of step 4 failed: rank 1 did not finish writing"),
-                std::string::npos)
-          << "exit code " << rs[0].exit_code << "\n" << rs[0].output;
+      EXPECT_NE(rs[0].output.find("checkpoint save of step 4 failed: rank 1 did not finish writing"), std::string::npos)
+          << "exit code " << rs[0].exit_code << "\n"
+          << rs[0].output;
     }
     const auto scan = ckpt::scan_folder(dump + "/checkpoint");
     EXPECT_EQ(scan.complete, (std::vector<int64_t>{2}));
@@ -967,9 +965,10 @@ TEST_F(CheckpointE2E, SmallFileSystem) {
   for (const auto& r : rs) {
     EXPECT_EQ(r.exit_code, 1) << r.output;
     EXPECT_TRUE(std::regex_search(
-        r.output, std::regex("error: checkpoint save of step 2 refused: not enough free space for " + dump +
-                             "/checkpoint on ranks 0, 1: needs [0-9]+ bytes \\([0-9.]+ MiB\\), [0-9]+ bytes "
-                             "\\([0-9.]+ MiB\\) free; nothing was written \\(no earlier complete checkpoint exists\\) HINT: ")))
+        r.output,
+        std::regex("error: checkpoint save of step 2 refused: not enough free space for " + dump +
+                   "/checkpoint on ranks 0, 1: needs [0-9]+ bytes \\([0-9.]+ MiB\\), [0-9]+ bytes "
+                   "\\([0-9.]+ MiB\\) free; nothing was written \\(no earlier complete checkpoint exists\\) HINT: ")))
         << r.output;
   }
   EXPECT_FALSE(fs::exists(dump + "/checkpoint/step-2.partial"));
@@ -1058,7 +1057,8 @@ TEST_F(CheckpointE2E, DamagedCheckpoints) {
   }
   rs = ranks(2, args(dump, 6) + " --checkpoint.load_only");
   ASSERT_TRUE(ctitan::testing::all_ok(rs));
-  EXPECT_TRUE(std::regex_search(rs[0].output, std::regex("checkpoint: " + s4 + " cannot be loaded \\(.*rank1.bin bytes "
+  EXPECT_TRUE(std::regex_search(rs[0].output, std::regex("checkpoint: " + s4 +
+                                                         " cannot be loaded \\(.*rank1.bin bytes "
                                                          "\\[.*fail their CRC-32 check.*\\); falling back to " +
                                                          dump + "/checkpoint/step-2")))
       << rs[0].output;
@@ -1081,8 +1081,7 @@ TEST_F(CheckpointE2E, DamagedCheckpoints) {
   fs::remove(s4 + "/metadata");
   rs = ranks(2, args(dump, 6) + " --checkpoint.interval 100");
   ASSERT_TRUE(ctitan::testing::all_ok(rs));
-  EXPECT_NE(rs[0].output.find("ignoring " + s4 + ": the metadata file is missing"), std::string::npos)
-      << rs[0].output;
+  EXPECT_NE(rs[0].output.find("ignoring " + s4 + ": the metadata file is missing"), std::string::npos) << rs[0].output;
   EXPECT_NE(rs[0].output.find("checkpoint: loaded step 2"), std::string::npos) << rs[0].output;
 }
 
@@ -1180,10 +1179,11 @@ TEST_F(CheckpointE2E, RedistributeSeesEveryDocumentOnce) {
       const int64_t d = have[id] - want[id];
       (d > 0 ? dup : gap) += std::abs(d);
     }
-    std::printf("redistribute %d -> %d: %lld documents read, %lld windows; duplicated tokens %lld, "
-                "missing tokens %lld\n",
-                cs.from, cs.to, static_cast<long long>(ndocs),
-                static_cast<long long>(windows), static_cast<long long>(dup), static_cast<long long>(gap));
+    std::printf(
+        "redistribute %d -> %d: %lld documents read, %lld windows; duplicated tokens %lld, "
+        "missing tokens %lld\n",
+        cs.from, cs.to, static_cast<long long>(ndocs), static_cast<long long>(windows), static_cast<long long>(dup),
+        static_cast<long long>(gap));
     EXPECT_EQ(dup, 0) << tag;
     EXPECT_EQ(gap, 0) << tag;
   }

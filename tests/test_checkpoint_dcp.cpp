@@ -88,10 +88,9 @@ class DcpE2E : public ::testing::Test {
     if (!std::getenv("CTITAN_KEEP_TEST_OUTPUT")) fs::remove_all(root_);
   }
   static std::vector<ctitan::testing::RankResult> train(int n, const std::string& dump, const std::string& extra,
-                                                         std::map<std::string, std::string> env = {}) {
-    const std::string a = "--job.config_file " + kSrc + "/train_configs/debug_model.toml" +
-                          " --model.tokenizer_path " + tokenizer_ + " --training.dataset_path " + corpus_ +
-                          " --job.dump_folder " + dump +
+                                                        std::map<std::string, std::string> env = {}) {
+    const std::string a = "--job.config_file " + kSrc + "/train_configs/debug_model.toml" + " --model.tokenizer_path " +
+                          tokenizer_ + " --training.dataset_path " + corpus_ + " --job.dump_folder " + dump +
                           " --training.seq_len 32 --training.local_batch_size 2 --metrics.log_freq 1"
                           " --debug.seed 7 --checkpoint.enable --comm.train_timeout_seconds 60 " +
                           extra;
@@ -222,9 +221,10 @@ TEST_F(DcpE2E, ToolInspectsAndVerifiesATorchtitanFolder) {
   const std::string tool = (fs::path(ctitan::testing::kTrain).parent_path() / "checkpoint_tool").string();
   auto r = sh(tool + " inspect " + tt + " --verify");
   ASSERT_EQ(r.code, 0) << r.out;
-  for (const char* s : {"torch.distributed.checkpoint folder written by PyTorch (torchtitan?), complete", "step 3\n",
-                        "saved by 2 ranks", "file __0_0.distcp", "tok_embeddings.weight  sharded  float32 [2048, 256]  2 chunks",
-                        "lr_scheduler.last_step  replicated  int64 []", "verified: every chunk of "})
+  for (const char* s :
+       {"torch.distributed.checkpoint folder written by PyTorch (torchtitan?), complete", "step 3\n",
+        "saved by 2 ranks", "file __0_0.distcp", "tok_embeddings.weight  sharded  float32 [2048, 256]  2 chunks",
+        "lr_scheduler.last_step  replicated  int64 []", "verified: every chunk of "})
     EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
   // convert: the model, matched from its shapes, as a .pt whose tensors are PyTorch's.
   const std::string pt = (root_ / "tool_tt.pt").string();
@@ -286,8 +286,9 @@ TEST_F(DcpE2E, DcpSaveLoadsInPyTorchWithEqualTensors) {
 
   // ctitan reads its own DCP save back: both runs continue to step 3 with the same loss.
   auto ca = train(2, a, "--training.steps 3 --checkpoint.interval 2 --checkpoint.last_save_model_only false");
-  auto cb = train(2, b, "--training.steps 3 --checkpoint.interval 2 --checkpoint.last_save_model_only false "
-                        "--checkpoint.format dcp");
+  auto cb = train(2, b,
+                  "--training.steps 3 --checkpoint.interval 2 --checkpoint.last_save_model_only false "
+                  "--checkpoint.format dcp");
   ASSERT_TRUE(ctitan::testing::all_ok(ca));
   ASSERT_TRUE(ctitan::testing::all_ok(cb));
   EXPECT_NE(cb[0].output.find("loaded step 2 from " + step_b), std::string::npos) << cb[0].output;
@@ -416,17 +417,30 @@ std::string refusal(const std::string& pkl, const std::set<std::string>& allowed
 // or STACK_GLOBAL (4); opcodes no checkpoint pickle uses (INST, OBJ), truncation and memo
 // misuse are errors; nothing is called.
 TEST(DcpPickle, RefusesUnknownGlobalsOpcodesAndTruncation) {
-  EXPECT_EQ(refusal(std::string("\x80\x02" "cos\nsystem\nX\x02\x00\x00\x00idq\x00\x85R.", 25)),
+  EXPECT_EQ(refusal(std::string("\x80\x02"
+                                "cos\nsystem\nX\x02\x00\x00\x00idq\x00\x85R.",
+                                25)),
             "t.pkl: refuses the pickled global os.system (not a class this checkpoint format uses; nothing in the "
             "file was run)");
-  EXPECT_NE(refusal(std::string("\x80\x04\x8c\x08" "builtins\x8c\x04" "eval\x93.", 20)).find("builtins.eval"),
+  EXPECT_NE(refusal(std::string("\x80\x04\x8c\x08"
+                                "builtins\x8c\x04"
+                                "eval\x93.",
+                                20))
+                .find("builtins.eval"),
             std::string::npos);
   EXPECT_NE(refusal(std::string("\x80\x02(i__main__\nX\n.", 16)).find("unsupported pickle opcode 0x69"),
             std::string::npos);
-  EXPECT_NE(refusal(std::string("\x80\x02X\x10\x00\x00\x00" "abc", 10)).find("truncated?"), std::string::npos);
+  EXPECT_NE(refusal(std::string("\x80\x02X\x10\x00\x00\x00"
+                                "abc",
+                                10))
+                .find("truncated?"),
+            std::string::npos);
   EXPECT_NE(refusal(std::string("\x80\x02h\x07.", 5)).find("memo index 7 was never stored"), std::string::npos);
   // An allowed class is recorded, not called: REDUCE gives an Object with its arguments.
-  const std::string ok("\x80\x02" "ctorch\nSize\n(K\x02M\x00\x01t\x85R.", 24);
+  const std::string ok(
+      "\x80\x02"
+      "ctorch\nSize\n(K\x02M\x00\x01t\x85R.",
+      24);
   auto v = pickle::load(ok.data(), ok.size(), {"torch.Size"}, "t.pkl");
   ASSERT_TRUE(v->is(pickle::Value::Kind::Object));
   EXPECT_EQ(v->s, "torch.Size");
@@ -455,7 +469,8 @@ TEST(DcpItems, TensorArchivesRoundTripAndDamageIsCaught) {
   const size_t at = bad.find(std::string(static_cast<const char*>(t.data_ptr()), 60));
   ASSERT_NE(at, std::string::npos);
   bad[at + 7] ^= 0x10;
-  EXPECT_NE(err(bad, "float32", {5, 3}).find("do not match their CRC-32"), std::string::npos) << err(bad, "float32", {5, 3});
+  EXPECT_NE(err(bad, "float32", {5, 3}).find("do not match their CRC-32"), std::string::npos)
+      << err(bad, "float32", {5, 3});
   EXPECT_NE(err(item.substr(0, item.size() - 30), "float32", {5, 3}).find("item: "), std::string::npos);
   // Python objects: an int, and bytes as protocol 2 writes them (_codecs.encode), all 256 values.
   EXPECT_EQ(dcp::read_object_item(dcp::int_item(123456789), "i")->i, 123456789);

@@ -18,16 +18,16 @@
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/format.h"
-#include "checkpoint/generate.h"
 #include "checkpoint/hf.h"
 #include "checkpoint/safetensors.h"
-#include "checkpoint/tool.h"
 #include "config/errors.h"
 #include "config/job_config.h"
 #include "models/llama/model.h"
 #include "models/mixtral/model.h"
 #include "tests/e2e.h"
 #include "tests/multiprocess.h"
+#include "tools/checkpoint_tool.h"
+#include "tools/generate.h"
 
 namespace fs = std::filesystem;
 using namespace ctitan;
@@ -132,7 +132,10 @@ struct StFile {
   std::string data;  // the data section
   torch::Tensor tensor(const std::string& name) const {
     const StTensor& t = tensors.at(name);
-    const auto dt = t.dtype == "F32" ? torch::kFloat : t.dtype == "BF16" ? torch::kBFloat16 : t.dtype == "F16" ? torch::kHalf : torch::kLong;
+    const auto dt = t.dtype == "F32"    ? torch::kFloat
+                    : t.dtype == "BF16" ? torch::kBFloat16
+                    : t.dtype == "F16"  ? torch::kHalf
+                                        : torch::kLong;
     auto out = torch::empty(t.shape, torch::TensorOptions().dtype(dt));
     std::memcpy(out.data_ptr(), data.data() + t.begin, t.end - t.begin);
     return out;
@@ -272,7 +275,8 @@ TEST(HFSafetensors, WriterOutputPassesTheTestsStrictParser) {
   {
     // Declared with the 2-byte tensor first: the writer puts larger elements first so each
     // tensor starts aligned to its element size.
-    safetensors::Writer w(path, {{"b", "BF16", {7}}, {"a", "F32", {3, 5}}, {"c", "I64", {2, 3}}}, {{"note", "hi \"x\""}});
+    safetensors::Writer w(path, {{"b", "BF16", {7}}, {"a", "F32", {3, 5}}, {"c", "I64", {2, 3}}},
+                          {{"note", "hi \"x\""}});
     for (const auto& s : w.order()) {
       const torch::Tensor& t = s.name == "a" ? a : s.name == "b" ? b : c;
       w.write(s.name, t.data_ptr(), t.numel() * t.element_size());
@@ -313,10 +317,13 @@ TEST(HFSafetensors, DamagedFilesAreOneLineErrorsNamingFileAndTensor) {
       {"overlap",
        R"({"t":{"dtype":"F32","shape":[3],"data_offsets":[0,12]},"u":{"dtype":"F32","shape":[3],"data_offsets":[8,20]}})",
        data.substr(0, 20), "data_offsets overlap the previous tensor's (tensor u)"},
-      {"gap", R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"u":{"dtype":"F32","shape":[2],"data_offsets":[16,24]}})",
+      {"gap",
+       R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"u":{"dtype":"F32","shape":[2],"data_offsets":[16,24]}})",
        data, "a gap of 8 bytes precedes its data (tensor u)"},
-      {"tail", R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", data, "16 bytes after the last tensor belong to none"},
-      {"dup", R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"t":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+      {"tail", R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", data,
+       "16 bytes after the last tensor belong to none"},
+      {"dup",
+       R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"t":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
        data.substr(0, 16), "duplicate key in the header (tensor t)"},
       {"json", R"({"t":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]})", data, "the header is not valid JSON"},
       {"field", R"({"t":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24],"x":1}})", data,
@@ -339,7 +346,8 @@ TEST(HFSafetensors, DamagedFilesAreOneLineErrorsNamingFileAndTensor) {
     bytes[0] = static_cast<char>(0xff);
     bytes[1] = static_cast<char>(0x7f);
     std::ofstream(dir / "len.safetensors", std::ios::binary) << bytes;
-    EXPECT_NE(header_error((dir / "len.safetensors").string()).find("runs past the end of the file"), std::string::npos);
+    EXPECT_NE(header_error((dir / "len.safetensors").string()).find("runs past the end of the file"),
+              std::string::npos);
     std::ofstream(dir / "short.safetensors", std::ios::binary) << "abc";
     EXPECT_NE(header_error((dir / "short.safetensors").string()).find("shorter than the 8-byte header length"),
               std::string::npos);
@@ -400,8 +408,10 @@ TEST(HFExport, MixtralExpertsSplitAndRoundTripThroughTheTool) {
   const auto w1 = model->named_parameters()["layers.2.moe.experts.w1"];
   const auto w2 = model->named_parameters()["layers.2.moe.experts.w2"];
   for (int64_t j = 0; j < a.moe.num_experts; ++j) {
-    EXPECT_TRUE(torch::equal(f.tensor("model.layers.2.block_sparse_moe.experts." + std::to_string(j) + ".w1.weight"), w1[j]));
-    EXPECT_TRUE(torch::equal(f.tensor("model.layers.2.block_sparse_moe.experts." + std::to_string(j) + ".w2.weight"), w2[j]));
+    EXPECT_TRUE(
+        torch::equal(f.tensor("model.layers.2.block_sparse_moe.experts." + std::to_string(j) + ".w1.weight"), w1[j]));
+    EXPECT_TRUE(
+        torch::equal(f.tensor("model.layers.2.block_sparse_moe.experts." + std::to_string(j) + ".w2.weight"), w2[j]));
   }
   EXPECT_TRUE(torch::equal(f.tensor("model.layers.0.block_sparse_moe.gate.weight"),
                            model->named_parameters()["layers.0.moe.router.gate.weight"]));
@@ -443,7 +453,8 @@ class HFE2E : public ::testing::Test {
     fs::create_directories(root_);
     corpus_ = ctitan::testing::make_corpus(root_ / "data");
     tokenizer_ = (root_ / "tok.model").string();
-    auto r = ctitan::testing::sh(ctitan::testing::kSrc + "/scripts/train_tokenizer.sh " + corpus_ + " " + tokenizer_ + " 300");
+    auto r = ctitan::testing::sh(ctitan::testing::kSrc + "/scripts/train_tokenizer.sh " + corpus_ + " " + tokenizer_ +
+                                 " 300");
     ASSERT_EQ(r.code, 0) << r.out;
   }
   static void TearDownTestSuite() {
@@ -451,7 +462,7 @@ class HFE2E : public ::testing::Test {
   }
   // n ranks of train (no launcher), each rank's output apart.
   static std::vector<ctitan::testing::RankResult> train(int n, const std::string& dump, const std::string& extra,
-                                                         std::map<std::string, std::string> env = {}) {
+                                                        std::map<std::string, std::string> env = {}) {
     const std::string a = "--job.config_file " + ctitan::testing::kSrc + "/train_configs/debug_model.toml" +
                           " --model.tokenizer_path " + tokenizer_ + " --training.dataset_path " + corpus_ +
                           " --job.dump_folder " + dump +
@@ -522,7 +533,8 @@ TEST_F(HFE2E, ExportImportRoundTripOnOneAndTwoRanks) {
     const std::string offline = (root_ / ("offline" + std::to_string(n))).string();
     auto conv = ctitan::testing::sh(tool() + " convert " + sharded[n] + " " + offline);
     ASSERT_EQ(conv.code, 0) << conv.out;
-    EXPECT_EQ(ckpt::read_whole_file(offline + "/model.safetensors"), ckpt::read_whole_file(hf[n] + "/model.safetensors"));
+    EXPECT_EQ(ckpt::read_whole_file(offline + "/model.safetensors"),
+              ckpt::read_whole_file(hf[n] + "/model.safetensors"));
   }
   // Import on the other rank count; what the job then holds, written back out, equals the
   // original checkpoint bit for bit.
@@ -530,9 +542,9 @@ TEST_F(HFE2E, ExportImportRoundTripOnOneAndTwoRanks) {
     const int m = 3 - n;
     const std::string dst = (root_ / ("import" + std::to_string(n) + "to" + std::to_string(m))).string();
     const std::string dump = dst + "/loaded";
-    auto r = train(m, dst, "--checkpoint.initial_load_in_hf --checkpoint.initial_load_path " + hf[n] +
-                               " --training.steps 1",
-                   {{"CTITAN_CHECKPOINT_DUMP_LOADED", dump}});
+    auto r =
+        train(m, dst, "--checkpoint.initial_load_in_hf --checkpoint.initial_load_path " + hf[n] + " --training.steps 1",
+              {{"CTITAN_CHECKPOINT_DUMP_LOADED", dump}});
     ASSERT_TRUE(ctitan::testing::all_ok(r));
     EXPECT_NE(r[0].output.find("checkpoint: loaded HF safetensors from " + hf[n]), std::string::npos) << r[0].output;
     CheckpointReader orig(sharded[n]), got(dump + "/step-2");
@@ -546,7 +558,8 @@ TEST_F(HFE2E, ExportImportRoundTripOnOneAndTwoRanks) {
   ASSERT_EQ(ctitan::testing::sh(tool() + " logits " + sharded[2] + " 1,5,9,200,3 " + la).code, 0);
   ASSERT_EQ(ctitan::testing::sh(tool() + " logits " + hf[2] + " 1,5,9,200,3 " + lb).code, 0);
   EXPECT_TRUE(torch::equal(parse_safetensors_file(la).tensor("logits"), parse_safetensors_file(lb).tensor("logits")));
-  EXPECT_EQ(parse_safetensors_file(la).tensors.at("logits").shape, (std::vector<int64_t>{5, 2048}));  // debugmodel's vocabulary
+  EXPECT_EQ(parse_safetensors_file(la).tensors.at("logits").shape,
+            (std::vector<int64_t>{5, 2048}));  // debugmodel's vocabulary
 
   // The HF step folder is model-only: resuming training from it is a clear error.
   auto again = train(1, (root_ / "hf1").string(), "--training.steps 4");
@@ -559,8 +572,8 @@ TEST_F(HFE2E, ExportImportRoundTripOnOneAndTwoRanks) {
   fs::copy(hf[1], bad);
   const std::string st = (bad / "model.safetensors").string();
   fs::resize_file(st, fs::file_size(st) - 100);
-  auto rb = train(2, (root_ / "bad_run").string(), "--checkpoint.initial_load_in_hf --checkpoint.initial_load_path " +
-                                                       bad.string());
+  auto rb = train(2, (root_ / "bad_run").string(),
+                  "--checkpoint.initial_load_in_hf --checkpoint.initial_load_path " + bad.string());
   for (const auto& rr : rb) {
     EXPECT_EQ(rr.exit_code, 1) << rr.output;
     EXPECT_NE(rr.output.find("safetensors " + st + ": data_offsets"), std::string::npos) << rr.output;
@@ -575,8 +588,9 @@ TEST_F(HFE2E, ExportImportRoundTripOnOneAndTwoRanks) {
     auto rl = train(1, (root_ / "bad_run2").string(),
                     "--checkpoint.initial_load_in_hf --checkpoint.initial_load_path " + bad.string());
     EXPECT_EQ(rl[0].exit_code, 2) << rl[0].output;
-    EXPECT_NE(rl[0].output.find("describes another model than this run's llama3 \"debugmodel\" (num_hidden_layers: 4 vs 6"),
-              std::string::npos)
+    EXPECT_NE(
+        rl[0].output.find("describes another model than this run's llama3 \"debugmodel\" (num_hidden_layers: 4 vs 6"),
+        std::string::npos)
         << rl[0].output;
   }
 }
@@ -747,8 +761,9 @@ TEST(PtExport, EarlierFormsStillConvertAndRoundTripsAreByteStable) {
 
     // Python's torch.save, a plain dict: converts to a step folder holding the same tensors.
     const std::string pysave = (d / "py.pt").string();
-    const auto s = ctitan::testing::sh(py + " -c \"import sys, torch; sd = torch.load(sys.argv[1]); "
-                                            "torch.save(dict(sd), sys.argv[2])\" " +
+    const auto s = ctitan::testing::sh(py +
+                                       " -c \"import sys, torch; sd = torch.load(sys.argv[1]); "
+                                       "torch.save(dict(sd), sys.argv[2])\" " +
                                        (d / "a" / "model.pt").string() + " " + pysave);
     ASSERT_EQ(s.code, 0) << s.out;
     ASSERT_EQ(checkpoint_tool_main({"convert", pysave, (d / "ck" / "step-0").string()}), 0);
@@ -759,8 +774,9 @@ TEST(PtExport, EarlierFormsStillConvertAndRoundTripsAreByteStable) {
   // torch.save of an OrderedDict (a module's state_dict()) is not read (LibTorch's unpickler
   // takes it for None): one line saying so, exit 2.
   const std::string od = (dir / "od.pt").string();
-  const auto s = ctitan::testing::sh(py + " -c \"import sys, collections, torch; sd = torch.load(sys.argv[1]); "
-                                          "torch.save(collections.OrderedDict(sd), sys.argv[2])\" " +
+  const auto s = ctitan::testing::sh(py +
+                                     " -c \"import sys, collections, torch; sd = torch.load(sys.argv[1]); "
+                                     "torch.save(collections.OrderedDict(sd), sys.argv[2])\" " +
                                      (dir / "float32" / "a" / "model.pt").string() + " " + od);
   ASSERT_EQ(s.code, 0) << s.out;
   const auto r = ctitan::testing::sh(tool_bin() + " convert " + od + " " + (dir / "od_hf").string());
@@ -786,7 +802,8 @@ TEST(PtExport, DamagedFilesAreOneErrorLineAndExitTwo) {
     const auto r = ctitan::testing::sh("cd " + dir.string() + " && " + tool_bin() + " convert old.pt bare.pt");
     ASSERT_EQ(r.code, 0) << r.out;
     std::string bare = ckpt::read_whole_file((dir / "bare.pt").string());
-    for (size_t i = bare.find("bare/"); i != std::string::npos; i = bare.find("bare/", i + 5)) bare.replace(i, 5, "good/");
+    for (size_t i = bare.find("bare/"); i != std::string::npos; i = bare.find("bare/", i + 5))
+      bare.replace(i, 5, "good/");
     EXPECT_EQ(bare, good);
   }
   auto replace_first = [](std::string s, const std::string& from, const std::string& to, size_t from_pos = 0) {
@@ -993,12 +1010,13 @@ TEST(Generate, GreedyEqualsFullForwardArgmaxAndBadInputExitsTwo) {
 TEST(HFParity, TransformersModelsLoadGenerateAndExportBackForLlamaAndMixtral) {
   const std::string py = venv_python();
   ASSERT_TRUE(fs::exists(py)) << py << " is missing: scripts/install_deps.sh makes the venv this test needs";
-  const std::string data = std::getenv("CTITAN_DATA_DIR") ? std::getenv("CTITAN_DATA_DIR") : ctitan::testing::kSrc + "/data";
+  const std::string data =
+      std::getenv("CTITAN_DATA_DIR") ? std::getenv("CTITAN_DATA_DIR") : ctitan::testing::kSrc + "/data";
   // The tokenizers test's reference folder (made once per build, shared under a lock).
   const std::string toks = std::getenv("CTITAN_HF_TOKENIZERS_DIR") ? std::getenv("CTITAN_HF_TOKENIZERS_DIR")
-                                                                  : (fs::current_path() / "hf_tokenizers").string();
-  const auto made = ctitan::testing::sh(py + " " + ctitan::testing::kSrc + "/scripts/make_hf_tokenizers.py --out " + toks +
-                                        " --data " + data);
+                                                                   : (fs::current_path() / "hf_tokenizers").string();
+  const auto made = ctitan::testing::sh(py + " " + ctitan::testing::kSrc + "/scripts/make_hf_tokenizers.py --out " +
+                                        toks + " --data " + data);
   ASSERT_EQ(made.code, 0) << made.out;
   const auto dir = temp_dir("parity");
   const auto r = ctitan::testing::sh(py + " " + ctitan::testing::kSrc + "/scripts/hf_parity.py roundtrip --bin " +

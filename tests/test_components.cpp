@@ -31,11 +31,11 @@ TEST(LRScheduler, WarmupStableLinearDecay) {
   EXPECT_EQ(lr.warmup_steps(), 2);
   EXPECT_EQ(lr.decay_steps(), 8);
   EXPECT_EQ(lr.stable_steps(), 1);
-  EXPECT_DOUBLE_EQ(lr.lr_for_step(1), 8e-4 * 0.5);    // (0+1)/2
-  EXPECT_DOUBLE_EQ(lr.lr_for_step(2), 8e-4);          // (1+1)/2
-  EXPECT_DOUBLE_EQ(lr.lr_for_step(3), 8e-4);          // stable
-  EXPECT_DOUBLE_EQ(lr.lr_for_step(4), 8e-4 * 0.875);  // progress (4-3)/8
-  EXPECT_DOUBLE_EQ(lr.lr_for_step(10), 8e-4 * 0.125); // progress 7/8: last step is not 0
+  EXPECT_DOUBLE_EQ(lr.lr_for_step(1), 8e-4 * 0.5);     // (0+1)/2
+  EXPECT_DOUBLE_EQ(lr.lr_for_step(2), 8e-4);           // (1+1)/2
+  EXPECT_DOUBLE_EQ(lr.lr_for_step(3), 8e-4);           // stable
+  EXPECT_DOUBLE_EQ(lr.lr_for_step(4), 8e-4 * 0.875);   // progress (4-3)/8
+  EXPECT_DOUBLE_EQ(lr.lr_for_step(10), 8e-4 * 0.125);  // progress 7/8: last step is not 0
 }
 
 TEST(LRScheduler, CosineAndSqrtWithMinFactor) {
@@ -121,10 +121,8 @@ TEST(Optimizer, FusedAdamWMatchesTorchAdamW) {
   // Same state objects as torch's (what checkpoints save): step count and both moments.
   ASSERT_EQ(opt->state().size(), torch_opt.state().size());
   for (size_t i = 0; i < mine.size(); ++i) {
-    const auto& a = static_cast<torch::optim::AdamWParamState&>(
-        *opt->state().at(mine[i].unsafeGetTensorImpl()));
-    const auto& b = static_cast<torch::optim::AdamWParamState&>(
-        *torch_opt.state().at(ref[i].unsafeGetTensorImpl()));
+    const auto& a = static_cast<torch::optim::AdamWParamState&>(*opt->state().at(mine[i].unsafeGetTensorImpl()));
+    const auto& b = static_cast<torch::optim::AdamWParamState&>(*torch_opt.state().at(ref[i].unsafeGetTensorImpl()));
     EXPECT_EQ(a.step(), 6);
     for (const auto& [x, y] : {std::pair{a.exp_avg(), b.exp_avg()}, std::pair{a.exp_avg_sq(), b.exp_avg_sq()}})
       EXPECT_LT((x - y).abs().max().item<double>() / y.abs().max().item<double>(), 1e-6) << "moment of " << i;
@@ -137,9 +135,8 @@ TEST(Metrics, JsonLineHasTheContractFields) {
   m.loss = 7.25;
   m.extra = {{"load_balance_loss", 0.5}};
   const std::string j = MetricsLogger::to_json(m);
-  for (const char* k : {"\"step\": 3", "\"loss\": 7.25", "\"grad_norm\"", "\"lr\"", "\"tps\"", "\"tflops\"",
-                        "\"mfu\"", "\"memory_gib\"", "\"data_loading_s\"", "\"elapsed_s\"",
-                        "\"load_balance_loss\": 0.5"})
+  for (const char* k : {"\"step\": 3", "\"loss\": 7.25", "\"grad_norm\"", "\"lr\"", "\"tps\"", "\"tflops\"", "\"mfu\"",
+                        "\"memory_gib\"", "\"data_loading_s\"", "\"elapsed_s\"", "\"load_balance_loss\": 0.5"})
     EXPECT_NE(j.find(k), std::string::npos) << k << " in " << j;
   EXPECT_EQ(format_duration(3725), "1h02m");
   EXPECT_EQ(format_duration(185), "3m05s");
@@ -154,7 +151,7 @@ TEST(Metrics, LossSpikeDetector) {
   EXPECT_EQ(d.observe(std::nan("")), 0.0);  // ignored, not recorded
   EXPECT_EQ(d.observe(2.0), 0.0);           // 5th value: still fewer than 5 before it
   // History 2, 100, 100, 100, 2: mean 60.8.
-  EXPECT_EQ(d.observe(182.0), 0.0);  // < 3 × 60.8 = 182.4
+  EXPECT_EQ(d.observe(182.0), 0.0);                                     // < 3 × 60.8 = 182.4
   EXPECT_DOUBLE_EQ(d.observe(250.0), (2 + 100 * 3 + 2 + 182.0) / 6.0);  // > 3 × 81
   // The window keeps the last 20: after 20 ones the mean is exactly 1.
   for (int i = 0; i < 20; ++i) d.observe(1.0);

@@ -50,8 +50,7 @@ std::string supported_error(const JobConfig& cfg) {
 
 // A file under the test's temporary directory holding `text`.
 std::string write_temp(const std::string& name, const std::string& text) {
-  const std::string path =
-      testing::TempDir() + "ctitan_cfg_" + std::to_string(getpid()) + "_" + name;
+  const std::string path = testing::TempDir() + "ctitan_cfg_" + std::to_string(getpid()) + "_" + name;
   std::ofstream(path) << text;
   return path;
 }
@@ -235,11 +234,10 @@ TEST(ConfigLoad, PrecedenceIsCommandLineThenTomlThenDefaults) {
 }
 
 TEST(ConfigLoad, EqualsAndSpaceSeparatedValues) {
-  const JobConfig c =
-      load_job_config({"--training.seq_len=128", "--model.flavor", "8B", "--job.description=a b=c",
-                       "--parallelism.data_parallel_shard_degree", "-1",
-                       "--lr_scheduler.decay_ratio=0.25", "--optimizer.lr", "3"})
-          .config;
+  const JobConfig c = load_job_config({"--training.seq_len=128", "--model.flavor", "8B", "--job.description=a b=c",
+                                       "--parallelism.data_parallel_shard_degree", "-1",
+                                       "--lr_scheduler.decay_ratio=0.25", "--optimizer.lr", "3"})
+                          .config;
   EXPECT_EQ(c.training.seq_len, 128);
   EXPECT_EQ(c.model.flavor, "8B");
   EXPECT_EQ(c.job.description, "a b=c");
@@ -249,32 +247,27 @@ TEST(ConfigLoad, EqualsAndSpaceSeparatedValues) {
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 3.0);  // an integer is a fine float
 
   // None resets an optional that the TOML set; the last occurrence of a flag wins.
-  const std::string path =
-      write_temp("none.toml", "[lr_scheduler]\ndecay_ratio = 0.8\n[debug]\nseed = 3\n");
-  const JobConfig d = load_job_config({"--job.config_file", path, "--lr_scheduler.decay_ratio",
-                                       "None", "--debug.seed", "5", "--debug.seed=9"})
+  const std::string path = write_temp("none.toml", "[lr_scheduler]\ndecay_ratio = 0.8\n[debug]\nseed = 3\n");
+  const JobConfig d = load_job_config({"--job.config_file", path, "--lr_scheduler.decay_ratio", "None", "--debug.seed",
+                                       "5", "--debug.seed=9"})
                           .config;
   EXPECT_FALSE(d.lr_scheduler.decay_ratio.has_value());
   EXPECT_EQ(d.debug.seed, std::optional<int64_t>(9));
 }
 
 TEST(ConfigLoad, ListsAreCommaSeparated) {
-  const JobConfig c =
-      load_job_config(
-          {"--model.converters", "float8, mx,,", "--compile.components=model",
-           "--checkpoint.exclude_from_loading=", "--parallelism.module_fqns_per_model_part",
-           "tok_embeddings,layers.0;layers.1"})
-          .config;
+  const JobConfig c = load_job_config({"--model.converters", "float8, mx,,", "--compile.components=model",
+                                       "--checkpoint.exclude_from_loading=", "--parallelism.module_fqns_per_model_part",
+                                       "tok_embeddings,layers.0;layers.1"})
+                          .config;
   EXPECT_EQ(c.model.converters, (std::vector<std::string>{"float8", "mx"}));
   EXPECT_EQ(c.compile.components, (std::vector<std::string>{"model"}));
   EXPECT_TRUE(c.checkpoint.exclude_from_loading.empty());
   EXPECT_EQ(c.parallelism.module_fqns_per_model_part,
             (std::vector<std::vector<std::string>>{{"tok_embeddings", "layers.0"}, {"layers.1"}}));
 
-  const JobConfig t =
-      parse_toml("[checkpoint]\nexclude_from_loading = [\"optimizer\", \"dataloader\"]\n");
-  EXPECT_EQ(t.checkpoint.exclude_from_loading,
-            (std::vector<std::string>{"optimizer", "dataloader"}));
+  const JobConfig t = parse_toml("[checkpoint]\nexclude_from_loading = [\"optimizer\", \"dataloader\"]\n");
+  EXPECT_EQ(t.checkpoint.exclude_from_loading, (std::vector<std::string>{"optimizer", "dataloader"}));
 
   config_detail::IntList ints;
   EXPECT_TRUE(config_detail::parse_text("1, 2,-3", ints));
@@ -291,8 +284,7 @@ TEST(ConfigLoad, BoolFlags) {
   EXPECT_TRUE(load_job_config({"--checkpoint.enable", "true"}).config.checkpoint.enable);
   EXPECT_FALSE(load_job_config({"--checkpoint.enable", "false"}).config.checkpoint.enable);
   EXPECT_FALSE(load_job_config({"--checkpoint.enable=false"}).config.checkpoint.enable);
-  EXPECT_FALSE(load_job_config({"--checkpoint.no_initial_load_model_only"})
-                   .config.checkpoint.initial_load_model_only);
+  EXPECT_FALSE(load_job_config({"--checkpoint.no_initial_load_model_only"}).config.checkpoint.initial_load_model_only);
   // Legacy spellings work on the command line too.
   EXPECT_TRUE(load_job_config({"--checkpoint.enable_checkpoint"}).config.checkpoint.enable);
   EXPECT_TRUE(load_job_config({"--job.print_args"}).config.job.print_config);
@@ -320,8 +312,7 @@ TEST(ConfigErrors, UnknownKeySectionAndFlag) {
   EXPECT_EQ(toml_error("[training]\nwarmup_steps = 2\n"),
             "config error: cfg.toml:2: unknown key training.warmup_steps (did you mean "
             "lr_scheduler.warmup_steps?)");
-  EXPECT_EQ(toml_error("[training]\nxyzzy = 2\n"),
-            "config error: cfg.toml:2: unknown key training.xyzzy");
+  EXPECT_EQ(toml_error("[training]\nxyzzy = 2\n"), "config error: cfg.toml:2: unknown key training.xyzzy");
   EXPECT_EQ(cli_error({"--training.seq_length", "5"}),
             "config error: command line: unknown option --training.seq_length (did you mean "
             "--training.seq_len?)");
@@ -339,9 +330,8 @@ TEST(ConfigErrors, WrongType) {
             "config error: cfg.toml:2: compile.components = [\"model\", 1] has type array of mixed "
             "types, "
             "expected array of strings");
-  EXPECT_EQ(
-      toml_error("[checkpoint]\nenable = \"yes\"\n"),
-      "config error: cfg.toml:2: checkpoint.enable = \"yes\" has type string, expected boolean");
+  EXPECT_EQ(toml_error("[checkpoint]\nenable = \"yes\"\n"),
+            "config error: cfg.toml:2: checkpoint.enable = \"yes\" has type string, expected boolean");
   EXPECT_EQ(toml_error("training = 5\n"),
             "config error: cfg.toml:1: training = 5 has type integer, expected table [training]");
   EXPECT_EQ(cli_error({"--training.steps", "ten"}),
@@ -366,17 +356,15 @@ TEST(ConfigErrors, InvalidChoice) {
             "config error: cfg.toml:2: compile.components = [\"model\", \"los\"] contains \"los\", "
             "which is "
             "not one of: model, loss");
+  EXPECT_EQ(toml_error("[quantize.linear.float8]\nrecipe_name = \"colwise\"\n"),
+            "config error: cfg.toml:2: quantize.linear.float8.recipe_name = \"colwise\" is not one of: "
+            "tensorwise, rowwise, rowwise_with_gw_hp (or \"\" for None)");
+  EXPECT_EQ(toml_error("[activation_checkpoint]\nselective_ac_option = \"0\"\n"),
+            "config error: cfg.toml:2: activation_checkpoint.selective_ac_option = \"0\" is not valid "
+            "(expected a positive integer or \"op\")");
   EXPECT_EQ(
-      toml_error("[quantize.linear.float8]\nrecipe_name = \"colwise\"\n"),
-      "config error: cfg.toml:2: quantize.linear.float8.recipe_name = \"colwise\" is not one of: "
-      "tensorwise, rowwise, rowwise_with_gw_hp (or \"\" for None)");
-  EXPECT_EQ(
-      toml_error("[activation_checkpoint]\nselective_ac_option = \"0\"\n"),
-      "config error: cfg.toml:2: activation_checkpoint.selective_ac_option = \"0\" is not valid "
-      "(expected a positive integer or \"op\")");
-  EXPECT_EQ(parse_toml("[activation_checkpoint]\nselective_ac_option = \"op\"\n")
-                .activation_checkpoint.selective_ac_option,
-            "op");
+      parse_toml("[activation_checkpoint]\nselective_ac_option = \"op\"\n").activation_checkpoint.selective_ac_option,
+      "op");
   EXPECT_EQ(load_job_config({"--activation_checkpoint.selective_ac_option", "3"})
                 .config.activation_checkpoint.selective_ac_option,
             "3");
@@ -402,32 +390,26 @@ TEST(ConfigErrors, OutOfRange) {
   EXPECT_EQ(cli_error({"--parallelism.tensor_parallel_degree", "-1"}),
             "config error: command line: parallelism.tensor_parallel_degree = -1 is out of range "
             "(must be >= 1)");
-  EXPECT_EQ(
-      cli_error({"--optimizer.beta2", "1"}),
-      "config error: command line: optimizer.beta2 = 1.0 is out of range (must be >= 0 and < 1)");
-  EXPECT_EQ(
-      cli_error({"--comm.train_timeout_seconds", "0"}),
-      "config error: command line: comm.train_timeout_seconds = 0 is out of range (must be >= 1)");
+  EXPECT_EQ(cli_error({"--optimizer.beta2", "1"}),
+            "config error: command line: optimizer.beta2 = 1.0 is out of range (must be >= 0 and < 1)");
+  EXPECT_EQ(cli_error({"--comm.train_timeout_seconds", "0"}),
+            "config error: command line: comm.train_timeout_seconds = 0 is out of range (must be >= 1)");
   EXPECT_EQ(cli_error({"--checkpoint.interval", "0"}),
             "config error: command line: checkpoint.interval = 0 is out of range (must be >= 1)");
   EXPECT_EQ(cli_error({"--optimizer.lr", "nan"}),
             "config error: command line: optimizer.lr = nan is out of range (must be >= 0)");
-  EXPECT_EQ(load_job_config({"--checkpoint.keep_latest_k", "0"}).config.checkpoint.keep_latest_k,
-            0);
-  EXPECT_EQ(load_job_config({"--checkpoint.keep_latest_k", "2"}).config.checkpoint.keep_latest_k,
-            2);
+  EXPECT_EQ(load_job_config({"--checkpoint.keep_latest_k", "0"}).config.checkpoint.keep_latest_k, 0);
+  EXPECT_EQ(load_job_config({"--checkpoint.keep_latest_k", "2"}).config.checkpoint.keep_latest_k, 2);
 }
 
 TEST(ConfigErrors, MalformedTomlAndMissingFile) {
-  EXPECT_EQ(
-      toml_error("[job]\n\nx = \n"),
-      "config error: cfg.toml:3: malformed TOML: missing value after key-value separator '='");
+  EXPECT_EQ(toml_error("[job]\n\nx = \n"),
+            "config error: cfg.toml:3: malformed TOML: missing value after key-value separator '='");
   EXPECT_EQ(toml_error("[job]\ndescription = \"a\"\ndescription = \"b\"\n"),
             "config error: cfg.toml:3: malformed TOML: value (\"description\") already exists.");
   const std::string missing = testing::TempDir() + "ctitan_no_such_dir/missing.toml";
-  EXPECT_EQ(
-      cli_error({"--job.config_file", missing}),
-      "config error: --job.config_file: cannot open " + missing + ": No such file or directory");
+  EXPECT_EQ(cli_error({"--job.config_file", missing}),
+            "config error: --job.config_file: cannot open " + missing + ": No such file or directory");
   // Errors in a file loaded from the command line name that file.
   const std::string path = write_temp("bad.toml", "[training]\nsteps = -3\n");
   EXPECT_EQ(cli_error({"--job.config_file=" + path}),
@@ -435,14 +417,12 @@ TEST(ConfigErrors, MalformedTomlAndMissingFile) {
 }
 
 TEST(ConfigErrors, CommandLineSyntax) {
-  EXPECT_EQ(cli_error({"--training.steps"}),
-            "config error: command line: --training.steps needs a value (integer)");
+  EXPECT_EQ(cli_error({"--training.steps"}), "config error: command line: --training.steps needs a value (integer)");
   EXPECT_EQ(cli_error({"--training.steps", "--training.seq_len", "5"}),
             "config error: command line: --training.steps needs a value (integer)");
-  EXPECT_EQ(
-      cli_error({"foo"}),
-      "config error: command line: unexpected argument \"foo\" (options are --section.key VALUE or "
-      "--section.key=VALUE)");
+  EXPECT_EQ(cli_error({"foo"}),
+            "config error: command line: unexpected argument \"foo\" (options are --section.key VALUE or "
+            "--section.key=VALUE)");
   EXPECT_EQ(cli_error({"--training.steps", "3", "extra"}),
             "config error: command line: unexpected argument \"extra\" (options are --section.key "
             "VALUE or "
@@ -455,10 +435,9 @@ TEST(ConfigErrors, CommandLineSyntax) {
 TEST(ConfigErrors, FirstProblemByLineAndOneLineEach) {
   // Three problems; the one on the earliest line is reported.
   const std::string doc = "[training]\nseq_len = 0\nsteps = \"x\"\nbogus = 1\n";
-  EXPECT_EQ(toml_error(doc),
-            "config error: cfg.toml:2: training.seq_len = 0 is out of range (must be >= 1)");
-  for (const std::string& msg : {toml_error(doc), toml_error("[job]\n\nx = \n"),
-                                 cli_error({"--nope"}), cli_error({"--training.steps", "x"})})
+  EXPECT_EQ(toml_error(doc), "config error: cfg.toml:2: training.seq_len = 0 is out of range (must be >= 1)");
+  for (const std::string& msg :
+       {toml_error(doc), toml_error("[job]\n\nx = \n"), cli_error({"--nope"}), cli_error({"--training.steps", "x"})})
     EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
 }
 
@@ -524,8 +503,8 @@ TEST(ConfigTorchtitan, DebugModelTomlOfV02Parses) {
 // only for features ctitan runs.
 TEST(ConfigShipped, EveryTrainConfigParsesAndIsSupported) {
   const std::string dir = std::string(CTITAN_SOURCE_DIR) + "/train_configs/";
-  const char* names[] = {"debug_model.toml", "llama3_8b.toml", "llama3_70b.toml", "llama3_405b.toml",
-                         "mixtral_debug.toml", "mixtral_8x7b.toml"};
+  const char* names[] = {"debug_model.toml", "llama3_8b.toml",     "llama3_70b.toml",
+                         "llama3_405b.toml", "mixtral_debug.toml", "mixtral_8x7b.toml"};
   for (const char* n : names) {
     std::ifstream in(dir + n);
     ASSERT_TRUE(in.good()) << n;
@@ -603,8 +582,7 @@ TEST(ConfigDump, TomlRoundTripGivesAnEqualConfig) {
   EXPECT_NE(other, back);
   EXPECT_NE(text.find("\n[quantize.linear.float8]\n"), std::string::npos);
   EXPECT_NE(text.find("\ndecay_ratio = 0.8\n"), std::string::npos);
-  EXPECT_NE(job_config_to_toml(JobConfig()).find("\n# decay_ratio = None (unset)\n"),
-            std::string::npos);
+  EXPECT_NE(job_config_to_toml(JobConfig()).find("\n# decay_ratio = None (unset)\n"), std::string::npos);
 }
 
 TEST(ConfigHelp, MentionsEveryKeyWithTypeDefaultAndChoices) {
@@ -659,17 +637,14 @@ TEST(ConfigHelp, MentionsEveryKeyWithTypeDefaultAndChoices) {
                         "metrics.log_freq",
                         "profiling.enable_profiling"})
     EXPECT_NE(std::find(keys.begin(), keys.end(), k), keys.end()) << k;
-  EXPECT_NE(
-      help.find(
-          "  --lr_scheduler.decay_type  string = \"linear\"  [one of: linear, sqrt, cosine]\n"),
-      std::string::npos);
+  EXPECT_NE(help.find("  --lr_scheduler.decay_type  string = \"linear\"  [one of: linear, sqrt, cosine]\n"),
+            std::string::npos);
   EXPECT_NE(help.find("  --training.seq_len  integer = 2048  [must be >= 1]\n      Sequence length "
                       "in tokens\n"),
             std::string::npos);
-  EXPECT_NE(
-      help.find("  --activation_checkpoint.mode  string = \"selective\"  [one of: selective, full, "
-                "memory_budget, none; ctitan supports: \"none\", \"full\", \"selective\"]"),
-      std::string::npos);
+  EXPECT_NE(help.find("  --activation_checkpoint.mode  string = \"selective\"  [one of: selective, full, "
+                      "memory_budget, none; ctitan supports: \"none\", \"full\", \"selective\"]"),
+            std::string::npos);
   EXPECT_NE(help.find("  --lr_scheduler.decay_ratio  float or None = None"), std::string::npos);
   EXPECT_NE(help.find("  checkpoint.enable_checkpoint -> checkpoint.enable\n"), std::string::npos);
   EXPECT_NE(help.find("  job.print_args -> job.print_config\n"), std::string::npos);
@@ -748,7 +723,7 @@ TEST(ConfigText, PrintableLineEscapesControlAndNonUtf8Bytes) {
   EXPECT_EQ(ctitan::printable_line("a\nb\rc\td"), "a\\nb\\rc\\td");
   EXPECT_EQ(ctitan::printable_line(std::string("x\0y\x01\x7f", 5)), "x\\x00y\\x01\\x7f");
   EXPECT_EQ(ctitan::printable_line("caf\xe9 \xff\xfe \xc0\xaf \xe6\xb8"), "caf\\xe9 \\xff\\xfe \\xc0\\xaf \\xe6\\xb8");
-  EXPECT_EQ(ctitan::printable_line("\xed\xa0\x80"), "\\xed\\xa0\\x80");  // a surrogate
+  EXPECT_EQ(ctitan::printable_line("\xed\xa0\x80"), "\\xed\\xa0\\x80");          // a surrogate
   EXPECT_EQ(ctitan::invalid_utf8_at("ok \xf4\x8f\xbf\xbf"), std::string::npos);  // U+10FFFF
   EXPECT_EQ(ctitan::invalid_utf8_at("ok \xf4\x90\x80\x80"), 3u);
 }

@@ -89,8 +89,7 @@ TEST_F(DataE2E, BadDocumentsStopOrAreSkippedAndCounted) {
   const std::string dump = (root_ / "stop").string();
   auto r = sh(kTrain + args(data, dump, 30) + " --checkpoint.enable --checkpoint.interval 2");
   EXPECT_EQ(r.code, 2) << r.out;
-  EXPECT_NE(r.out.find("\ndataset: " + data + ":40: invalid JSON (unterminated string"), std::string::npos)
-      << r.out;
+  EXPECT_NE(r.out.find("\ndataset: " + data + ":40: invalid JSON (unterminated string"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("on_bad_document = \"skip\""), std::string::npos) << r.out;
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.out, m, std::regex("step: +([0-9]+)/30[^\\n]*\\ndataset: "))) << r.out;
@@ -101,13 +100,14 @@ TEST_F(DataE2E, BadDocumentsStopOrAreSkippedAndCounted) {
 
   // skip, resuming from the checkpoint the stopped run left: it loads, then passes the bad lines.
   const std::string dump2 = (root_ / "skip").string();
-  r = sh(kTrain + args(data, dump2, 14) + " --training.on_bad_document skip --checkpoint.enable "
-                                          "--checkpoint.interval 10 --checkpoint.initial_load_path " + ckpt +
-         " --checkpoint.no_initial_load_model_only");
+  r = sh(kTrain + args(data, dump2, 14) +
+         " --training.on_bad_document skip --checkpoint.enable "
+         "--checkpoint.interval 10 --checkpoint.initial_load_path " +
+         ckpt + " --checkpoint.no_initial_load_model_only");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("checkpoint: loaded step " + std::to_string(last - last % 2)), std::string::npos) << r.out;
   for (const std::string& w : {"skipping " + data + ":40: invalid JSON", "skipping " + data + ":41: not valid UTF-8",
-                              "skipping " + data + ":60: a NUL byte", "skipping " + data + ":75: record has no"})
+                               "skipping " + data + ":60: a NUL byte", "skipping " + data + ":75: record has no"})
     EXPECT_NE(r.out.find(w), std::string::npos) << w << "\n" << r.out;
   EXPECT_NE(r.out.find("step:    14/14"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("bad_documents_skipped: 4.0000"), std::string::npos) << r.out;
@@ -116,9 +116,10 @@ TEST_F(DataE2E, BadDocumentsStopOrAreSkippedAndCounted) {
   EXPECT_EQ(std::stod(counts.back()), 4.0);
   // Resume from step 10 (after the bad lines) to step 14: the count stays 4.
   const std::string dump3 = (root_ / "skip_resume").string();
-  r = sh(kTrain + args(data, dump3, 14) + " --training.on_bad_document skip --checkpoint.enable "
-                                          "--checkpoint.initial_load_path " + dump2 + "/checkpoint/step-10" +
-         " --checkpoint.no_initial_load_model_only");
+  r = sh(kTrain + args(data, dump3, 14) +
+         " --training.on_bad_document skip --checkpoint.enable "
+         "--checkpoint.initial_load_path " +
+         dump2 + "/checkpoint/step-10" + " --checkpoint.no_initial_load_model_only");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_EQ(r.out.find("skipping "), std::string::npos) << "no bad line read again\n" << r.out;
   counts = jsonl_field(dump3 + "/metrics.jsonl", "bad_documents_skipped");
@@ -178,4 +179,3 @@ TEST_F(DataE2E, TokenShardsTrainLikeTheTextAndDamagedOnesExitTwo) {
   EXPECT_NE(r.out.find("part0.jsonl.ctok was tokenized with " + tokenizer_), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("but this run's tokenizer is " + other), std::string::npos) << r.out;
 }
-

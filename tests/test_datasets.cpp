@@ -63,12 +63,12 @@ const std::vector<std::string>& paragraphs() {
     };
     // A deterministic generator adds ~30 plain English paragraphs (an LCG picks words).
     const std::vector<std::string> subj = {"the captain", "a young harpooner", "the old cook",
-                                           "the lookout", "a passenger", "the carpenter"};
-    const std::vector<std::string> verb = {"watched", "mended", "forgot", "remembered",
+                                           "the lookout", "a passenger",       "the carpenter"};
+    const std::vector<std::string> verb = {"watched", "mended",  "forgot",   "remembered",
                                            "carried", "painted", "described"};
-    const std::vector<std::string> obj = {"the grey horizon", "a broken oar", "the long voyage",
-                                          "the silver compass", "a letter from home",
-                                          "the frozen rigging", "every distant sail"};
+    const std::vector<std::string> obj = {"the grey horizon",   "a broken oar",       "the long voyage",
+                                          "the silver compass", "a letter from home", "the frozen rigging",
+                                          "every distant sail"};
     uint32_t state = 12345;
     auto pick = [&](const std::vector<std::string>& words) {
       state = state * 1664525u + 1013904223u;
@@ -113,11 +113,16 @@ std::string join(const std::vector<std::string>& parts, const std::string& sep) 
 std::string json_str(const std::string& s) {
   std::string out = "\"";
   for (char c : s) {
-    if (c == '"') out += "\\\"";
-    else if (c == '\\') out += "\\\\";
-    else if (c == '\n') out += "\\n";
-    else if (c == '\t') out += "\\t";
-    else out += c;
+    if (c == '"')
+      out += "\\\"";
+    else if (c == '\\')
+      out += "\\\\";
+    else if (c == '\n')
+      out += "\\n";
+    else if (c == '\t')
+      out += "\\t";
+    else
+      out += c;
   }
   return out + "\"";
 }
@@ -131,16 +136,14 @@ class Env : public ::testing::Environment {
     const std::string corpus = write_file(dir_ / "train_corpus.txt", join(paragraphs(), "\n"));
     model_ = (dir_ / "tok.model").string();
     const std::string prefix = (dir_ / "tok").string();
-    const std::string cmd =
-        "spm_train --input=" + corpus + " --model_prefix=" + prefix +
-        " --model_type=bpe --vocab_size=400 --hard_vocab_limit=false --byte_fallback=true"
-        " --character_coverage=1.0 --normalization_rule_name=identity"
-        " --remove_extra_whitespaces=false --split_digits=true --allow_whitespace_only_pieces=true"
-        " --unk_id=0 --bos_id=1 --eos_id=2 --pad_id=-1 --num_threads=1 > " +
-        (dir_ / "spm_train.log").string() + " 2>&1";
-    ASSERT_EQ(std::system(cmd.c_str()), 0)
-        << "spm_train failed (is Debian's `sentencepiece` installed?):\n"
-        << read_file(dir_ / "spm_train.log");
+    const std::string cmd = "spm_train --input=" + corpus + " --model_prefix=" + prefix +
+                            " --model_type=bpe --vocab_size=400 --hard_vocab_limit=false --byte_fallback=true"
+                            " --character_coverage=1.0 --normalization_rule_name=identity"
+                            " --remove_extra_whitespaces=false --split_digits=true --allow_whitespace_only_pieces=true"
+                            " --unk_id=0 --bos_id=1 --eos_id=2 --pad_id=-1 --num_threads=1 > " +
+                            (dir_ / "spm_train.log").string() + " 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << "spm_train failed (is Debian's `sentencepiece` installed?):\n"
+                                           << read_file(dir_ / "spm_train.log");
   }
   void TearDown() override {
     std::error_code ec;
@@ -347,8 +350,7 @@ TEST(Tokenizer, ResolvePath) {
   const std::string none = user_error_text([] { resolve_tokenizer_path("", ""); });
   EXPECT_NE(none.find("model.tokenizer_path"), std::string::npos) << none;
   EXPECT_NE(none.find("model.hf_assets_path"), std::string::npos) << none;
-  const std::string empty_assets =
-      user_error_text([&] { resolve_tokenizer_path("", Env::dir_.string()); });
+  const std::string empty_assets = user_error_text([&] { resolve_tokenizer_path("", Env::dir_.string()); });
   EXPECT_NE(empty_assets.find("model.hf_assets_path=" + Env::dir_.string()), std::string::npos);
   EXPECT_NE(empty_assets.find("model.tokenizer_path"), std::string::npos) << empty_assets;
   const std::string bad = user_error_text([] { resolve_tokenizer_path("/nope.model", ""); });
@@ -412,14 +414,14 @@ TEST(TextSource, PlainTextIsOneDocumentPerParagraph) {
 }
 
 TEST(TextSource, JsonlRecordsWithEscapes) {
-  const std::string path = write_file(
-      Env::dir_ / "jsonl" / "a.jsonl",
-      "{\"id\": 1, \"text\": \"plain\"}\n"
-      "\n"
-      "{\"meta\": {\"tags\": [1, 2.5e3, true, null, {\"x\": \"}\"}]}, \"text\": "
-      "\"q\\\" b\\\\ s\\/ n\\n t\\t r\\r \\u00e9 \\u6e2f \\ud83d\\udc33 \\b\\f end\"}\r\n"
-      "  {\"text\": \"\", \"url\": \"http://x\"}  \n"
-      "{\"text\": \"raw UTF-8 stays: 港 🐳\"}");
+  const std::string path =
+      write_file(Env::dir_ / "jsonl" / "a.jsonl",
+                 "{\"id\": 1, \"text\": \"plain\"}\n"
+                 "\n"
+                 "{\"meta\": {\"tags\": [1, 2.5e3, true, null, {\"x\": \"}\"}]}, \"text\": "
+                 "\"q\\\" b\\\\ s\\/ n\\n t\\t r\\r \\u00e9 \\u6e2f \\ud83d\\udc33 \\b\\f end\"}\r\n"
+                 "  {\"text\": \"\", \"url\": \"http://x\"}  \n"
+                 "{\"text\": \"raw UTF-8 stays: 港 🐳\"}");
   const auto docs = all_documents(path);
   ASSERT_EQ(docs.size(), 4u);
   EXPECT_EQ(docs[0], "plain");
@@ -464,8 +466,8 @@ TEST(TextSource, BinaryAndNonUtf8FilesNameTheByte) {
       {std::string("ab\0cd", 5), "a NUL byte at column %: binary data, not text", 3},
       {"caf\xe9 au lait", "not valid UTF-8 (byte 0xe9 at column %)", 4},         // Latin-1
       {"x \xc0\xaf y", "not valid UTF-8 (byte 0xc0 at column %)", 3},            // overlong '/'
-      {"\xed\xa0\x80 surrogate", "not valid UTF-8 (byte 0xed at column %)", 1}, // U+D800
-      {"big \xf4\x90\x80\x80", "not valid UTF-8 (byte 0xf4 at column %)", 5},  // > U+10FFFF
+      {"\xed\xa0\x80 surrogate", "not valid UTF-8 (byte 0xed at column %)", 1},  // U+D800
+      {"big \xf4\x90\x80\x80", "not valid UTF-8 (byte 0xf4 at column %)", 5},    // > U+10FFFF
       {"cut \xe6\xb8", "not valid UTF-8 (byte 0xe6 at column %)", 5},            // truncated
       {"\x80 stray continuation", "not valid UTF-8 (byte 0x80 at column %)", 1},
   };
@@ -503,16 +505,13 @@ TEST(TextSource, FolderListingAndErrors) {
   ASSERT_EQ(files.size(), 2u);
   EXPECT_EQ(fs::path(files[0]).filename(), "a.txt");
   EXPECT_EQ(fs::path(files[1]).filename(), "b.jsonl");
-  EXPECT_EQ(all_documents(d.string()),
-            (std::vector<std::string>{"from a", "second of a", "from b", "b again"}));
+  EXPECT_EQ(all_documents(d.string()), (std::vector<std::string>{"from a", "second of a", "from b", "b again"}));
 
   fs::create_directories(Env::dir_ / "empty_dir");
   write_file(Env::dir_ / "empty_dir" / "notes.md", "x");
-  const std::string e1 =
-      user_error_text([&] { ctitan::list_source_files((Env::dir_ / "empty_dir").string()); });
+  const std::string e1 = user_error_text([&] { ctitan::list_source_files((Env::dir_ / "empty_dir").string()); });
   EXPECT_NE(e1.find("holds no .txt/.jsonl/.json/.jsonl.gz/.json.gz/.ctok files"), std::string::npos) << e1;
-  const std::string e2 =
-      user_error_text([&] { ctitan::list_source_files((d / "c.md").string()); });
+  const std::string e2 = user_error_text([&] { ctitan::list_source_files((d / "c.md").string()); });
   EXPECT_NE(e2.find("neither a .txt/.jsonl/.json/.jsonl.gz/.json.gz/.ctok file nor a folder"), std::string::npos) << e2;
   const std::string e3 = user_error_text([&] { ctitan::list_source_files("/no/such/path"); });
   EXPECT_NE(e3.find("/no/such/path does not exist"), std::string::npos) << e3;
@@ -523,8 +522,7 @@ TEST(TextSource, ResolveDatasetPath) {
   const fs::path root = Env::dir_ / "data_root";
   write_file(root / "moby_dick" / "moby_dick.txt", "Call me Ishmael.\n");
   write_file(root / "sotu" / "1790_x.jsonl", "{\"text\": \"Fellow-Citizens\"}\n");
-  EXPECT_EQ(resolve_dataset_path("moby_dick", "", root.string()),
-            (root / "moby_dick" / "moby_dick.txt").string());
+  EXPECT_EQ(resolve_dataset_path("moby_dick", "", root.string()), (root / "moby_dick" / "moby_dick.txt").string());
   EXPECT_EQ(resolve_dataset_path("sotu", "", root.string()), (root / "sotu").string());
   const std::string own = make_txt_corpus("own_corpus", 1);
   EXPECT_EQ(resolve_dataset_path("moby_dick", own, "/nowhere"), own);  // dataset_path wins
@@ -532,7 +530,8 @@ TEST(TextSource, ResolveDatasetPath) {
   const std::string unknown = user_error_text([&] { resolve_dataset_path("wikitext", "", root.string()); });
   EXPECT_NE(unknown.find("training.dataset=wikitext is not a known corpus (known: moby_dick, sotu, c4_test, c4, "
                          "c4_validation)"),
-            std::string::npos) << unknown;
+            std::string::npos)
+      << unknown;
   EXPECT_NE(unknown.find("training.dataset_path"), std::string::npos) << unknown;
   const std::string missing =
       user_error_text([&] { resolve_dataset_path("sotu", "", (Env::dir_ / "nodata").string()); });
@@ -577,7 +576,8 @@ std::string write_gz(const fs::path& path, const std::string& content, int membe
 
 std::string jsonl_of(const std::vector<std::string>& docs) {
   std::string out;
-  for (size_t i = 0; i < docs.size(); ++i) out += "{\"text\": " + json_str(docs[i]) + ", \"i\": " + std::to_string(i) + "}\n";
+  for (size_t i = 0; i < docs.size(); ++i)
+    out += "{\"text\": " + json_str(docs[i]) + ", \"i\": " + std::to_string(i) + "}\n";
   return out;
 }
 
@@ -686,10 +686,8 @@ TEST(DataLoader, WindowsArePackedLikeTorchtitanAndReloop) {
 
   spdlog::set_default_logger(previous);
   const std::string text = log.str();
-  EXPECT_NE(text.find("dataset pack exhausted on dp rank 0, re-looping (epoch 1)"),
-            std::string::npos) << text;
-  EXPECT_NE(text.find("dataset pack exhausted on dp rank 0, re-looping (epoch 2)"),
-            std::string::npos) << text;
+  EXPECT_NE(text.find("dataset pack exhausted on dp rank 0, re-looping (epoch 1)"), std::string::npos) << text;
+  EXPECT_NE(text.find("dataset pack exhausted on dp rank 0, re-looping (epoch 2)"), std::string::npos) << text;
 }
 
 TEST(DataLoader, RanksTakeDisjointDocumentsCoveringTheCorpus) {
@@ -742,11 +740,11 @@ TEST(DataLoader, TooFewDocumentsForTheRanksIsAUserError) {
   const std::string e = user_error_text([&] { starved.next_window(); });
   EXPECT_NE(e.find("dataset tiny2: dp rank 2 of 3 gets no documents (its share: t.txt bytes 6..9); too few "
                    "documents for dp degree 3"),
-            std::string::npos) << e;
+            std::string::npos)
+      << e;
   EXPECT_NE(user_error_text([&] { DataLoader(tok(), src, 4, 1, 3, 3); }).find("dp rank 3 is not in [0, 3)"),
             std::string::npos);
-  EXPECT_NE(user_error_text([&] { DataLoader(tok(), src, 0, 1, 0, 1); }).find("seq_len=0"),
-            std::string::npos);
+  EXPECT_NE(user_error_text([&] { DataLoader(tok(), src, 0, 1, 0, 1); }).find("seq_len=0"), std::string::npos);
 }
 
 // --------------------------------------------------------------------------------------
@@ -758,7 +756,8 @@ std::string make_jsonl_corpus(const std::string& name) {
   const auto& p = paragraphs();
   for (size_t f = 0; f < 4; ++f) {
     std::string lines;
-    for (size_t i = f; i < p.size(); i += 4) lines += "{\"text\": " + json_str(p[i]) + ", \"n\": " + std::to_string(i) + "}\n";
+    for (size_t i = f; i < p.size(); i += 4)
+      lines += "{\"text\": " + json_str(p[i]) + ", \"n\": " + std::to_string(i) + "}\n";
     write_file(root / ("shard_" + std::to_string(f) + ".jsonl"), lines);
   }
   return root.string();
@@ -777,8 +776,7 @@ TEST(DataLoader, StateDictResumesExactly) {
   // chosen from the rank's token count S so that the epoch boundary falls either after the
   // save (7*3*L < S < 12*3*L) or before it (S < 7*3*L): the carried buffer and the
   // re-loop both have to survive the restore.
-  for (const std::string& src :
-       {make_jsonl_corpus("resume_jsonl"), make_txt_corpus("resume_txt", 3)}) {
+  for (const std::string& src : {make_jsonl_corpus("resume_jsonl"), make_txt_corpus("resume_txt", 3)}) {
     const int64_t S = static_cast<int64_t>(reference_stream(rank_documents(src, 1, 2)).size());
     for (const int64_t L : {S / 27, S / 15}) {
       const int64_t T = L - 1, B = 3;
@@ -820,9 +818,11 @@ TEST(DataLoader, StateDictRecordsWhatThePassStillHolds) {
   while (tokens < 17) tokens += tok().encode(mine[next++].text, true, true).size();
   const std::string s = dl.state_dict();
   EXPECT_NE(s.find("\"work\":[[1," + std::to_string(mine[next].offset) + ",-1,1,0," + std::to_string(next) + ",0]]"),
-            std::string::npos) << s;
+            std::string::npos)
+      << s;
   EXPECT_NE(s.find("\"files\":[\"shard_0.jsonl\",\"shard_1.jsonl\",\"shard_2.jsonl\",\"shard_3.jsonl\"]"),
-            std::string::npos) << s;
+            std::string::npos)
+      << s;
   EXPECT_NE(s.find("\"dp_rank\":1,\"dp_world\":3"), std::string::npos) << s;
   EXPECT_NE(s.find("\"format\":\"ctitan.dataloader\",\"version\":2"), std::string::npos) << s;
   EXPECT_EQ(dl.documents_parsed(), static_cast<int64_t>(next));
@@ -852,13 +852,13 @@ TEST(DataLoader, CorruptOrMismatchedStateIsRejectedAndLeavesTheLoaderAlone) {
       {"[]", "is corrupt: expected a JSON object"},
       {replace("\"format\":\"ctitan.dataloader\"", "\"format\":\"other\""), "\"format\" is not"},
       {replace("\"version\":2", "\"version\":9"), "has version 9; this build reads 1 and 2"},
-      {replace("\"dp_world\":2", "\"dp_world\":4"),
-       "was saved by dp rank 0 of 4, this is dp rank 0 of 2"},
+      {replace("\"dp_world\":2", "\"dp_world\":4"), "was saved by dp rank 0 of 4, this is dp rank 0 of 2"},
       {replace("\"vocab_size\":" + vocab, "\"vocab_size\":7"), "tokenizer of vocab_size 7"},
       {replace("\"epoch\":", "\"epochs\":"), "is corrupt: missing \"epoch\""},
       {replace("\"windows_produced\":", "\"windows_produced\":-"), "\"windows_produced\" is not an integer >= 0"},
       {replace("\"buffer\":[", "\"buffer\":[" + vocab + ","), "\"buffer\" holds a value that is not a token id"},
-      {replace("\"files\":[\"shard_0", "\"files\":[\"other_0"), "file 0 is other_0.jsonl there and shard_0.jsonl here (different corpus?)"},
+      {replace("\"files\":[\"shard_0", "\"files\":[\"other_0"),
+       "file 0 is other_0.jsonl there and shard_0.jsonl here (different corpus?)"},
       {replace("\"work\":[[0,", "\"work\":[[9,"), "\"work\"[0] does not fit the corpus (file 9 of 4"},
       {replace("\"work\":[[0,", "\"work\":[[0,0,"), "\"work\"[0] is not [file,begin,end,stride,phase,ordinal,chain]"},
       {replace("\"work\":[[0,", "\"work\":[[0,99999999"), "\"work\"[0] does not fit the corpus"},
@@ -896,7 +896,6 @@ TEST(DataLoader, ResumesExactlyInsideAGzipFile) {
   }
 }
 
-
 // --------------------------------------------------------------------------------------
 // Sharding: byte ranges, redistribution, token accounting, older states, token shards
 // --------------------------------------------------------------------------------------
@@ -914,8 +913,10 @@ std::vector<std::pair<uint64_t, std::string>> txt_paragraphs(const std::string& 
     if (at == 0 && line.compare(0, 3, "\xEF\xBB\xBF") == 0) line.erase(0, 3);
     if (!line.empty() && line.back() == '\r') line.pop_back();
     const bool blank = line.find_first_not_of(" \t\f\v") == std::string::npos;
-    if (!blank && prev_blank) out.push_back({at, line});
-    else if (!blank) out.back().second += "\n" + line;
+    if (!blank && prev_blank)
+      out.push_back({at, line});
+    else if (!blank)
+      out.back().second += "\n" + line;
     prev_blank = blank;
     at = nl + 1;
   }
@@ -939,7 +940,8 @@ TEST(Sharding, ByteRangesGiveEachDocumentToExactlyOneReader) {
     txt += para + (i % 4 == 0 ? "\n\n\n" : i % 4 == 1 ? "\n \t\n" : "\n\n");
   }
   std::string jsonl;
-  for (size_t i = 0; i < p.size(); ++i) jsonl += (i % 6 == 2 ? "\n" : "") + std::string("{\"text\": ") + json_str(p[i]) + "}\n";
+  for (size_t i = 0; i < p.size(); ++i)
+    jsonl += (i % 6 == 2 ? "\n" : "") + std::string("{\"text\": ") + json_str(p[i]) + "}\n";
   const std::string t = write_file(Env::dir_ / "ranges" / "r.txt", txt);
   const std::string j = write_file(Env::dir_ / "ranges" / "r.jsonl", jsonl);
   // The reference for the .txt file comes from the independent split above.
@@ -1000,7 +1002,8 @@ std::vector<Unit> work_of(const std::string& state) {
     v.push_back(std::stoll(it->str()));
   EXPECT_EQ(v.size() % 7, 0u) << state;
   std::vector<Unit> out;
-  for (size_t i = 0; i + 7 <= v.size(); i += 7) out.push_back({v[i], v[i + 1], v[i + 2], v[i + 3], v[i + 4], v[i + 5], v[i + 6]});
+  for (size_t i = 0; i + 7 <= v.size(); i += 7)
+    out.push_back({v[i], v[i + 1], v[i + 2], v[i + 3], v[i + 4], v[i + 5], v[i + 6]});
   return out;
 }
 std::vector<int64_t> buffer_of(const std::string& state) {
@@ -1117,11 +1120,12 @@ std::string v1_state(const std::string& src, int64_t r, int64_t W, int64_t T, in
   const uint64_t end = g < docs.size() && docs[g].file == last.file ? docs[g].offset : fs::file_size(files[last.file]);
   std::string s = "{\"format\":\"ctitan.dataloader\",\"version\":1,\"dp_rank\":" + std::to_string(r) +
                   ",\"dp_world\":" + std::to_string(W) + ",\"seq_len\":" + std::to_string(T) +
-                  ",\"vocab_size\":" + std::to_string(tok().vocab_size()) + ",\"epoch\":0,\"windows_produced\":" +
-                  std::to_string(windows) + ",\"next_document\":" + std::to_string(g) +
-                  ",\"file_index\":" + std::to_string(last.file) + ",\"file_name\":\"" +
-                  fs::path(files[last.file]).filename().string() + "\",\"file_offset\":" + std::to_string(end) +
-                  ",\"file_line\":" + std::to_string(last.index + 1) + ",\"skipped_documents\":0,\"buffer\":[";
+                  ",\"vocab_size\":" + std::to_string(tok().vocab_size()) +
+                  ",\"epoch\":0,\"windows_produced\":" + std::to_string(windows) +
+                  ",\"next_document\":" + std::to_string(g) + ",\"file_index\":" + std::to_string(last.file) +
+                  ",\"file_name\":\"" + fs::path(files[last.file]).filename().string() +
+                  "\",\"file_offset\":" + std::to_string(end) + ",\"file_line\":" + std::to_string(last.index + 1) +
+                  ",\"skipped_documents\":0,\"buffer\":[";
   for (size_t i = 0; i < buf.size(); ++i) s += (i ? "," : "") + std::to_string(buf[i]);
   s += "]}";
   for (int64_t i = 0; i < more; ++i) next_windows->push_back(window());
@@ -1161,11 +1165,11 @@ TEST(Sharding, RedistributionAccountsForEveryTokenInEachFormat) {
   for (const auto& [kind, src] : formats) {
     for (const auto& [W, W2] : std::vector<std::pair<int64_t, int64_t>>{{2, 3}, {4, 2}}) {
       const Accounting a = account(src, W, W2);
-      std::printf("redistribute %s %lld -> %lld: %lld windows, %lld documents read; duplicated tokens %lld, "
-                  "missing tokens %lld\n",
-                  kind.c_str(), static_cast<long long>(W), static_cast<long long>(W2),
-                  static_cast<long long>(a.windows), static_cast<long long>(a.read_docs),
-                  static_cast<long long>(a.duplicated), static_cast<long long>(a.missing));
+      std::printf(
+          "redistribute %s %lld -> %lld: %lld windows, %lld documents read; duplicated tokens %lld, "
+          "missing tokens %lld\n",
+          kind.c_str(), static_cast<long long>(W), static_cast<long long>(W2), static_cast<long long>(a.windows),
+          static_cast<long long>(a.read_docs), static_cast<long long>(a.duplicated), static_cast<long long>(a.missing));
       EXPECT_EQ(a.duplicated, 0) << kind << " " << W << "->" << W2;
       EXPECT_EQ(a.missing, 0) << kind << " " << W << "->" << W2;
       EXPECT_GT(a.read_docs, 0);
@@ -1261,7 +1265,8 @@ TEST(Sharding, TokenShardsTrainLikeTheTextTheyCameFrom) {
   write_file(bad / "cut" / "x.ctok", bytes.substr(0, bytes.size() - 5));
   e = user_error_text([&] { DataLoader(tok(), (bad / "cut").string(), 16, 1, 0, 1); });
   EXPECT_NE(e.find("x.ctok: truncated or corrupt token shard: " + std::to_string(bytes.size() - 5) + " bytes"),
-            std::string::npos) << e;
+            std::string::npos)
+      << e;
   write_file(bad / "tiny" / "x.ctok", bytes.substr(0, 50));
   e = user_error_text([&] { DataLoader(tok(), (bad / "tiny").string(), 16, 1, 0, 1); });
   EXPECT_NE(e.find("x.ctok: truncated token shard (50 bytes"), std::string::npos) << e;
@@ -1279,13 +1284,13 @@ TEST(Sharding, TokenShardsTrainLikeTheTextTheyCameFrom) {
   EXPECT_NE(e.find("x.ctok: not a ctitan token shard"), std::string::npos) << e;
 }
 
-
 // A malformed line inside a range that starts mid-file is named by its line in the file (the
 // reader counts the lines before its range only when a message needs them).
 TEST(Sharding, ErrorsInsideARangeNameTheLineOfTheFile) {
   std::vector<std::string> docs(paragraphs().begin(), paragraphs().end());
   std::string lines;
-  for (size_t i = 0; i < docs.size(); ++i) lines += (i == 31 ? std::string("{\"text\": oops}") : "{\"text\": " + json_str(docs[i]) + "}") + "\n";
+  for (size_t i = 0; i < docs.size(); ++i)
+    lines += (i == 31 ? std::string("{\"text\": oops}") : "{\"text\": " + json_str(docs[i]) + "}") + "\n";
   const std::string src = write_file(Env::dir_ / "range_error" / "e.jsonl", lines);
   DataLoader dl(tok(), src, 16, 1, 1, 2);  // rank 1 of 2: the second half of the bytes
   const std::string e = user_error_text([&] {
@@ -1293,7 +1298,6 @@ TEST(Sharding, ErrorsInsideARangeNameTheLineOfTheFile) {
   });
   EXPECT_NE(e.find("dataset: " + src + ":32: invalid JSON"), std::string::npos) << e;
 }
-
 
 // Resume on the same number of ranks, each format (the .txt and .json files single, so their
 // ranks hold byte ranges; the .gz file shared by stride; 3 .ctok shards on 2 and 3 ranks,
@@ -1306,10 +1310,9 @@ TEST(Sharding, SameDegreeResumeIsExactInEachFormat) {
   const std::string jsonl_dir = make_jsonl_files("same_jsonl", 3);
   const std::string ctok_dir = (Env::dir_ / "same_ctok").string();
   ctitan::tokenize_corpus(jsonl_dir, tok(), ctok_dir, false);
-  const std::vector<std::string> sources = {
-      write_file(Env::dir_ / "same_txt" / "all.txt", txt), jsonl_dir,
-      write_file(Env::dir_ / "same_json" / "all.json", jsonl_of(p)),
-      write_gz(Env::dir_ / "same_gz" / "all.jsonl.gz", jsonl_of(p)), ctok_dir};
+  const std::vector<std::string> sources = {write_file(Env::dir_ / "same_txt" / "all.txt", txt), jsonl_dir,
+                                            write_file(Env::dir_ / "same_json" / "all.json", jsonl_of(p)),
+                                            write_gz(Env::dir_ / "same_gz" / "all.jsonl.gz", jsonl_of(p)), ctok_dir};
   for (const std::string& src : sources)
     for (const int64_t W : {2, 3, 4}) {
       SCOPED_TRACE(src + " on " + std::to_string(W) + " ranks");

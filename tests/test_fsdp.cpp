@@ -48,8 +48,8 @@ struct RunResult {
 
 // world == nullptr: the reference (no FSDP, whole batch in one process).
 // replicate > 1: HSDP, `replicate` groups of N / replicate ranks each holding the shards.
-RunResult train(Comm* world, const std::string& param_dtype, bool prefetch,
-                const std::string& reshard, Distributed* dist = nullptr, int64_t replicate = 1) {
+RunResult train(Comm* world, const std::string& param_dtype, bool prefetch, const std::string& reshard,
+                Distributed* dist = nullptr, int64_t replicate = 1) {
   torch::manual_seed(7);
   llama::Transformer model(tiny_args());
   model->init_weights();
@@ -80,8 +80,7 @@ RunResult train(Comm* world, const std::string& param_dtype, bool prefetch,
     auto batch = global_batch(step).narrow(0, r * kGlobalBatch / N, kGlobalBatch / N);
     auto inputs = batch.narrow(1, 0, kSeq), labels = batch.narrow(1, 1, kSeq);
     auto logits = model->forward(inputs).to(torch::kFloat);
-    auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                     labels.reshape({-1}));
+    auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}));
     loss.backward();
     auto reported = loss.detach().clone();
     std::function<double(double)> reduce;
@@ -129,8 +128,7 @@ CTITAN_CHILD(fsdp_train) {
   const std::string dtype = std::getenv("FSDP_DTYPE");
   const bool prefetch = std::string(std::getenv("FSDP_PREFETCH")) == "1";
   const char* rep = std::getenv("FSDP_REPLICATE");
-  auto res = train(d->world.get(), dtype, prefetch, std::getenv("FSDP_RESHARD"), d.get(),
-                   rep ? std::atoi(rep) : 1);
+  auto res = train(d->world.get(), dtype, prefetch, std::getenv("FSDP_RESHARD"), d.get(), rep ? std::atoi(rep) : 1);
   if (d->world->rank() == 0) save_result(res, result_path());
   d->world->barrier("done");
   return 0;
@@ -143,8 +141,10 @@ TEST_P(FSDPParity, LossesAndFinalParametersMatchOneProcess) {
   static RunResult reference = train(nullptr, "float32", true, "default");
   const std::string out = "/tmp/ctitan_fsdp_" + std::to_string(getpid()) + ".pt";
   auto rs = spawn_ranks("fsdp_train", n,
-                        {{"CTITAN_TEST_OUT", out}, {"FSDP_DTYPE", "float32"},
-                         {"FSDP_PREFETCH", prefetch ? "1" : "0"}, {"FSDP_RESHARD", reshard}});
+                        {{"CTITAN_TEST_OUT", out},
+                         {"FSDP_DTYPE", "float32"},
+                         {"FSDP_PREFETCH", prefetch ? "1" : "0"},
+                         {"FSDP_RESHARD", reshard}});
   ASSERT_TRUE(all_ok(rs));
   std::vector<torch::Tensor> ts;
   torch::load(ts, out);
@@ -178,17 +178,16 @@ TEST_P(FSDPParity, LossesAndFinalParametersMatchOneProcess) {
 INSTANTIATE_TEST_SUITE_P(Ranks, FSDPParity,
                          ::testing::Values(std::make_tuple(1, "default", true, 1),
                                            std::make_tuple(2, "default", true, 1),
-                                           std::make_tuple(3, "always", false, 1),
-                                           std::make_tuple(4, "never", true, 1),
+                                           std::make_tuple(3, "always", false, 1), std::make_tuple(4, "never", true, 1),
                                            // HSDP: 2 replicas × 2 shards
                                            std::make_tuple(4, "default", true, 2)));
 
 TEST(FSDP, Bf16ParametersFollowTheFp32Curve) {
   static RunResult reference = train(nullptr, "float32", true, "default");
   const std::string out = "/tmp/ctitan_fsdp_bf16_" + std::to_string(getpid()) + ".pt";
-  auto rs = spawn_ranks("fsdp_train", 2,
-                        {{"CTITAN_TEST_OUT", out}, {"FSDP_DTYPE", "bfloat16"},
-                         {"FSDP_PREFETCH", "1"}, {"FSDP_RESHARD", "default"}});
+  auto rs = spawn_ranks(
+      "fsdp_train", 2,
+      {{"CTITAN_TEST_OUT", out}, {"FSDP_DTYPE", "bfloat16"}, {"FSDP_PREFETCH", "1"}, {"FSDP_RESHARD", "default"}});
   ASSERT_TRUE(all_ok(rs));
   std::vector<torch::Tensor> ts;
   torch::load(ts, out);
@@ -301,8 +300,7 @@ CTITAN_CHILD(per_unit_init) {
 class PerUnitInit : public ::testing::TestWithParam<int> {};
 TEST_P(PerUnitInit, RowsEqualFullInitLlamaAndMixtral) {
   auto rs = spawn_ranks("per_unit_init", GetParam());
-  for (size_t r = 0; r < rs.size(); ++r)
-    EXPECT_EQ(rs[r].exit_code, 0) << "rank " << r << ": " << rs[r].output;
+  for (size_t r = 0; r < rs.size(); ++r) EXPECT_EQ(rs[r].exit_code, 0) << "rank " << r << ": " << rs[r].output;
 }
 INSTANTIATE_TEST_SUITE_P(Ranks, PerUnitInit, ::testing::Values(1, 2, 3));
 

@@ -89,8 +89,11 @@ TEST(DeviceChoice, MoreRanksThanGpusIsOneLineUserError) {
 }
 
 TEST(DeviceChoice, FactsOfThisProcessComeFromTheLaunchEnvAndTheCudaRuntime) {
-  const auto env = detect_launch_env({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
-                                      {"LOCAL_WORLD_SIZE", "4"}, {"MASTER_ADDR", "127.0.0.1"},
+  const auto env = detect_launch_env({{"RANK", "5"},
+                                      {"WORLD_SIZE", "8"},
+                                      {"LOCAL_RANK", "1"},
+                                      {"LOCAL_WORLD_SIZE", "4"},
+                                      {"MASTER_ADDR", "127.0.0.1"},
                                       {"MASTER_PORT", "29500"}});
   const auto f = device_facts(env.local_rank, env.local_world_size);
   EXPECT_EQ(f.local_rank, 1);
@@ -227,7 +230,8 @@ TEST(FsdpStreamPlan, CollectivesRunOnTheirOwnStreamsAndComputeWaitsForEachGather
     }
   }
   // The all-gather stream reads shards only after the step started (optimizer writes done).
-  const auto first_ag = std::find_if(ops.begin(), ops.end(), [](const PlanOp& o) { return o.stream == PlanStream::AllGather; });
+  const auto first_ag =
+      std::find_if(ops.begin(), ops.end(), [](const PlanOp& o) { return o.stream == PlanStream::AllGather; });
   ASSERT_NE(first_ag, ops.end());
   EXPECT_EQ(first_ag->kind, PlanOp::WaitEvent);
   EXPECT_EQ(first_ag->event, "step_start");
@@ -396,7 +400,8 @@ TEST(CudaBuild, NcclGroupOfOneRankOrOneLineWithoutGpu) {
       make_nccl_group(store, 0, 1, std::chrono::seconds(10));
       FAIL() << "an NCCL group without a GPU";
     } catch (const RuntimeFailure& e) {
-      EXPECT_EQ(std::string(e.what()), "NCCL group: no GPU visible to this process (ProcessGroupNCCL needs one per rank)");
+      EXPECT_EQ(std::string(e.what()),
+                "NCCL group: no GPU visible to this process (ProcessGroupNCCL needs one per rank)");
     }
   } else {
     auto g = make_nccl_group(store, 0, 1, std::chrono::seconds(10));

@@ -185,11 +185,12 @@ void compare_all(const std::string& name, std::map<std::string, Tally>* tally) {
       if (shown++ < 5) {
         size_t k = 0;
         while (k < got.size() && k < want.size() && got[k] == want[k]) ++k;
-        ADD_FAILURE() << name << " " << corpus << " doc " << d.find("doc")->text << ": ids differ at "
-                      << k << " of " << want.size() << ": ctitan [" << show(got, k, 8) << "] tokenizers ["
-                      << show(want, k, 8) << "]; text from there on: "
+        ADD_FAILURE() << name << " " << corpus << " doc " << d.find("doc")->text << ": ids differ at " << k << " of "
+                      << want.size() << ": ctitan [" << show(got, k, 8) << "] tokenizers [" << show(want, k, 8)
+                      << "]; text from there on: "
                       << json::quote(tok->decode(std::vector<int32_t>(want.begin() + static_cast<std::ptrdiff_t>(k),
-                                                                      want.begin() + static_cast<std::ptrdiff_t>(std::min(want.size(), k + 8))),
+                                                                      want.begin() + static_cast<std::ptrdiff_t>(
+                                                                                         std::min(want.size(), k + 8))),
                                                  false));
       }
       continue;
@@ -197,7 +198,8 @@ void compare_all(const std::string& name, std::map<std::string, Tally>* tally) {
     // Decoding: the same text as tokenizers' decode, with and without skipping special tokens
     // (compared by CRC-32 and length); where that gives the document back, the exact text.
     const std::string dec = tok->decode(got, false), dec_skip = tok->decode(got);
-    bool same = fingerprint(dec) == r.find("decoded_crc")->text && fingerprint(dec_skip) == r.find("decoded_skip_crc")->text;
+    bool same =
+        fingerprint(dec) == r.find("decoded_crc")->text && fingerprint(dec_skip) == r.find("decoded_skip_crc")->text;
     if (r.find("skip_is_text")->boolean) {
       same = same && dec_skip == text;
       t.exact_round_trips += 1;
@@ -205,9 +207,9 @@ void compare_all(const std::string& name, std::map<std::string, Tally>* tally) {
     if (!same) {
       t.decode_mismatch += 1;
       if (shown++ < 5) {
-        ADD_FAILURE() << name << " " << corpus << " doc " << d.find("doc")->text << ": decode differs: "
-                      << json::quote(dec.substr(0, 200)) << " (skipping special tokens: "
-                      << json::quote(dec_skip.substr(0, 200)) << ")";
+        ADD_FAILURE() << name << " " << corpus << " doc " << d.find("doc")->text
+                      << ": decode differs: " << json::quote(dec.substr(0, 200))
+                      << " (skipping special tokens: " << json::quote(dec_skip.substr(0, 200)) << ")";
       }
     }
   }
@@ -222,11 +224,12 @@ TEST_P(SameIds, AsTokenizersOnEveryDocumentAndDecodesBack) {
   std::map<std::string, Tally> tally;
   compare_all(GetParam(), &tally);
   for (const auto& [corpus, t] : tally) {
-    std::printf("[ %-10s ] %-18s %5lld docs %9lld tokens: %lld with other ids, %lld decode differently, "
-                "%lld decode to the exact text\n",
-                GetParam(), corpus.c_str(), static_cast<long long>(t.docs), static_cast<long long>(t.tokens),
-                static_cast<long long>(t.id_mismatch), static_cast<long long>(t.decode_mismatch),
-                static_cast<long long>(t.exact_round_trips));
+    std::printf(
+        "[ %-10s ] %-18s %5lld docs %9lld tokens: %lld with other ids, %lld decode differently, "
+        "%lld decode to the exact text\n",
+        GetParam(), corpus.c_str(), static_cast<long long>(t.docs), static_cast<long long>(t.tokens),
+        static_cast<long long>(t.id_mismatch), static_cast<long long>(t.decode_mismatch),
+        static_cast<long long>(t.exact_round_trips));
     EXPECT_EQ(t.id_mismatch, 0) << corpus;
     EXPECT_EQ(t.decode_mismatch, 0) << corpus;
     // Byte-level BPE loses nothing: without a normalizer every document as written decodes
@@ -283,7 +286,11 @@ TEST(HfTokenizer, BosAndEosAsTorchtitanDerivesThem) {
   EXPECT_EQ(begin, 8192);  // special tokens come after the 8192 trained entries, as in Llama 3
   const std::string text = "Call me Ishmael.";
   const auto raw = llama->encode_ids(text, false);
-  EXPECT_EQ(llama->encode_ids(text), [&] { auto v = raw; v.insert(v.begin(), begin); return v; }());
+  EXPECT_EQ(llama->encode_ids(text), [&] {
+    auto v = raw;
+    v.insert(v.begin(), begin);
+    return v;
+  }());
   auto framed = llama->encode(text, true, true);
   ASSERT_EQ(framed.size(), raw.size() + 2);
   EXPECT_EQ(framed.front(), begin);
@@ -315,7 +322,8 @@ TEST(HfTokenizer, ConcurrentEncodesGiveTheSameIds) {
   REQUIRE_REFERENCE();
   std::vector<std::string> texts;
   std::ifstream docs(Reference::dir_ + "/docs.jsonl");
-  for (std::string line; std::getline(docs, line) && texts.size() < 400;) texts.push_back(parse_line(line).find("text")->text);
+  for (std::string line; std::getline(docs, line) && texts.size() < 400;)
+    texts.push_back(parse_line(line).find("text")->text);
   const auto reference = HfTokenizer::from_tokenizer_json(Reference::dir_ + "/llama3/tokenizer.json");
   std::vector<std::vector<int32_t>> want;
   for (const auto& t : texts) want.push_back(reference->encode(t, true, true));
@@ -403,9 +411,10 @@ TEST(HfTokenizer, SelectionFromHfAssetsPath) {
 TEST(HfTokenizer, TokenizerLargerThanTheModelVocabularyIsAConfigError) {
   REQUIRE_REFERENCE();
   std::string out;
-  const std::string base = std::string(CTITAN_TRAIN_BIN) + " --job.config_file " + kSrc +
-                           "/train_configs/debug_model.toml --training.dataset_path " + Reference::data_ +
-                           "/moby_dick/moby_dick.txt --job.validate_only --model.tokenizer_path= --model.hf_assets_path ";
+  const std::string base =
+      std::string(CTITAN_TRAIN_BIN) + " --job.config_file " + kSrc +
+      "/train_configs/debug_model.toml --training.dataset_path " + Reference::data_ +
+      "/moby_dick/moby_dick.txt --job.validate_only --model.tokenizer_path= --model.hf_assets_path ";
   const int rc = run(base + Reference::dir_ + "/llama3", &out);
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find("8200 ids"), std::string::npos) << out;

@@ -106,7 +106,8 @@ class Launchers : public ::testing::Test {
   }
 
   static void require_torchrun() {
-    ASSERT_TRUE(fs::exists(torchrun())) << torchrun() << " is missing: scripts/install_deps.sh installs PyTorch "
+    ASSERT_TRUE(fs::exists(torchrun())) << torchrun()
+                                        << " is missing: scripts/install_deps.sh installs PyTorch "
                                            "2.13 (with torchrun) into .venv, or set CTITAN_TORCHRUN";
   }
 
@@ -131,8 +132,9 @@ TEST_F(Launchers, TorchrunStandaloneMatchesRunTrainBitwise) {
 TEST_F(Launchers, TorchrunTwoAgentsC10dRendezvousMatchesRunTrainBitwise) {
   require_torchrun();
   const std::string dump = (root_ / "two_agents").string();
-  const std::string rdzv = " --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:" +
-                           std::to_string(free_port()) + " --rdzv-id two_agents --no-python " + kTrain + args(dump);
+  const std::string rdzv =
+      " --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:" + std::to_string(free_port()) +
+      " --rdzv-id two_agents --no-python " + kTrain + args(dump);
   const std::string log0 = (root_ / "agent0.log").string(), log1 = (root_ / "agent1.log").string();
   auto r = sh("( " + torchrun() + " --node-rank 0" + rdzv + " > " + log0 + " 2>&1 & a=$!; sleep 1; " + torchrun() +
               " --node-rank 1" + rdzv + " > " + log1 + " 2>&1 & b=$!; wait $a; ea=$?; wait $b; eb=$?; " +
@@ -156,8 +158,9 @@ TEST_F(Launchers, TorchrunSummaryNamesTheFailingRankAndItsError) {
   const double s = seconds_since(t0);
   EXPECT_NE(r.code, 0) << r.out;
   EXPECT_LT(s, 30.0) << r.out;
-  const std::string line = "training.dataset_path=" + (root_ / "no_such_corpus.txt").string() +
-                           " does not exist (expected a .txt/.jsonl/.json/.jsonl.gz/.json.gz/.ctok file or a folder of them)";
+  const std::string line =
+      "training.dataset_path=" + (root_ / "no_such_corpus.txt").string() +
+      " does not exist (expected a .txt/.jsonl/.json/.jsonl.gz/.json.gz/.ctok file or a folder of them)";
   const auto root_cause = r.out.find("Root Cause (first observed failure):");
   ASSERT_NE(root_cause, std::string::npos) << r.out;
   const std::string cause = r.out.substr(root_cause);
@@ -178,8 +181,9 @@ TEST_F(Launchers, TorchrunRestartResumesFromTheNewestCheckpointBitwise) {
   const std::string dump = (root_ / "restart").string();
   const auto t0 = std::chrono::steady_clock::now();
   // A collective timeout far above the test's bound: the dead peer must be seen by its socket.
-  auto r = sh("CTITAN_FAULT=kill:1:15 " + torchrun() + " --standalone --nproc-per-node 2 --max-restarts 2 --no-python " +
-              kTrain + args(dump) + " --comm.train_timeout_seconds 600");
+  auto r =
+      sh("CTITAN_FAULT=kill:1:15 " + torchrun() + " --standalone --nproc-per-node 2 --max-restarts 2 --no-python " +
+         kTrain + args(dump) + " --comm.train_timeout_seconds 600");
   const double s = seconds_since(t0);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_LT(s, 120.0) << r.out;
@@ -208,9 +212,11 @@ TEST_F(Launchers, TorchrunElasticShrinksToOneAgentAndReadsEveryDocumentOnce) {
   const int steps = 60;
   const std::string agent = torchrun() +
                             " --nnodes 1:2 --nproc-per-node 1 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint "
-                            "127.0.0.1:" + std::to_string(free_port()) +
+                            "127.0.0.1:" +
+                            std::to_string(free_port()) +
                             " --rdzv-id elastic --rdzv-conf last_call_timeout=2,keep_alive_interval=1,"
-                            "keep_alive_max_attempt=2 --no-python " + kTrain + args(dump, steps) +
+                            "keep_alive_max_attempt=2 --no-python " +
+                            kTrain + args(dump, steps) +
                             " --checkpoint.dataloader_reshard redistribute --checkpoint.no_last_save_model_only";
   const std::string trace_a = (root_ / "trace_a").string(), trace_b = (root_ / "trace_b").string();
   const std::string log_a = (root_ / "elastic_a.log").string(), log_b = (root_ / "elastic_b.log").string();
@@ -245,7 +251,8 @@ TEST_F(Launchers, TorchrunElasticShrinksToOneAgentAndReadsEveryDocumentOnce) {
   // When A's worker failed: torchrun's log line "E<mmdd> <hh:mm:ss.us> … failed (exitcode: 3)",
   // in local time, against the local time of the kill.
   std::smatch f;
-  ASSERT_TRUE(std::regex_search(out_a, f, std::regex("E[0-9]{4} ([0-9]{2}):([0-9]{2}):([0-9.]+) .* failed \\(exitcode")))
+  ASSERT_TRUE(
+      std::regex_search(out_a, f, std::regex("E[0-9]{4} ([0-9]{2}):([0-9]{2}):([0-9.]+) .* failed \\(exitcode")))
       << out_a;
   const std::time_t kt = std::chrono::system_clock::to_time_t(killed_wall);
   std::tm local{};
@@ -349,8 +356,8 @@ TEST_F(Launchers, TorchrunElasticShrinksToOneAgentAndReadsEveryDocumentOnce) {
   EXPECT_EQ(twice, 0);
   std::cout << "[ elastic ] agent B killed after 14 steps; A's worker exited " << worker_exit << " s later, A ended "
             << after_kill << " s after the kill, restarted alone from "
-            << "step-" << resumed << " (2 ranks), " << read_docs << " documents read: " << missing << " tokens missing, "
-            << twice << " read twice" << std::endl;
+            << "step-" << resumed << " (2 ranks), " << read_docs << " documents read: " << missing
+            << " tokens missing, " << twice << " read twice" << std::endl;
 }
 
 // Open MPI's mpirun: ranks from OMPI_COMM_WORLD_*, rank 0 serves the store.
@@ -387,15 +394,15 @@ TEST_F(Launchers, SlurmSbatchTrainsStopsOnTermAndResumes) {
   } stop{kSrc + "/scripts/slurm_local_cluster.sh stop " + cluster};
   // Submitted from the job's folder (Slurm writes slurm-<id>.out there); `train` and the
   // config given by the environment sbatch passes on.
-  const std::string env = "SLURM_CONF=" + cluster + "/slurm.conf CTITAN_BUILD_DIR=" +
-                          fs::path(kTrain).parent_path().string() + " CONFIG_FILE=" + kSrc +
-                          "/train_configs/debug_model.toml ";
+  const std::string env = "SLURM_CONF=" + cluster +
+                          "/slurm.conf CTITAN_BUILD_DIR=" + fs::path(kTrain).parent_path().string() +
+                          " CONFIG_FILE=" + kSrc + "/train_configs/debug_model.toml ";
   const auto submit = [&](const std::string& dump, const std::string& sbatch_flags, const std::string& extra) {
     fs::create_directories(dump);
     std::string a = args(dump);
     a = a.substr(a.find(" --model"));  // the config file comes from CONFIG_FILE
-    return sh("cd " + dump + " && " + env + "timeout 300 sbatch " + sbatch_flags + " --ntasks 2 --ntasks-per-node 2 " + kSrc +
-              "/scripts/multinode_trainer.slurm" + a + extra);
+    return sh("cd " + dump + " && " + env + "timeout 300 sbatch " + sbatch_flags + " --ntasks 2 --ntasks-per-node 2 " +
+              kSrc + "/scripts/multinode_trainer.slurm" + a + extra);
   };
   const auto job_output = [](const std::string& dump) {
     std::string all;
@@ -421,8 +428,9 @@ TEST_F(Launchers, SlurmSbatchTrainsStopsOnTermAndResumes) {
 
   // (1b) LAUNCH=torchrun: one torchrun per node (here one, with 2 workers) under srun.
   const std::string via_torchrun = (root_ / "slurm_torchrun").string();
-  r = submit(via_torchrun, "--wait --export=ALL,LAUNCH=torchrun,TORCHRUN=" + torchrun() +
-                               ",RDZV_PORT=" + std::to_string(free_port()), "");
+  r = submit(via_torchrun,
+             "--wait --export=ALL,LAUNCH=torchrun,TORCHRUN=" + torchrun() + ",RDZV_PORT=" + std::to_string(free_port()),
+             "");
   ASSERT_EQ(r.code, 0) << r.out << job_output(via_torchrun);
   EXPECT_NE(job_output(via_torchrun).find("ranks join the agent's store"), std::string::npos)
       << job_output(via_torchrun);

@@ -19,7 +19,7 @@
 #include <sstream>
 
 #include "checkpoint/safetensors.h"
-#include "checkpoint/tool.h"
+#include "tools/checkpoint_tool.h"
 #include "components/metrics.h"
 #include "components/tensorboard.h"
 #include "util/crc.h"
@@ -112,10 +112,15 @@ TEST(TensorBoard, EventBytesFollowTheProtobufWireFormat) {
   // Event{wall_time 1.5, step 300, summary{value{tag "a", simple_value 2}}}, encoded by hand:
   //   09 <1.5 as LE double>  10 AC 02  2A 0A [0A 08 [0A 01 'a' 15 <2.0f LE>]]
   const std::string want = std::string("\x09\x00\x00\x00\x00\x00\x00\xf8\x3f", 9) + std::string("\x10\xac\x02", 3) +
-                           std::string("\x2a\x0a\x0a\x08\x0a\x01" "a" "\x15\x00\x00\x00\x40", 12);
+                           std::string(
+                               "\x2a\x0a\x0a\x08\x0a\x01"
+                               "a"
+                               "\x15\x00\x00\x00\x40",
+                               12);
   EXPECT_EQ(tensorboard::encode_scalars_event(1.5, 300, {{"a", 2.0}}), want);
-  EXPECT_EQ(tensorboard::encode_file_version_event(1.5),
-            std::string("\x09\x00\x00\x00\x00\x00\x00\xf8\x3f\x1a\x0d" "brain.Event:2", 24));
+  EXPECT_EQ(tensorboard::encode_file_version_event(1.5), std::string("\x09\x00\x00\x00\x00\x00\x00\xf8\x3f\x1a\x0d"
+                                                                     "brain.Event:2",
+                                                                     24));
   // TFRecord: LE length, masked CRC of those 8 bytes, data, masked CRC of the data.
   const std::string rec = tensorboard::tfrecord("xyz");
   ASSERT_EQ(rec.size(), 8u + 4 + 3 + 4);
@@ -311,14 +316,20 @@ TEST_F(MetricsE2E, Llama3_8bConfigRunsWithACpuSizedFlavor) {
 // event file open; TensorBoard reads steps 1..11, each equal to metrics.jsonl's.
 TEST_F(MetricsE2E, EventFileIsValidWhileTheJobRuns) {
   const std::string dump = (root_ / "tb_live").string();
-  const std::string cmd = "CTITAN_FAULT=hang:0:12 " + kTrain + args(dump, 50) + " --metrics.enable_tensorboard --metrics.log_freq 1";
+  const std::string cmd =
+      "CTITAN_FAULT=hang:0:12 " + kTrain + args(dump, 50) + " --metrics.enable_tensorboard --metrics.log_freq 1";
   const std::string jsonl = dump + "/metrics.jsonl";
   // A simple command in the background: $! is the train process itself.
-  auto r = sh("{ " + cmd + " > " + root_.string() + "/live.log 2>&1 & pid=$!; "
-              "for i in $(seq 1200); do [ -f " + jsonl + " ] && [ $(wc -l < " + jsonl + ") -ge 11 ] && break; "
+  auto r = sh("{ " + cmd + " > " + root_.string() +
+              "/live.log 2>&1 & pid=$!; "
+              "for i in $(seq 1200); do [ -f " +
+              jsonl + " ] && [ $(wc -l < " + jsonl +
+              ") -ge 11 ] && break; "
               "sleep 0.1; done; sleep 1; kill -0 $pid && echo RUNNING_BEFORE; "
-              "dir=$(dirname $(ls " + dump + "/tb/*/events.out.tfevents.*)); " + venv_python() + " " + kSrc +
-              "/scripts/tb_read.py $dir > " + root_.string() + "/live.tb; echo READ_RC=$?; "
+              "dir=$(dirname $(ls " +
+              dump + "/tb/*/events.out.tfevents.*)); " + venv_python() + " " + kSrc + "/scripts/tb_read.py $dir > " +
+              root_.string() +
+              "/live.tb; echo READ_RC=$?; "
               "kill -0 $pid && echo RUNNING_AFTER; kill -KILL $pid; wait $pid; }");
   EXPECT_NE(r.out.find("RUNNING_BEFORE"), std::string::npos) << r.out << read_file(root_.string() + "/live.log");
   EXPECT_NE(r.out.find("READ_RC=0"), std::string::npos) << r.out;
@@ -349,7 +360,7 @@ TEST_F(MetricsE2E, EventFileIsValidWhileTheJobRuns) {
 TEST_F(MetricsE2E, SaveForAllRanksWritesOneFilePerRank) {
   const std::string dump = (root_ / "tb_all").string();
   auto rs = spawn_processes(argv_of(args(dump, 4) + " --metrics.enable_tensorboard --metrics.save_for_all_ranks"
-                                                     " --metrics.log_freq 1"),
+                                                    " --metrics.log_freq 1"),
                             2, {}, 300);
   ASSERT_TRUE(all_ok(rs));
   const auto folders = event_folders(fs::path(dump) / "tb");
@@ -394,8 +405,7 @@ TEST_F(MetricsE2E, WandbIsRefusedAndBadValidationKeysExitTwo) {
 // The validation windows of dp rank r of W, packed here as the loader documents it: the one
 // file is cut into W equal byte ranges and rank r takes the paragraphs (one line each here)
 // that start in the r-th, each encoded with BOS and EOS, concatenated, cut into windows of T + 1.
-std::vector<std::vector<int64_t>> heldout_windows(const Tokenizer& tok, const std::string& path, int r, int W,
-                                                  int T) {
+std::vector<std::vector<int64_t>> heldout_windows(const Tokenizer& tok, const std::string& path, int r, int W, int T) {
   std::ifstream f(path);
   std::vector<int64_t> stream;
   const uint64_t size = fs::file_size(path);
@@ -408,7 +418,8 @@ std::vector<std::vector<int64_t>> heldout_windows(const Tokenizer& tok, const st
     for (int32_t id : tok.encode(line, true, true)) stream.push_back(id);
   }
   std::vector<std::vector<int64_t>> out;
-  for (size_t at = 0; at + T + 1 <= stream.size(); at += T + 1) out.emplace_back(stream.begin() + at, stream.begin() + at + T + 1);
+  for (size_t at = 0; at + T + 1 <= stream.size(); at += T + 1)
+    out.emplace_back(stream.begin() + at, stream.begin() + at + T + 1);
   return out;
 }
 
@@ -472,7 +483,8 @@ void check_validation(int W, const std::string& dump, const std::string& plain,
   ASSERT_TRUE(all_ok(without));
 
   // Training losses: bitwise the same with and without validation (17 significant digits).
-  const auto losses = jsonl_field(dump + "/metrics.jsonl", "loss"), plain_losses = jsonl_field(plain + "/metrics.jsonl", "loss");
+  const auto losses = jsonl_field(dump + "/metrics.jsonl", "loss"),
+             plain_losses = jsonl_field(plain + "/metrics.jsonl", "loss");
   ASSERT_EQ(losses.size(), 20u);
   EXPECT_EQ(losses, plain_losses);
 
@@ -499,8 +511,8 @@ void check_validation(int W, const std::string& dump, const std::string& plain,
 
   // Against one process: the checkpoints of steps 10 and 20 hold the weights validated then.
   for (int64_t s : {10, 20}) {
-    const Reference ref = reference_loss(dump + "/checkpoint/step-" + std::to_string(s), tokenizer, heldout, W, 2, 32,
-                                         scratch);
+    const Reference ref =
+        reference_loss(dump + "/checkpoint/step-" + std::to_string(s), tokenizer, heldout, W, 2, 32, scratch);
     std::printf("[ranks %d] validation after step %ld: %.17g; one-process forward %.17g (relative %.2e), %.0f tokens\n",
                 W, static_cast<long>(s), jsonl_val[s], ref.loss, std::fabs(jsonl_val[s] - ref.loss) / ref.loss,
                 ref.tokens);
@@ -511,13 +523,17 @@ void check_validation(int W, const std::string& dump, const std::string& plain,
 }
 
 TEST_F(MetricsE2E, ValidationEqualsOneProcessForwardOnOneRank) {
-  check_validation(1, (root_ / "val1").string(), (root_ / "plain1").string(),
-                   [](const std::string& d) { return args(d, 20) + " --metrics.log_freq 1"; }, validation_args(), tokenizer_, heldout_, root_);
+  check_validation(
+      1, (root_ / "val1").string(), (root_ / "plain1").string(),
+      [](const std::string& d) { return args(d, 20) + " --metrics.log_freq 1"; }, validation_args(), tokenizer_,
+      heldout_, root_);
 }
 
 TEST_F(MetricsE2E, ValidationEqualsOneProcessForwardOnTwoRanks) {
-  check_validation(2, (root_ / "val2").string(), (root_ / "plain2").string(),
-                   [](const std::string& d) { return args(d, 20) + " --metrics.log_freq 1"; }, validation_args(), tokenizer_, heldout_, root_);
+  check_validation(
+      2, (root_ / "val2").string(), (root_ / "plain2").string(),
+      [](const std::string& d) { return args(d, 20) + " --metrics.log_freq 1"; }, validation_args(), tokenizer_,
+      heldout_, root_);
 }
 
 // MoE: the validation forward routes tokens too; the routing counters it fills are reset, so
@@ -530,7 +546,8 @@ TEST_F(MetricsE2E, MixtralValidationLeavesTrainingAndRoutingStatisticsUnchanged)
                            " --metrics.log_freq 1 --lr_scheduler.warmup_steps 2 --activation_checkpoint.mode none"
                            " --training.mixed_precision_param float32 --debug.seed 5";
   const std::string with = (root_ / "moe_val").string(), without = (root_ / "moe_plain").string();
-  auto r = sh(kTrain + base + " --job.dump_folder " + with + validation_args() + " --validation.freq 3 --validation.steps 2");
+  auto r = sh(kTrain + base + " --job.dump_folder " + with + validation_args() +
+              " --validation.freq 3 --validation.steps 2");
   ASSERT_EQ(r.code, 0) << r.out;
   r = sh(kTrain + base + " --job.dump_folder " + without);
   ASSERT_EQ(r.code, 0) << r.out;

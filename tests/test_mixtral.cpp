@@ -138,8 +138,8 @@ TEST(MixtralMoE, ForwardBackwardAndAuxLossMatchPerTokenReference) {
   std::vector<int64_t> count(E, 0);
   std::vector<torch::Tensor> probs, outs;
   for (int64_t t = 0; t < N; ++t) {
-    const auto xt = xf[t];                                  // [D]
-    const auto p = torch::softmax(torch::mv(gw, xt), 0);    // [E]
+    const auto xt = xf[t];                                // [D]
+    const auto p = torch::softmax(torch::mv(gw, xt), 0);  // [E]
     std::vector<int64_t> chosen;
     for (int64_t j = 0; j < k; ++j) {  // k rounds of "largest not yet chosen"
       int64_t best = -1;
@@ -217,8 +217,10 @@ constexpr int64_t kSteps = 5, kBatch = 4, kSeq = 32;
 struct Mode {
   std::string label, mode, option;
 };
-const std::vector<Mode> kModes = {
-    {"none", "none", "2"}, {"full", "full", "2"}, {"selective 2", "selective", "2"}, {"selective op", "selective", "op"}};
+const std::vector<Mode> kModes = {{"none", "none", "2"},
+                                  {"full", "full", "2"},
+                                  {"selective 2", "selective", "2"},
+                                  {"selective op", "selective", "op"}};
 
 ACOptions options_of(const Mode& m) {
   ACOptions o;
@@ -244,7 +246,7 @@ torch::Tensor global_batch(int64_t step) {
 }
 
 struct TrainRun {
-  std::vector<double> losses;        // cross-entropy + coeff · load-balance loss
+  std::vector<double> losses;         // cross-entropy + coeff · load-balance loss
   std::vector<torch::Tensor> grads1;  // after step 1
   std::vector<torch::Tensor> params;  // after the last step
   std::vector<torch::Tensor> loads;   // [L, E] tokens per expert of each step (all ranks)
@@ -479,7 +481,8 @@ TEST(MixtralTrainBinary, TrainsReportsLoadBalanceAndFullACGivesTheLossesOfNone) 
     auto c = sh(bin + " --job.config_file " + src + "/train_configs/mixtral_debug.toml --model.tokenizer_path " + tok +
                 " --training.dataset_path " + corpus + " --job.dump_folder " + dump +
                 " --training.steps 4 --training.seq_len 64 --training.local_batch_size 4 --metrics.log_freq 1"
-                " --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-3 --activation_checkpoint.mode " + mode);
+                " --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-3 --activation_checkpoint.mode " +
+                mode);
     EXPECT_EQ(c.code, 0) << c.out;
     return std::make_pair(c.out, dump + "/metrics.jsonl");
   };

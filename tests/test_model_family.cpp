@@ -143,7 +143,7 @@ class Llama2E2E : public ::testing::Test {
   }
   // n ranks of train (no launcher).
   static std::vector<ctitan::testing::RankResult> train(int n, const std::string& a,
-                                                         std::map<std::string, std::string> env = {}) {
+                                                        std::map<std::string, std::string> env = {}) {
     std::vector<std::string> argv = {ctitan::testing::kTrain};
     std::istringstream is(a);
     for (std::string w; is >> w;) argv.push_back(w);
@@ -215,8 +215,7 @@ TEST_F(Llama2E2E, TrainsResumesExportsToHuggingFaceAndLoadsBack) {
   // Loaded back by train (initial_load_in_hf, 2 ranks): what the job holds equals step 6.
   const std::string dump = (root_ / "import").string(), loaded = dump + "/loaded";
   const std::string load = "--checkpoint.enable --checkpoint.initial_load_in_hf --checkpoint.initial_load_path ";
-  auto imp = train(2, args(dump, 1, load + hf),
-                   {{"CTITAN_CHECKPOINT_DUMP_LOADED", loaded}});
+  auto imp = train(2, args(dump, 1, load + hf), {{"CTITAN_CHECKPOINT_DUMP_LOADED", loaded}});
   ASSERT_TRUE(ctitan::testing::all_ok(imp));
   CheckpointReader back(loaded + "/step-6");
   EXPECT_EQ(back.meta().entries.size(), ctitan_params(hf_config_for("llama2", "debugmodel", 2048)).size());

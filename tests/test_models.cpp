@@ -9,8 +9,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <chrono>
 #include <limits>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -79,9 +81,8 @@ torch::Tensor ref_rope(const torch::Tensor& x, const torch::Tensor& cos, const t
   return torch::stack(cols, 3);
 }
 
-torch::Tensor ref_block(const torch::Tensor& x, const RefWeights& w, int64_t n_heads,
-                        int64_t n_kv_heads, double eps, const torch::Tensor& cos,
-                        const torch::Tensor& sin) {
+torch::Tensor ref_block(const torch::Tensor& x, const RefWeights& w, int64_t n_heads, int64_t n_kv_heads, double eps,
+                        const torch::Tensor& cos, const torch::Tensor& sin) {
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2), hd = D / n_heads;
   const auto xn = ref_rmsnorm(x, w.attn_norm, eps);
   auto q = torch::matmul(xn, w.wq.t()).view({B, T, n_heads, hd});
@@ -95,9 +96,9 @@ torch::Tensor ref_block(const torch::Tensor& x, const RefWeights& w, int64_t n_h
     const int64_t kvh = h / group;  // consecutive query heads share one kv head
     std::vector<torch::Tensor> rows;
     for (int64_t t = 0; t < T; ++t) {
-      const auto qt = q.select(1, t).select(1, h);                 // [B, hd]
-      const auto ks = k.narrow(1, 0, t + 1).select(2, kvh);        // [B, t+1, hd]
-      const auto vs = v.narrow(1, 0, t + 1).select(2, kvh);        // [B, t+1, hd]
+      const auto qt = q.select(1, t).select(1, h);                                 // [B, hd]
+      const auto ks = k.narrow(1, 0, t + 1).select(2, kvh);                        // [B, t+1, hd]
+      const auto vs = v.narrow(1, 0, t + 1).select(2, kvh);                        // [B, t+1, hd]
       const auto scores = (ks * qt.unsqueeze(1)).sum(-1) / std::sqrt(double(hd));  // [B, t+1]
       const auto e = torch::exp(scores - std::get<0>(scores.max(-1, true)));
       const auto p = e / e.sum(-1, true);
@@ -126,8 +127,7 @@ void check_block_parity(torch::ScalarType dtype, double fwd_tol, double grad_tol
     block->attention_norm->weight.copy_(1 + 0.3 * torch::randn({args.dim}, dtype));
     block->ffn_norm->weight.copy_(1 + 0.3 * torch::randn({args.dim}, dtype));
   }
-  const auto table = precompute_freqs_cis(args.head_dim(), args.max_seq_len, args.rope_theta,
-                                          args.rope_scaling);
+  const auto table = precompute_freqs_cis(args.head_dim(), args.max_seq_len, args.rope_theta, args.rope_scaling);
   const auto cos = table.narrow(0, 0, T).select(-1, 0).to(dtype);
   const auto sin = table.narrow(0, 0, T).select(-1, 1).to(dtype);
 
@@ -140,8 +140,8 @@ void check_block_parity(torch::ScalarType dtype, double fwd_tol, double grad_tol
 
   // Reference with its own leaf copies of every weight.
   auto leaf = [](const torch::Tensor& t) { return t.detach().clone().requires_grad_(true); };
-  RefWeights w{leaf(block->attention->wq->weight), leaf(block->attention->wk->weight),
-               leaf(block->attention->wv->weight), leaf(block->attention->wo->weight),
+  RefWeights w{leaf(block->attention->wq->weight),    leaf(block->attention->wk->weight),
+               leaf(block->attention->wv->weight),    leaf(block->attention->wo->weight),
                leaf(block->feed_forward->w1->weight), leaf(block->feed_forward->w2->weight),
                leaf(block->feed_forward->w3->weight), leaf(block->attention_norm->weight),
                leaf(block->ffn_norm->weight)};
@@ -158,11 +158,9 @@ void check_block_parity(torch::ScalarType dtype, double fwd_tol, double grad_tol
   const double gx_scale = std::max(1.0, xr.grad().abs().max().item<double>());
   EXPECT_LT(max_abs_diff(x.grad(), xr.grad()) / gx_scale, grad_tol) << "input grad, largest " << gx_scale;
   const std::vector<std::pair<std::string, torch::Tensor>> pairs = {
-      {"attention.wq.weight", w.wq},      {"attention.wk.weight", w.wk},
-      {"attention.wv.weight", w.wv},      {"attention.wo.weight", w.wo},
-      {"feed_forward.w1.weight", w.w1},   {"feed_forward.w2.weight", w.w2},
-      {"feed_forward.w3.weight", w.w3},   {"attention_norm.weight", w.attn_norm},
-      {"ffn_norm.weight", w.ffn_norm}};
+      {"attention.wq.weight", w.wq},    {"attention.wk.weight", w.wk},          {"attention.wv.weight", w.wv},
+      {"attention.wo.weight", w.wo},    {"feed_forward.w1.weight", w.w1},       {"feed_forward.w2.weight", w.w2},
+      {"feed_forward.w3.weight", w.w3}, {"attention_norm.weight", w.attn_norm}, {"ffn_norm.weight", w.ffn_norm}};
   auto named = block->named_parameters();
   ASSERT_EQ(named.size(), pairs.size());
   for (const auto& [name, ref] : pairs) {
@@ -284,9 +282,8 @@ TEST(LlamaModel, ParameterNamesAndCountDebugmodel) {
   std::vector<std::string> expected = {"tok_embeddings.weight"};
   for (int i = 0; i < 6; ++i) {
     const std::string p = "layers." + std::to_string(i) + ".";
-    for (const char* n : {"attention.wq", "attention.wk", "attention.wv", "attention.wo",
-                          "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
-                          "attention_norm", "ffn_norm"})
+    for (const char* n : {"attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
+                          "feed_forward.w2", "feed_forward.w3", "attention_norm", "ffn_norm"})
       expected.push_back(p + n + ".weight");
   }
   expected.push_back("norm.weight");
@@ -330,9 +327,7 @@ TEST(LlamaModel, GqaShapes) {
 
 TEST(LlamaModel, BlockMatchesReferenceFloat32) { check_block_parity(torch::kFloat, 2e-6, 1e-5); }
 
-TEST(LlamaModel, BlockMatchesReferenceFloat64) {
-  check_block_parity(torch::kDouble, 1e-12, 1e-11);
-}
+TEST(LlamaModel, BlockMatchesReferenceFloat64) { check_block_parity(torch::kDouble, 1e-12, 1e-11); }
 
 TEST(LlamaModel, BlockRunsInBfloat16) {
   // Mixed precision feeds bf16 parameters and activations; the RoPE table stays float32.
@@ -340,8 +335,7 @@ TEST(LlamaModel, BlockRunsInBfloat16) {
   auto args = small_args();
   TransformerBlock block(1, args);
   block->init_weights();
-  const auto table = precompute_freqs_cis(args.head_dim(), args.max_seq_len, args.rope_theta,
-                                          args.rope_scaling);
+  const auto table = precompute_freqs_cis(args.head_dim(), args.max_seq_len, args.rope_theta, args.rope_scaling);
   const auto x = torch::randn({2, 9, args.dim});
   torch::NoGradGuard ng;
   const auto y32 = block->forward(x, table);
@@ -427,8 +421,7 @@ TEST(LlamaModel, ForwardShapeAndCausality) {
   tokens2.select(1, t_changed).add_(1).remainder_(97);
   const auto logits2 = model->forward(tokens2);
   EXPECT_LT(max_abs_diff(logits.narrow(1, 0, t_changed), logits2.narrow(1, 0, t_changed)), 1e-6);
-  for (int64_t t = t_changed; t < T; ++t)
-    EXPECT_GT(max_abs_diff(logits.select(1, t), logits2.select(1, t)), 1e-4) << t;
+  for (int64_t t = t_changed; t < T; ++t) EXPECT_GT(max_abs_diff(logits.select(1, t), logits2.select(1, t)), 1e-4) << t;
   EXPECT_THROW(model->forward(torch::zeros({1, 33}, torch::kLong)), c10::Error);
 }
 
@@ -454,8 +447,7 @@ TEST(LlamaModel, UnitWrapperSeesEveryUnitAndCanReplay) {
   EXPECT_TRUE(torch::equal(plain, wrapped));
   EXPECT_EQ(units, (std::vector<std::string>{"tok_embeddings", "layers.0", "layers.1", "output"}));
   // Re-running a unit after forward returned (what activation checkpointing does).
-  for (size_t i = 0; i < fns.size(); ++i)
-    EXPECT_TRUE(torch::equal(fns[i](inputs[i]), outputs[i])) << units[i];
+  for (size_t i = 0; i < fns.size(); ++i) EXPECT_TRUE(torch::equal(fns[i](inputs[i]), outputs[i])) << units[i];
   model->set_unit_wrapper(nullptr);
   EXPECT_TRUE(torch::equal(plain, model->forward(tokens)));
 }
@@ -470,8 +462,7 @@ TEST(Init, SameSeedBitwiseEqual) {
   torch::manual_seed(42);
   m2->init_weights();
   auto p2 = m2->named_parameters();
-  for (const auto& item : m1->named_parameters())
-    EXPECT_TRUE(torch::equal(item.value(), p2[item.key()])) << item.key();
+  for (const auto& item : m1->named_parameters()) EXPECT_TRUE(torch::equal(item.value(), p2[item.key()])) << item.key();
   torch::manual_seed(43);
   m2->init_weights();
   EXPECT_FALSE(torch::equal(m1->named_parameters()["layers.0.attention.wq.weight"],
@@ -598,9 +589,9 @@ AttnResult naive_attention(const torch::Tensor& q0, const torch::Tensor& k0, con
   auto k = k0.detach().clone().requires_grad_(true);
   auto v = v0.detach().clone().requires_grad_(true);
   const int64_t rep = q.size(2) / k.size(2);
-  const auto out = causal_attention(q.transpose(1, 2), repeat_kv(k, rep).transpose(1, 2),
-                                    repeat_kv(v, rep).transpose(1, 2))
-                       .transpose(1, 2);
+  const auto out =
+      causal_attention(q.transpose(1, 2), repeat_kv(k, rep).transpose(1, 2), repeat_kv(v, rep).transpose(1, 2))
+          .transpose(1, 2);
   (out.to(torch::kFloat) * g).sum().backward();
   return {out.detach(), q.grad(), k.grad(), v.grad()};
 }
@@ -631,10 +622,10 @@ double rel_err(const torch::Tensor& a, const torch::Tensor& ref) {
 
 const std::vector<AttnCase>& attn_cases() {
   static const std::vector<AttnCase> cases = {
-      {2, 37, 4, 2, 16, {8, 16}},     // GQA 2, ragged last tiles, online softmax over 3 key tiles
-      {1, 64, 4, 4, 8, {}},           // MHA, one tile per query block (the default tiling)
-      {2, 50, 8, 1, 16, {5, 7}},      // MQA (8 query heads on one kv head), odd tiles
-      {1, 96, 16, 8, 16, {32, 32}},   // the debug model's head layout
+      {2, 37, 4, 2, 16, {8, 16}},       // GQA 2, ragged last tiles, online softmax over 3 key tiles
+      {1, 64, 4, 4, 8, {}},             // MHA, one tile per query block (the default tiling)
+      {2, 50, 8, 1, 16, {5, 7}},        // MQA (8 query heads on one kv head), odd tiles
+      {1, 96, 16, 8, 16, {32, 32}},     // the debug model's head layout
       {2, 256, 16, 8, 16, {128, 512}},  // ... at the default tiling, 16 batch items over the threads
   };
   return cases;
@@ -715,8 +706,7 @@ TEST(FlashAttention, NeverMaterialisesTheScoreMatrix) {
   auto q = in.q.clone().requires_grad_(true), k = in.k.clone().requires_grad_(true),
        v = in.v.clone().requires_grad_(true);
   tl_max_output_numel = 0;
-  auto handle = at::addThreadLocalCallback(
-      at::RecordFunctionCallback(attn_op_start, attn_op_end).needsOutputs(true));
+  auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(attn_op_start, attn_op_end).needsOutputs(true));
   const auto out = flash_causal_attention(q, k, v, c.blocks);
   (out * in.g).sum().backward();
   at::removeCallback(handle);
@@ -781,8 +771,8 @@ void expect_fused_matches(const char* what, const std::function<torch::Tensor(st
 TEST(FusedOps, MatchAtenFormulasInEveryDtype) {
   const auto table = precompute_freqs_cis(16, 64, 10000.0);
   // bf16: one rounding of the result (2^-8) may differ where the formulas round in between.
-  for (auto [dt, tol] : {std::pair{torch::kDouble, 1e-12}, std::pair{torch::kFloat, 2e-6},
-                         std::pair{torch::kBFloat16, 1.6e-2}}) {
+  for (auto [dt, tol] :
+       {std::pair{torch::kDouble, 1e-12}, std::pair{torch::kFloat, 2e-6}, std::pair{torch::kBFloat16, 1.6e-2}}) {
     torch::manual_seed(11);
     const auto x = torch::randn({3, 37, 96}).to(dt), w = (1 + 0.3 * torch::randn({96})).to(dt);
     const auto g = torch::randn({3, 37, 96});
@@ -791,14 +781,14 @@ TEST(FusedOps, MatchAtenFormulasInEveryDtype) {
         [](auto& v) { return aten_rms_norm(v[0], v[1], 1e-5); }, {x, w}, g, tol);
     const auto q = torch::randn({2, 33, 4, 16}).to(dt), gq = torch::randn({2, 33, 4, 16});
     expect_fused_matches(
-        "rope", [&](auto& v) { return fused_rotary_emb(v[0], table); },
-        [&](auto& v) { return aten_rope(v[0], table); }, {q}, gq, tol);
+        "rope", [&](auto& v) { return fused_rotary_emb(v[0], table); }, [&](auto& v) { return aten_rope(v[0], table); },
+        {q}, gq, tol);
     // SwiGLU gate: a spread wide enough to reach the saturated ends of σ.
     const auto a = (torch::randn({5, 29, 64}) * 6).to(dt), b = torch::randn({5, 29, 64}).to(dt);
     const auto gs = torch::randn({5, 29, 64});
     expect_fused_matches(
-        "swiglu", [](auto& v) { return fused_swiglu(v[0], v[1]); },
-        [](auto& v) { return torch::silu(v[0]) * v[1]; }, {a, b}, gs, tol);
+        "swiglu", [](auto& v) { return fused_swiglu(v[0], v[1]); }, [](auto& v) { return torch::silu(v[0]) * v[1]; },
+        {a, b}, gs, tol);
   }
 }
 
@@ -826,10 +816,10 @@ TEST(FusedOps, CrossEntropyMatchesAten) {
     const auto x0 = (torch::randn({N, V}) * 3).to(dt);
     auto a = x0.clone().requires_grad_(true), b = x0.clone().requires_grad_(true);
     const auto mine = fused_cross_entropy(a, labels, 1.0 / N);
-    const auto ref = torch::nn::functional::cross_entropy(
-                         b.to(torch::kFloat), labels,
-                         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) /
-                     N;
+    const auto ref =
+        torch::nn::functional::cross_entropy(b.to(torch::kFloat), labels,
+                                             torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) /
+        N;
     (mine * 2.5).backward();
     (ref * 2.5).backward();
     EXPECT_NEAR(mine.item<double>(), ref.item<double>(), 1e-6 * std::abs(ref.item<double>()));
@@ -847,8 +837,8 @@ TEST(KernelMath, LanesComputeExactlyWhatTheScalarHelpersDo) {
   using namespace kernel;
   std::vector<float> x;  // the exp's special ranges, a sweep, then random bit patterns
   for (float v : {-std::numeric_limits<float>::infinity(), std::numeric_limits<float>::infinity(),
-                  std::numeric_limits<float>::quiet_NaN(), -87.5f, -87.0f, -86.99f, 0.0f, -0.0f, 1e-30f, 87.9f,
-                  88.0f, 88.5f, 0.5f, -0.5f, 0.34657359f, 1.0f})
+                  std::numeric_limits<float>::quiet_NaN(), -87.5f, -87.0f, -86.99f, 0.0f, -0.0f, 1e-30f, 87.9f, 88.0f,
+                  88.5f, 0.5f, -0.5f, 0.34657359f, 1.0f})
     x.push_back(v);
   for (int i = 0; i < 400; ++i) x.push_back(-100.0f + 0.47f * static_cast<float>(i));
   uint32_t state = 12345u;
@@ -871,7 +861,8 @@ TEST(KernelMath, LanesComputeExactlyWhatTheScalarHelpersDo) {
     st(e.data(), Lanes{static_cast<int64_t>(j)}, exp_fast(v));
     st(h.data(), Lanes{static_cast<int64_t>(j)}, v);
   }
-  for (size_t j = 0; j < x.size(); j += 16) st(back.data(), Lanes{static_cast<int64_t>(j)}, ld(h.data(), Lanes{static_cast<int64_t>(j)}));
+  for (size_t j = 0; j < x.size(); j += 16)
+    st(back.data(), Lanes{static_cast<int64_t>(j)}, ld(h.data(), Lanes{static_cast<int64_t>(j)}));
   int exp_mismatch = 0, bf16_mismatch = 0, widen_mismatch = 0;
   for (size_t j = 0; j < x.size(); ++j) {
     const float want = exp_fast(x[j]);
@@ -894,7 +885,8 @@ TEST(KernelMath, LanesComputeExactlyWhatTheScalarHelpersDo) {
   EXPECT_TRUE(std::isnan(widen(narrow_to<c10::BFloat16>(std::numeric_limits<float>::quiet_NaN()))));
   // The reductions: partial lanes over full groups plus a scalar tail.
   const int64_t n = 37;
-  const float mx = lane_max<float>(n, -std::numeric_limits<float>::infinity(), [&](auto j) { return ld(x.data() + 100, j); });
+  const float mx =
+      lane_max<float>(n, -std::numeric_limits<float>::infinity(), [&](auto j) { return ld(x.data() + 100, j); });
   const float sm = lane_sum<float>(n, [&](auto j) { return ld(x.data() + 16, j); });
   float mx_ref = -std::numeric_limits<float>::infinity();
   double sm_ref = 0.0;
@@ -906,8 +898,10 @@ TEST(KernelMath, LanesComputeExactlyWhatTheScalarHelpersDo) {
   EXPECT_NEAR(sm, sm_ref, 1e-5 * std::abs(sm_ref) + 1e-4);
   int visited = 0;
   for_lanes<float>(n, [&](auto j) {
-    if constexpr (std::is_same_v<decltype(j), Lanes>) visited += 16;
-    else visited += 1;
+    if constexpr (std::is_same_v<decltype(j), Lanes>)
+      visited += 16;
+    else
+      visited += 1;
   });
   EXPECT_EQ(visited, n);
 }
@@ -922,6 +916,30 @@ torch::Tensor op_view(const torch::Tensor& buf, int64_t rows, int64_t cols, int6
 }
 
 }  // namespace
+
+// The MFU reference's timing picks the product size from the speed: a slow product (25 ms, as
+// bf16 emulated at 2048^3 would be many seconds) is timed at 256 only and briefly; a fast one
+// grows to the largest size; the rate is the best of the timed runs. And the real GEMM's.
+TEST(Gemm, PeakRateTimesASizeThatFitsTheSpeed) {
+  std::vector<int64_t> sizes;
+  const auto t0 = std::chrono::steady_clock::now();
+  const double slow = gemm::best_product_rate(2048, [&sizes](int64_t n) -> std::function<void()> {
+    sizes.push_back(n);
+    return [] { std::this_thread::sleep_for(std::chrono::milliseconds(25)); };
+  });
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(sizes, std::vector<int64_t>({256}));
+  EXPECT_LT(took, 2.0);
+  EXPECT_LE(slow, 2.0 * 256 * 256 * 256 / 0.025);
+  EXPECT_GT(slow, 2.0 * 256 * 256 * 256 / 0.25);
+  sizes.clear();
+  gemm::best_product_rate(2048, [&sizes](int64_t n) -> std::function<void()> {
+    sizes.push_back(n);
+    return [] {};
+  });
+  EXPECT_EQ(sizes, std::vector<int64_t>({256, 512, 1024, 2048}));
+  EXPECT_GT(gemm::peak_flops(torch::kFloat, 512), 1e8);  // any CPU of the last decades
+}
 
 TEST(Gemm, LibTorchsOwnGemmIsUsedWhenExported) {
   const char* env = std::getenv("CTITAN_GEMM");
@@ -963,8 +981,8 @@ TEST(Gemm, MatchesMatmulInEveryLayoutAlphaBeta) {
         const auto padding0 = cbuf.view({m, ldc}).narrow(1, n, pad).clone();
         const auto want = 0.5 * a.to(torch::kDouble).mm(b.to(torch::kDouble)) +
                           (beta == 0.0 ? torch::zeros({m, n}, torch::kDouble) : beta * c0.to(torch::kDouble));
-        gemm::gemm(type, m, n, k, 0.5, {abuf.data_ptr(), lda, ta}, {bbuf.data_ptr(), ldb, tb}, beta,
-                   cbuf.data_ptr(), ldc);
+        gemm::gemm(type, m, n, k, 0.5, {abuf.data_ptr(), lda, ta}, {bbuf.data_ptr(), ldb, tb}, beta, cbuf.data_ptr(),
+                   ldc);
         const auto got = op_view(cbuf, m, n, ldc, false);
         SCOPED_TRACE(std::string(c10::toString(type)) + " layout " + std::to_string(layout) + " beta " +
                      std::to_string(beta));
@@ -986,8 +1004,8 @@ TEST(Gemm, LinearMatchesAtenLinearAndItsGradients) {
       torch::manual_seed(strided_x ? 5 : 6);
       // x [2, 7, 24], or the same shape viewing a transposed [24, 14]: not row-major (clone
       // keeps the strides)
-      const auto x0 = strided_x ? torch::randn({24, 14}).to(type).t().reshape({2, 7, 24})
-                                : torch::randn({2, 7, 24}).to(type);
+      const auto x0 =
+          strided_x ? torch::randn({24, 14}).to(type).t().reshape({2, 7, 24}) : torch::randn({2, 7, 24}).to(type);
       ASSERT_EQ(x0.is_contiguous(), !strided_x);
       const auto w0 = torch::randn({12, 24}).to(type);
       const auto g = torch::randn({2, 7, 12}).to(type);

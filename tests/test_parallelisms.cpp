@@ -26,8 +26,11 @@ TEST(LaunchEnv, NoLauncherIsOneProcess) {
 }
 
 TEST(LaunchEnv, Torchrun) {
-  auto e = detect_launch_env({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
-                              {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.1.2.3"},
+  auto e = detect_launch_env({{"RANK", "3"},
+                              {"WORLD_SIZE", "8"},
+                              {"LOCAL_RANK", "1"},
+                              {"LOCAL_WORLD_SIZE", "2"},
+                              {"MASTER_ADDR", "10.1.2.3"},
                               {"MASTER_PORT", "29999"}});
   EXPECT_EQ(e.launcher, "torchrun");
   EXPECT_EQ(e.rank, 3);
@@ -39,14 +42,19 @@ TEST(LaunchEnv, Torchrun) {
 }
 
 TEST(LaunchEnv, MpirunAndSrun) {
-  auto m = detect_launch_env({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "4"},
-                              {"OMPI_COMM_WORLD_LOCAL_RANK", "2"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}});
+  auto m = detect_launch_env({{"OMPI_COMM_WORLD_RANK", "2"},
+                              {"OMPI_COMM_WORLD_SIZE", "4"},
+                              {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
+                              {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}});
   EXPECT_EQ(m.launcher, "mpirun");
   EXPECT_EQ(m.rank, 2);
   EXPECT_EQ(m.world_size, 4);
   EXPECT_EQ(m.master_addr, "127.0.0.1");  // one node: loopback
-  auto s = detect_launch_env({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
-                              {"SLURM_NTASKS_PER_NODE", "4"}, {"MASTER_ADDR", "node01"},
+  auto s = detect_launch_env({{"SLURM_PROCID", "5"},
+                              {"SLURM_NTASKS", "8"},
+                              {"SLURM_LOCALID", "1"},
+                              {"SLURM_NTASKS_PER_NODE", "4"},
+                              {"MASTER_ADDR", "node01"},
                               {"SLURM_JOB_ID", "1234"}});
   EXPECT_EQ(s.launcher, "srun");
   EXPECT_EQ(s.rank, 5);
@@ -57,9 +65,9 @@ TEST(LaunchEnv, MpirunAndSrun) {
 
 // srun -n N without --ntasks-per-node: the tasks on this node come from Slurm's compressed list.
 TEST(LaunchEnv, SrunTasksPerNodeList) {
-  std::map<std::string, std::string> e = {{"SLURM_PROCID", "7"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "0"},
-                                          {"SLURM_STEP_TASKS_PER_NODE", "3(x2),2"}, {"SLURM_NODEID", "2"},
-                                          {"MASTER_ADDR", "node01"}};
+  std::map<std::string, std::string> e = {{"SLURM_PROCID", "7"},  {"SLURM_NTASKS", "8"},
+                                          {"SLURM_LOCALID", "0"}, {"SLURM_STEP_TASKS_PER_NODE", "3(x2),2"},
+                                          {"SLURM_NODEID", "2"},  {"MASTER_ADDR", "node01"}};
   EXPECT_EQ(detect_launch_env(e).local_world_size, 2);
   e["SLURM_NODEID"] = "1";
   e["SLURM_LOCALID"] = "1";
@@ -103,9 +111,13 @@ TEST(LaunchEnv, Errors) {
 
 // torchrun's elastic agent adds its own variables; scripts/run_train.sh sets none of them.
 TEST(LaunchEnv, TorchrunElasticAgent) {
-  auto e = detect_launch_env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
-                              {"MASTER_PORT", "40000"}, {"TORCHELASTIC_RUN_ID", "job7"},
-                              {"TORCHELASTIC_RESTART_COUNT", "2"}, {"TORCHELASTIC_MAX_RESTARTS", "3"},
+  auto e = detect_launch_env({{"RANK", "1"},
+                              {"WORLD_SIZE", "2"},
+                              {"MASTER_ADDR", "127.0.0.1"},
+                              {"MASTER_PORT", "40000"},
+                              {"TORCHELASTIC_RUN_ID", "job7"},
+                              {"TORCHELASTIC_RESTART_COUNT", "2"},
+                              {"TORCHELASTIC_MAX_RESTARTS", "3"},
                               {"TORCHELASTIC_USE_AGENT_STORE", "True"},
                               {"TORCHELASTIC_ERROR_FILE", "/tmp/x/error.json"}});
   EXPECT_TRUE(e.elastic());
@@ -114,8 +126,11 @@ TEST(LaunchEnv, TorchrunElasticAgent) {
   EXPECT_EQ(e.restart_count, 2);
   EXPECT_EQ(e.max_restarts, 3);
   EXPECT_EQ(e.error_file, "/tmp/x/error.json");
-  auto f = detect_launch_env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "40000"},
-                              {"TORCHELASTIC_RUN_ID", "job7"}, {"TORCHELASTIC_USE_AGENT_STORE", "False"}});
+  auto f = detect_launch_env({{"RANK", "0"},
+                              {"WORLD_SIZE", "2"},
+                              {"MASTER_PORT", "40000"},
+                              {"TORCHELASTIC_RUN_ID", "job7"},
+                              {"TORCHELASTIC_USE_AGENT_STORE", "False"}});
   EXPECT_FALSE(f.agent_store);  // TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 serves, as without torchrun
   auto g = detect_launch_env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "40000"}});
   EXPECT_FALSE(g.elastic());
@@ -145,7 +160,8 @@ TEST(ParallelDims, ProductMustEqualWorld) {
     ParallelDims::build(1, 3, 1, 1, 1, 4);
     FAIL();
   } catch (const UserError& e) {
-    EXPECT_STREQ(e.what(), "parallelism: dp_replicate (1) · dp_shard (3) · cp (1) · tp (1) · pp (1) = 3 ≠ WORLD_SIZE (4)");
+    EXPECT_STREQ(e.what(),
+                 "parallelism: dp_replicate (1) · dp_shard (3) · cp (1) · tp (1) · pp (1) = 3 ≠ WORLD_SIZE (4)");
   }
   try {
     ParallelDims::build(1, -1, 1, 2, 1, 4);
@@ -278,8 +294,7 @@ TEST(Collectives, StuckRankTimesOutWithAnError) {
   auto rs = spawn_ranks("stuck_rank", 3, {}, 60);
   for (int r : {0, 2}) {
     EXPECT_EQ(rs[r].exit_code, 1) << rs[r].output;
-    EXPECT_NE(rs[r].output.find("all_reduce(grad_norm) failed at step 11: timed out after 3 s"),
-              std::string::npos)
+    EXPECT_NE(rs[r].output.find("all_reduce(grad_norm) failed at step 11: timed out after 3 s"), std::string::npos)
         << rs[r].output;
   }
 }

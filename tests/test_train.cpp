@@ -43,9 +43,9 @@ class TrainE2E : public ::testing::Test {
 
   // Common arguments of a small, fast run of the debug model.
   static std::string args(const std::string& dump, int steps) {
-    return " --job.config_file " + kSrc + "/train_configs/debug_model.toml --model.tokenizer_path " +
-           tokenizer_ + " --training.dataset_path " + corpus_ + " --job.dump_folder " + dump +
-           " --training.steps " + std::to_string(steps) +
+    return " --job.config_file " + kSrc + "/train_configs/debug_model.toml --model.tokenizer_path " + tokenizer_ +
+           " --training.dataset_path " + corpus_ + " --job.dump_folder " + dump + " --training.steps " +
+           std::to_string(steps) +
            " --training.seq_len 64 --training.local_batch_size 4 --metrics.log_freq 1"
            " --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-3";
   }
@@ -90,9 +90,9 @@ TEST_F(TrainE2E, TwentyStepsLossFalls) {
 // fp32 model (604 MiB) first.
 TEST_F(TrainE2E, StartUpPeakIsShardPlusOneUnitOn4Ranks) {
   const std::string dump = (root_ / "start150m").string();
-  auto r = sh("NPROC=4 CTITAN_BUILD_DIR=" + fs::path(kTrain).parent_path().string() + " " + kSrc +
-              "/scripts/run_train.sh" + args(dump, 1) +
-              " --model.flavor 150M --training.seq_len 32 --training.local_batch_size 1 2>&1");
+  auto r =
+      sh("NPROC=4 CTITAN_BUILD_DIR=" + fs::path(kTrain).parent_path().string() + " " + kSrc + "/scripts/run_train.sh" +
+         args(dump, 1) + " --model.flavor 150M --training.seq_len 32 --training.local_batch_size 1 2>&1");
   ASSERT_EQ(r.code, 0) << r.out;
   for (int rank = 0; rank < 4; ++rank) {
     std::ifstream log(dump + "/logs/rank" + std::to_string(rank) + ".log");
@@ -141,8 +141,9 @@ TEST_F(TrainE2E, MemoryEstimateWithin15PercentOfPeakRss) {
     const std::string dump = (root_ / ("mem_" + mode)).string();
     auto r = sh(kTrain + args(dump, 2) + " --training.seq_len 256 --activation_checkpoint.mode " + mode + " 2>&1");
     ASSERT_EQ(r.code, 0) << r.out;
-    const std::regex re("peak RSS: ([0-9.]+) GiB on this rank since the model was built \\(start-up estimate "
-                        "([0-9.]+) GiB");
+    const std::regex re(
+        "peak RSS: ([0-9.]+) GiB on this rank since the model was built \\(start-up estimate "
+        "([0-9.]+) GiB");
     std::smatch m;
     ASSERT_TRUE(std::regex_search(r.out, m, re)) << r.out;
     const double peak = std::stod(m[1]), estimate = std::stod(m[2]);
@@ -203,11 +204,14 @@ TEST_F(TrainE2E, BadConfigExitsTwoWithOneLineAndWritesNothing) {
     std::string extra, expect;
   };
   const std::vector<Case> cases = {
-      {" --training.seq_length 5", "config error: command line: unknown option --training.seq_length (did you mean --training.seq_len?)"},
+      {" --training.seq_length 5",
+       "config error: command line: unknown option --training.seq_length (did you mean --training.seq_len?)"},
       {" --lr_scheduler.decay_type exp", "lr_scheduler.decay_type = \"exp\" is not one of: linear, sqrt, cosine"},
       {" --training.steps 0", "training.steps = 0 is out of range (must be >= 1)"},
-      {" --training.global_batch_size 6", "training.global_batch_size=6 is not a multiple of local_batch_size (4) × dp (1)"},
-      {" --model.flavor 9B", "unknown model.flavor \"9B\" for llama3; valid: debugmodel, debugmodel_gqa, 33M, 150M, 8B, 70B, 405B"},
+      {" --training.global_batch_size 6",
+       "training.global_batch_size=6 is not a multiple of local_batch_size (4) × dp (1)"},
+      {" --model.flavor 9B",
+       "unknown model.flavor \"9B\" for llama3; valid: debugmodel, debugmodel_gqa, 33M, 150M, 8B, 70B, 405B"},
       {" --compile.enable", "not supported yet: compile.enable = true (ctitan supports: false)"},
   };
   for (const auto& c : cases) {
@@ -292,12 +296,15 @@ TEST_F(TrainE2E, FailingRankStopsTheJob) {
   for (const std::string kind : {"raise", "kill"}) {
     const std::string dump = (root_ / ("fault_" + kind)).string();
     const auto t0 = std::chrono::steady_clock::now();
-    auto r = sh("CTITAN_FAULT=" + kind + ":1:3 NPROC=2 CTITAN_BUILD_DIR=" +
-                fs::path(kTrain).parent_path().string() + " " + kSrc + "/scripts/run_train.sh" +
-                args(dump, 8).substr(args(dump, 8).find(" --model")) + " --comm.train_timeout_seconds 10");
+    auto r = sh("CTITAN_FAULT=" + kind + ":1:3 NPROC=2 CTITAN_BUILD_DIR=" + fs::path(kTrain).parent_path().string() +
+                " " + kSrc + "/scripts/run_train.sh" + args(dump, 8).substr(args(dump, 8).find(" --model")) +
+                " --comm.train_timeout_seconds 10");
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     EXPECT_EQ(r.code, kind == "raise" ? 1 : 128 + SIGKILL) << r.out;
-    EXPECT_LT(s, 60.0) << r.out;
+    // No hang: the job ends on the 10 s collective timeout (a hang would run into ctest's
+    // timeout). The bound leaves room for two process start-ups and three steps on a loaded
+    // CI machine (62 s was seen there with 60 s here).
+    EXPECT_LT(s, 120.0) << r.out;
     EXPECT_NE(r.out.find("[launcher] rank 1 exited with code " + std::to_string(kind == "raise" ? 1 : 137) +
                          "; stopping the other ranks"),
               std::string::npos)
@@ -318,9 +325,12 @@ TEST_F(TrainE2E, SurvivorNamesTheCollective) {
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(rs[1].exit_code, 128 + SIGKILL);
   EXPECT_EQ(rs[0].exit_code, 3) << rs[0].output;  // 3: a collective failed
-  EXPECT_FALSE(rs[0].timed_out);
-  EXPECT_LT(s, 45.0);
-  EXPECT_TRUE(std::regex_search(rs[0].output, std::regex("rank 0 \\(group [a-z_0-9]+\\): all_(reduce|gather)\\([a-z_:.0-9]+\\) failed at step 3")))
+  EXPECT_FALSE(rs[0].timed_out);                  // spawn_processes' 90 s: a hang
+  // Start-up, three steps and the 10 s timeout; 52.6 s was seen on a loaded CI machine.
+  EXPECT_LT(s, 80.0);
+  EXPECT_TRUE(std::regex_search(
+      rs[0].output,
+      std::regex("rank 0 \\(group [a-z_0-9]+\\): all_(reduce|gather)\\([a-z_:.0-9]+\\) failed at step 3")))
       << rs[0].output;
 }
 
@@ -329,9 +339,9 @@ TEST_F(TrainE2E, SurvivorNamesTheCollective) {
 TEST_F(TrainE2E, RendezvousTimesOut) {
   const int port = ctitan::testing::free_port();
   const auto t0 = std::chrono::steady_clock::now();
-  auto r = sh("RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
-              std::to_string(port) + " " + kTrain + args((root_ / "rdzv").string(), 3) +
-              " --comm.init_timeout_seconds 3");
+  auto r = sh(
+      "RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+      " " + kTrain + args((root_ / "rdzv").string(), 3) + " --comm.init_timeout_seconds 3");
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_LT(s, 30.0);
@@ -381,8 +391,11 @@ TEST_F(TrainE2E, LauncherPassesStopSignalsOn) {
                           "/scripts/run_train.sh" + args(dump, 200).substr(args(dump, 200).find(" --model")) +
                           " --checkpoint.enable --checkpoint.interval 1000";
   // Signal the launcher once rank 0 has logged two steps.
-  auto r = sh("{ (" + cmd + ") & lp=$!; for i in $(seq 600); do [ -f " + dump + "/metrics.jsonl ] && "
-              "[ $(wc -l < " + dump + "/metrics.jsonl) -ge 2 ] && break; sleep 0.1; done; kill -TERM $lp; wait $lp; "
+  auto r = sh("{ (" + cmd + ") & lp=$!; for i in $(seq 600); do [ -f " + dump +
+              "/metrics.jsonl ] && "
+              "[ $(wc -l < " +
+              dump +
+              "/metrics.jsonl) -ge 2 ] && break; sleep 0.1; done; kill -TERM $lp; wait $lp; "
               "echo \"launcher exit $?\"; }");
   EXPECT_NE(r.out.find("launcher exit 0"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("[launcher] received SIGTERM: passing it on to the ranks"), std::string::npos) << r.out;
@@ -397,8 +410,11 @@ TEST_F(TrainE2E, LauncherPassesStopSignalsOn) {
 // once, killed by that signal, without saving.
 TEST_F(TrainE2E, SecondSignalExitsAtOnce) {
   const std::string dump = (root_ / "second_signal").string();
-  auto r = sh("{ CTITAN_FAULT=hang:0:2 " + kTrain + args(dump, 5) + " --checkpoint.enable & p=$!; "
-              "for i in $(seq 600); do [ -s " + dump + "/metrics.jsonl ] && break; sleep 0.1; done; sleep 0.5; "
+  auto r = sh("{ CTITAN_FAULT=hang:0:2 " + kTrain + args(dump, 5) +
+              " --checkpoint.enable & p=$!; "
+              "for i in $(seq 600); do [ -s " +
+              dump +
+              "/metrics.jsonl ] && break; sleep 0.1; done; sleep 0.5; "
               "kill -TERM $p; sleep 1.5; t0=$(date +%s%N); kill -TERM $p; wait $p; code=$?; "
               "echo \"exit $code after $(( ($(date +%s%N) - t0) / 1000000 )) ms\"; }");
   std::smatch m;
@@ -424,23 +440,52 @@ class InputFuzz {
   }
 
   struct Case {
-    std::string what;                // the kind of case, for failure messages
+    std::string what;                 // the kind of case, for failure messages
     std::optional<std::string> toml;  // written to a file and passed as --job.config_file
-    std::vector<std::string> args;   // command-line arguments
+    std::vector<std::string> args;    // command-line arguments
   };
 
   Case next() {
     Case c;
     switch (pick(9)) {
-      case 0: c.what = "random TOML"; c.toml = random_toml(); break;
-      case 8: c.what = "config with a replaced value"; c.toml = replaced_value(); break;
-      case 1: c.what = "truncated config"; c.toml = truncated(); break;
-      case 2: c.what = "mutated config"; c.toml = mutated(); break;
-      case 3: c.what = "binary garbage"; c.toml = garbage(pick(3000)); break;
-      case 4: c.what = "non-UTF-8 TOML"; c.toml = non_utf8_toml(); break;
-      case 5: c.what = "real config + random overrides"; c.toml = config(); c.args = random_args(1 + pick(4)); break;
-      case 6: c.what = "random overrides"; c.args = random_args(1 + pick(6)); break;
-      default: c.what = "random TOML + overrides"; c.toml = random_toml(); c.args = random_args(1 + pick(3)); break;
+      case 0:
+        c.what = "random TOML";
+        c.toml = random_toml();
+        break;
+      case 8:
+        c.what = "config with a replaced value";
+        c.toml = replaced_value();
+        break;
+      case 1:
+        c.what = "truncated config";
+        c.toml = truncated();
+        break;
+      case 2:
+        c.what = "mutated config";
+        c.toml = mutated();
+        break;
+      case 3:
+        c.what = "binary garbage";
+        c.toml = garbage(pick(3000));
+        break;
+      case 4:
+        c.what = "non-UTF-8 TOML";
+        c.toml = non_utf8_toml();
+        break;
+      case 5:
+        c.what = "real config + random overrides";
+        c.toml = config();
+        c.args = random_args(1 + pick(4));
+        break;
+      case 6:
+        c.what = "random overrides";
+        c.args = random_args(1 + pick(6));
+        break;
+      default:
+        c.what = "random TOML + overrides";
+        c.toml = random_toml();
+        c.args = random_args(1 + pick(3));
+        break;
     }
     // Half the cases point at a real tokenizer and corpus (so that some pass every check);
     // the fuzzed arguments come after and may override them.
@@ -459,7 +504,9 @@ class InputFuzz {
   }
   size_t pick(size_t n) { return n ? rng_() % n : 0; }
   template <class T>
-  const T& any(const std::vector<T>& v) { return v[pick(v.size())]; }
+  const T& any(const std::vector<T>& v) {
+    return v[pick(v.size())];
+  }
   const std::string& config() { return any(configs_); }
 
   std::string key_name() {  // a real key, a near miss, or made up
@@ -473,22 +520,76 @@ class InputFuzz {
     }
   }
   std::string toml_value() {
-    static const std::vector<std::string> v = {
-        "0", "1", "-1", "2", "7", "2147483648", "9223372036854775807", "-9223372036854775808",
-        "99999999999999999999", "1e400", "-1e400", "0.0", "-0.5", "3.14", "1e-30", "nan", "inf", "-inf",
-        "true", "false", "\"\"", "\"x\"", "\"debugmodel\"", "\"float32\"", "\"stop\"", "\"none\"", "\"full\"",
-        "\"a\\nb\"", "\"tab\\there\"", "\"\\u0000\"", "\"\\uD800\"", "\"港\"", "'literal'", "\"\"\"multi\nline\"\"\"",
-        "[]", "[1, 2]", "[\"a\", \"b\"]", "[[1]]", "[1, \"a\"]", "{a = 1}", "1979-05-27T07:32:00Z", "07:32:00",
-        "\"unterminated", "[1, 2", "{a = ", "0x1F", "0o777", "0b101", "1_000", "+5", "--5", "1.", ".5", "TRUE",
-        "\"" + std::string(5000, 'y') + "\""};
+    static const std::vector<std::string> v = {"0",
+                                               "1",
+                                               "-1",
+                                               "2",
+                                               "7",
+                                               "2147483648",
+                                               "9223372036854775807",
+                                               "-9223372036854775808",
+                                               "99999999999999999999",
+                                               "1e400",
+                                               "-1e400",
+                                               "0.0",
+                                               "-0.5",
+                                               "3.14",
+                                               "1e-30",
+                                               "nan",
+                                               "inf",
+                                               "-inf",
+                                               "true",
+                                               "false",
+                                               "\"\"",
+                                               "\"x\"",
+                                               "\"debugmodel\"",
+                                               "\"float32\"",
+                                               "\"stop\"",
+                                               "\"none\"",
+                                               "\"full\"",
+                                               "\"a\\nb\"",
+                                               "\"tab\\there\"",
+                                               "\"\\u0000\"",
+                                               "\"\\uD800\"",
+                                               "\"港\"",
+                                               "'literal'",
+                                               "\"\"\"multi\nline\"\"\"",
+                                               "[]",
+                                               "[1, 2]",
+                                               "[\"a\", \"b\"]",
+                                               "[[1]]",
+                                               "[1, \"a\"]",
+                                               "{a = 1}",
+                                               "1979-05-27T07:32:00Z",
+                                               "07:32:00",
+                                               "\"unterminated",
+                                               "[1, 2",
+                                               "{a = ",
+                                               "0x1F",
+                                               "0o777",
+                                               "0b101",
+                                               "1_000",
+                                               "+5",
+                                               "--5",
+                                               "1.",
+                                               ".5",
+                                               "TRUE",
+                                               "\"" + std::string(5000, 'y') + "\""};
     return any(v);
   }
   std::string cli_value() {
-    static const std::vector<std::string> v = {
-        "0", "1", "-1", "7", "1e400", "99999999999999999999", "nan", "inf", "-0", "0.5", "true", "false",
-        "yes", "", " ", "x", "debugmodel", "float32", "a,b,c", ",", "[1,2]", "line\nbreak", "tab\there",
-        "\xff\xfe", "caf\xe9", "\xc0\xaf", std::string(3000, 'z'), "--", "-5", "1 2", "3e3", "0x10",
-        "/nonexistent/file.model", "港"};
+    static const std::vector<std::string> v = {"0",           "1",          "-1",
+                                               "7",           "1e400",      "99999999999999999999",
+                                               "nan",         "inf",        "-0",
+                                               "0.5",         "true",       "false",
+                                               "yes",         "",           " ",
+                                               "x",           "debugmodel", "float32",
+                                               "a,b,c",       ",",          "[1,2]",
+                                               "line\nbreak", "tab\there",  "\xff\xfe",
+                                               "caf\xe9",     "\xc0\xaf",   std::string(3000, 'z'),
+                                               "--",          "-5",         "1 2",
+                                               "3e3",         "0x10",       "/nonexistent/file.model",
+                                               "港"};
     return any(v);
   }
   std::vector<std::string> random_args(size_t n) {
@@ -497,11 +598,15 @@ class InputFuzz {
       switch (pick(7)) {
         case 0: a.push_back("--" + key_name() + "=" + cli_value()); break;
         case 1: a.push_back("--" + key_name()); break;
-        case 2: a.push_back(any(std::vector<std::string>{"-x", "--", "---a", "--=", "--.", "--training.", "--.steps",
-                                                         "bare", "", "-", "--help=1", "--job.config_file"}));
-                break;
+        case 2:
+          a.push_back(any(std::vector<std::string>{"-x", "--", "---a", "--=", "--.", "--training.", "--.steps", "bare",
+                                                   "", "-", "--help=1", "--job.config_file"}));
+          break;
         case 3: a.push_back(std::string("--") + "\xff\x01" + key_name()); break;
-        default: a.push_back("--" + key_name()); a.push_back(cli_value()); break;
+        default:
+          a.push_back("--" + key_name());
+          a.push_back(cli_value());
+          break;
       }
     }
     return a;
@@ -515,7 +620,7 @@ class InputFuzz {
       switch (pick(8)) {
         case 0: t += "[" + k.substr(0, dot) + "]\n"; break;
         case 1: t += "[[" + k.substr(0, dot) + "]]\n"; break;
-        case 2: t += k + " = " + toml_value() + "\n"; break;   // dotted key at top level
+        case 2: t += k + " = " + toml_value() + "\n"; break;  // dotted key at top level
         case 3: t += "\"" + k + "\" = " + toml_value() + "\n"; break;
         case 4: t += k.substr(dot + 1) + " " + toml_value() + "\n"; break;  // no '='
         default: t += "[" + k.substr(0, dot) + "]\n" + k.substr(dot + 1) + " = " + toml_value() + "\n"; break;
@@ -557,8 +662,8 @@ class InputFuzz {
     return g;
   }
   std::string non_utf8_toml() {
-    static const std::vector<std::string> bad = {"\xff", "\xc0\x80", "\xed\xa0\x80", "\xf4\x90\x80\x80", "\xe6\xb8",
-                                                 "\x80", "\xfe\xff", std::string("\0", 1)};
+    static const std::vector<std::string> bad = {"\xff",     "\xc0\x80", "\xed\xa0\x80", "\xf4\x90\x80\x80",
+                                                 "\xe6\xb8", "\x80",     "\xfe\xff",     std::string("\0", 1)};
     std::string c = config();
     const size_t at = pick(c.size());
     return c.substr(0, at) + any(bad) + c.substr(at);
@@ -619,7 +724,8 @@ TEST_F(TrainE2E, InputFuzzExitsZeroOrTwoWithOneLine) {
     if (i % kEvery == 0) {  // the real binary: same code, one line of stderr
       ++binary_runs;
       const std::string o = dir + "/out", er = dir + "/err";
-      auto r = sh("{ OMP_WAIT_POLICY=PASSIVE timeout 60 " + kTrain + shown + " >" + o + " 2>" + er + " </dev/null; echo \"exit $?\"; }");
+      auto r = sh("{ OMP_WAIT_POLICY=PASSIVE timeout 60 " + kTrain + shown + " >" + o + " 2>" + er +
+                  " </dev/null; echo \"exit $?\"; }");
       const std::string be = ctitan::testing::read_file(er);
       EXPECT_NE(r.out.find("exit " + std::to_string(code)), std::string::npos)
           << "case " << i << " (" << c.what << "): binary " << r.out << be << "\nin-process " << code << ": " << e;
@@ -632,9 +738,10 @@ TEST_F(TrainE2E, InputFuzzExitsZeroOrTwoWithOneLine) {
   EXPECT_FALSE(fs::exists(dump)) << "validate_only wrote the dump folder";
   EXPECT_GT(accepted, 10) << "the generator should also make inputs the checks accept";
   EXPECT_GT(rejected, kCases / 2);
-  std::printf("input fuzz: %d cases (%d accepted, %d rejected with exit 2), %d also through the binary; "
-              "%.1f s in all, slowest in-process case %.3f s\n",
-              kCases, accepted, rejected, binary_runs, total, slowest);
+  std::printf(
+      "input fuzz: %d cases (%d accepted, %d rejected with exit 2), %d also through the binary; "
+      "%.1f s in all, slowest in-process case %.3f s\n",
+      kCases, accepted, rejected, binary_runs, total, slowest);
 }
 
 }  // namespace

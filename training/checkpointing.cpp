@@ -12,8 +12,8 @@ namespace {
 std::unique_ptr<DataLoaderState> dataloader_state(const JobConfig& cfg, const Parallelism& par, DataLoader& loader) {
   DataLoader* l = &loader;
   return std::make_unique<DataLoaderState>(
-      [l] { return l->state_dict(); }, [l](const std::string& s) { l->load_state_dict(s); }, par.dp_rank,
-      par.dims.dp(), cfg.checkpoint.dataloader_reshard,
+      [l] { return l->state_dict(); }, [l](const std::string& s) { l->load_state_dict(s); }, par.dp_rank, par.dims.dp(),
+      cfg.checkpoint.dataloader_reshard,
       [l](const std::vector<std::string>& saved, int64_t, int64_t) { return l->redistributed_state(saved); });
 }
 

@@ -63,7 +63,7 @@ std::string profile_path(const JobConfig& cfg, int64_t rank, int64_t step) {
 }
 
 std::unique_ptr<torch::autograd::profiler::RecordProfile> maybe_profile(const JobConfig& cfg, int64_t rank,
-                                                                         int64_t step) {
+                                                                        int64_t step) {
   if (!cfg.profiling.enable_profiling || step % cfg.profiling.profile_freq != 0) return nullptr;
   const std::string path = profile_path(cfg, rank, step);
   fs::create_directories(fs::path(path).parent_path());
@@ -100,9 +100,8 @@ void maybe_enable_tensorboard(MetricsLogger& metrics, const JobConfig& cfg, cons
 ValidationMetrics run_validation(const Validator& validator, TrainModel& model, FSDP* fsdp, const Parallelism& par,
                                  int64_t step) {
   model.module->eval();
-  ValidationMetrics v = validator.validate(step, model.forward, [&par](std::vector<double>& x) {
-    world_sum(par, x, "validation");
-  });
+  ValidationMetrics v =
+      validator.validate(step, model.forward, [&par](std::vector<double>& x) { world_sum(par, x, "validation"); });
   model.module->train();
   if (fsdp) fsdp->reshard_all();
   torch::NoGradGuard no_grad;
@@ -168,9 +167,10 @@ void Trainer::next_batch(int64_t step, int64_t micro, torch::Tensor& inputs, tor
   const auto t_data = Clock::now();
   Batch batch = p_.loader.next();
   if (step == first_step_ && micro == 0)
-    spdlog::info("first batch ready {:.2f} s after the process started (the data's part: {:.3f} s opening the "
-                 "tokenizer and corpus, {:.3f} s reading this batch)",
-                 process_age_s(), p_.data_setup_s, seconds_since(t_data));
+    spdlog::info(
+        "first batch ready {:.2f} s after the process started (the data's part: {:.3f} s opening the "
+        "tokenizer and corpus, {:.3f} s reading this batch)",
+        process_age_s(), p_.data_setup_s, seconds_since(t_data));
   maybe_trace_batch(batch, p_.par.env.rank, step);
   inputs = torch::from_blob(batch.inputs.data(), {B_, T_}, torch::kInt64).clone();  // [B, T]
   labels = torch::from_blob(batch.labels.data(), {B_, T_}, torch::kInt64).clone();  // [B, T]
@@ -235,17 +235,19 @@ void Trainer::apply_update(int64_t step, StepResult& r) {
     p_.optimizer.step();
     double spike_mean = 0;
     if (p_.par.env.rank == 0 && (spike_mean = spikes_.observe(r.loss_mean)) > 0)
-      spdlog::warn("step {}: loss spike: {:.4f} is {:.1f}x the mean of the previous steps ({:.4f}; "
-                   "training.loss_spike_factor = {})",
-                   step, r.loss_mean, r.loss_mean / spike_mean, spike_mean, cfg.training.loss_spike_factor);
+      spdlog::warn(
+          "step {}: loss spike: {:.4f} is {:.1f}x the mean of the previous steps ({:.4f}; "
+          "training.loss_spike_factor = {})",
+          step, r.loss_mean, r.loss_mean / spike_mean, spike_mean, cfg.training.loss_spike_factor);
     return;
   }
   const std::string what = "step " + std::to_string(step) + ": " +
                            (std::isfinite(r.loss_mean) ? "gradient norm is " + std::to_string(r.grad_norm)
                                                        : "loss is " + std::to_string(r.loss_mean));
   if (cfg.training.on_nonfinite == "stop")
-    throw RuntimeFailure(what + "; stopping (HINT: lower optimizer.lr or training.max_norm, or set "
-                                "training.on_nonfinite = \"skip\")");
+    throw RuntimeFailure(what +
+                         "; stopping (HINT: lower optimizer.lr or training.max_norm, or set "
+                         "training.on_nonfinite = \"skip\")");
   ++skipped_steps_;  // the batch is dropped; the schedule and the step count go on
   spdlog::warn("{}; skipped: no optimizer update ({} step{} skipped in this run)", what, skipped_steps_,
                skipped_steps_ == 1 ? "" : "s");
@@ -279,6 +281,9 @@ StepMetrics Trainer::step_metrics(int64_t step, const StepResult& r) {
   const auto maxes = world_max(
       p_.par, {device.cuda ? gpu_mem.peak_reserved_gib : peak_rss_gib(), comm_s, data_s_, activation_gib_, r.loss_sum});
   const double flops_per_tok = p_.model.flops_per_token;  // MoE: active experts only
+  // The MFU reference, measured here the first time: after this window's time was taken and
+  // before the next one starts, so neither the start-up nor a step pays for it.
+  if (p_.peak_flops <= 0) p_.peak_flops = p_.measure_peak();
   StepMetrics m;
   m.step = step;
   m.loss = r.loss_mean;
@@ -315,8 +320,8 @@ void Trainer::add_extra_metrics(StepMetrics& m, const StepResult& r, const std::
     // Over the dp ranks and the whole run (the count is in the loader's checkpointed state);
     // ranks of one dp rank (TP/PP peers) share a loader: mean over all ranks × dp.
     const double mine = static_cast<double>(p_.loader.skipped_documents());
-    m.extra.emplace_back("bad_documents_skipped", std::round(world_mean(p_.par, mine, "bad_docs") *
-                                                             static_cast<double>(p_.par.dims.dp())));
+    m.extra.emplace_back("bad_documents_skipped",
+                         std::round(world_mean(p_.par, mine, "bad_docs") * static_cast<double>(p_.par.dims.dp())));
   }
   if (p_.model.moe()) {
     // Load-balance loss (1 = balanced; mean over ranks) and the tokens-per-expert
@@ -366,10 +371,10 @@ int Trainer::finish() {
     return 0;
   }
   spdlog::info("training done: {} steps in {}", cfg.training.steps, format_duration(seconds_since(train_start_)));
-  spdlog::info("data: dp rank {} read {} bytes of the corpus ({} documents parsed); the process read {} bytes "
-               "(rchar), peak RSS {:.0f} MiB",
-               p_.par.dp_rank, p_.loader.bytes_read(), p_.loader.documents_parsed(), process_rchar(),
-               peak_rss_gib() * 1024);
+  spdlog::info(
+      "data: dp rank {} read {} bytes of the corpus ({} documents parsed); the process read {} bytes "
+      "(rchar), peak RSS {:.0f} MiB",
+      p_.par.dp_rank, p_.loader.bytes_read(), p_.loader.documents_parsed(), process_rchar(), peak_rss_gib() * 1024);
   spdlog::default_logger()->flush();
   return 0;
 }

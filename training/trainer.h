@@ -34,20 +34,20 @@ struct TrainerParts {
   Parallelism& par;
   const DeviceChoice& device;
   TrainModel& model;
-  FSDP* fsdp;                              // null without FSDP
+  FSDP* fsdp;  // null without FSDP
   torch::optim::Optimizer& optimizer;
-  std::vector<torch::Tensor> params;       // the optimizer's (FSDP's local shards)
+  std::vector<torch::Tensor> params;                 // the optimizer's (FSDP's local shards)
   std::function<double(double)> grad_sq_all_reduce;  // empty: this rank's norm is the norm
   LRScheduler& lr;
   DataLoader& loader;
-  double data_setup_s;                     // tokenizer and corpus opened (first-batch line)
-  const Validator* validator;              // null without [validation]
+  double data_setup_s;         // tokenizer and corpus opened (first-batch line)
+  const Validator* validator;  // null without [validation]
   CheckpointManager& checkpoints;
   TrainState& train_state;
   RunProgress& at;
-  int64_t accum;                           // micro-batches per step
-  double peak_flops;                       // the MFU reference measured at start-up
-  std::function<double()> measure_peak;    // measures it again
+  int64_t accum;                         // micro-batches per step
+  double peak_flops;                     // the MFU reference; 0: measured at the first metrics line
+  std::function<double()> measure_peak;  // measures it (again)
 };
 
 // What one step did, for the metrics.
@@ -71,8 +71,8 @@ class Trainer {
   StepResult train_step(int64_t step);
   // One micro-batch's forward and backward ([B, T] tokens and labels on the compute device);
   // adds its share of the objective (and of the MoE load-balance loss) to r.
-  void forward_backward_step(int64_t step, int64_t micro, const torch::Tensor& inputs,
-                               const torch::Tensor& labels, StepResult& r);
+  void forward_backward_step(int64_t step, int64_t micro, const torch::Tensor& inputs, const torch::Tensor& labels,
+                             StepResult& r);
 
  private:
   void next_batch(int64_t step, int64_t micro, torch::Tensor& inputs, torch::Tensor& labels);

@@ -22,14 +22,14 @@ struct FaultHook {
 std::optional<FaultHook> parse_fault_hook(const std::string& spec);
 
 struct RuntimeEnv {
-  std::string data_dir;                // CTITAN_DATA_DIR: root of the corpora fetched by scripts/fetch_data.sh
-  std::string spm_shim;                // CTITAN_SPM_SHIM: path of libctitan_spm_shim.so
-  std::string gemm;                    // CTITAN_GEMM: aten | mkl | onednn (kernels/gemm.h)
-  std::string cpu_allocator;           // CTITAN_CPU_ALLOCATOR: "system" turns the caching allocator off
+  std::string data_dir;                      // CTITAN_DATA_DIR: root of the corpora fetched by scripts/fetch_data.sh
+  std::string spm_shim;                      // CTITAN_SPM_SHIM: path of libctitan_spm_shim.so
+  std::string gemm;                          // CTITAN_GEMM: aten | mkl | onednn (kernels/gemm.h)
+  std::string cpu_allocator;                 // CTITAN_CPU_ALLOCATOR: "system" turns the caching allocator off
   std::optional<int64_t> cpu_cache_max_mib;  // CTITAN_CPU_CACHE_MAX_MIB: its cache's cap
-  std::string omp_num_threads;         // OMP_NUM_THREADS
-  std::string omp_wait_policy;         // OMP_WAIT_POLICY (train_main sets it before this is read)
-  int64_t restart_count = 0;           // TORCHELASTIC_RESTART_COUNT: torchrun's restarts so far
+  std::string omp_num_threads;               // OMP_NUM_THREADS
+  std::string omp_wait_policy;               // OMP_WAIT_POLICY (train_main sets it before this is read)
+  int64_t restart_count = 0;                 // TORCHELASTIC_RESTART_COUNT: torchrun's restarts so far
   // Test hooks.
   std::optional<FaultHook> fault;             // CTITAN_FAULT (train.cpp)
   std::optional<FaultHook> checkpoint_fault;  // CTITAN_CHECKPOINT_FAULT (checkpoint/checkpoint.cpp)

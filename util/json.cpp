@@ -55,8 +55,14 @@ class Parser {
       case '{': return object(out, depth);
       case '[': return array(out, depth);
       case '"': out->type = Value::Type::String; return string(&out->text);
-      case 't': out->type = Value::Type::Bool; out->boolean = true; return literal("true");
-      case 'f': out->type = Value::Type::Bool; out->boolean = false; return literal("false");
+      case 't':
+        out->type = Value::Type::Bool;
+        out->boolean = true;
+        return literal("true");
+      case 'f':
+        out->type = Value::Type::Bool;
+        out->boolean = false;
+        return literal("false");
       case 'n': out->type = Value::Type::Null; return literal("null");
       default: out->type = Value::Type::Number; return number(&out->text);
     }
@@ -66,7 +72,10 @@ class Parser {
     out->type = Value::Type::Object;
     ++pos_;  // '{'
     skip_ws();
-    if (!at_end() && peek() == '}') { ++pos_; return true; }
+    if (!at_end() && peek() == '}') {
+      ++pos_;
+      return true;
+    }
     while (true) {
       skip_ws();
       if (at_end() || peek() != '"') return fail("expected a string key");
@@ -80,8 +89,14 @@ class Parser {
       if (!value(&out->members.back().second, depth + 1)) return false;
       skip_ws();
       if (at_end()) return fail("unexpected end of input inside an object");
-      if (peek() == ',') { ++pos_; continue; }
-      if (peek() == '}') { ++pos_; return true; }
+      if (peek() == ',') {
+        ++pos_;
+        continue;
+      }
+      if (peek() == '}') {
+        ++pos_;
+        return true;
+      }
       return fail("expected ',' or '}'");
     }
   }
@@ -90,15 +105,24 @@ class Parser {
     out->type = Value::Type::Array;
     ++pos_;  // '['
     skip_ws();
-    if (!at_end() && peek() == ']') { ++pos_; return true; }
+    if (!at_end() && peek() == ']') {
+      ++pos_;
+      return true;
+    }
     while (true) {
       skip_ws();
       out->items.emplace_back();
       if (!value(&out->items.back(), depth + 1)) return false;
       skip_ws();
       if (at_end()) return fail("unexpected end of input inside an array");
-      if (peek() == ',') { ++pos_; continue; }
-      if (peek() == ']') { ++pos_; return true; }
+      if (peek() == ',') {
+        ++pos_;
+        continue;
+      }
+      if (peek() == ']') {
+        ++pos_;
+        return true;
+      }
       return fail("expected ',' or ']'");
     }
   }
@@ -109,10 +133,14 @@ class Parser {
     for (int i = 0; i < 4; ++i) {
       const char c = s_[pos_++];
       v <<= 4;
-      if (c >= '0' && c <= '9') v |= static_cast<uint32_t>(c - '0');
-      else if (c >= 'a' && c <= 'f') v |= static_cast<uint32_t>(c - 'a' + 10);
-      else if (c >= 'A' && c <= 'F') v |= static_cast<uint32_t>(c - 'A' + 10);
-      else return fail("invalid hex digit in \\u escape");
+      if (c >= '0' && c <= '9')
+        v |= static_cast<uint32_t>(c - '0');
+      else if (c >= 'a' && c <= 'f')
+        v |= static_cast<uint32_t>(c - 'a' + 10);
+      else if (c >= 'A' && c <= 'F')
+        v |= static_cast<uint32_t>(c - 'A' + 10);
+      else
+        return fail("invalid hex digit in \\u escape");
     }
     *out = v;
     return true;
@@ -123,14 +151,16 @@ class Parser {
     while (true) {
       // Copy the run of plain bytes in one go (JSONL texts are long).
       const size_t start = pos_;
-      while (!at_end() && peek() != '"' && peek() != '\\' &&
-             static_cast<unsigned char>(peek()) >= 0x20) {
+      while (!at_end() && peek() != '"' && peek() != '\\' && static_cast<unsigned char>(peek()) >= 0x20) {
         ++pos_;
       }
       out->append(s_.data() + start, pos_ - start);
       if (at_end()) return fail("unterminated string");
       const char c = peek();
-      if (c == '"') { ++pos_; return true; }
+      if (c == '"') {
+        ++pos_;
+        return true;
+      }
       if (c != '\\') return fail("raw control character in string (must be escaped)");
       ++pos_;
       if (at_end()) return fail("unterminated escape");

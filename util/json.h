@@ -18,8 +18,8 @@ struct Value {
   enum class Type { Null, Bool, Number, String, Array, Object };
   Type type = Type::Null;
   bool boolean = false;
-  std::string text;  // String: decoded content; Number: the lexeme
-  std::vector<Value> items;                             // Array
+  std::string text;                                    // String: decoded content; Number: the lexeme
+  std::vector<Value> items;                            // Array
   std::vector<std::pair<std::string, Value>> members;  // Object, in file order
 
   const Value* find(std::string_view key) const;  // Object member or nullptr

@@ -19,8 +19,8 @@ TransformerModelArgs make_debugmodel() {
   return a;
 }
 
-TransformerModelArgs make_large(int64_t dim, int64_t n_layers, int64_t n_heads,
-                                double ffn_dim_multiplier, int64_t multiple_of) {
+TransformerModelArgs make_large(int64_t dim, int64_t n_layers, int64_t n_heads, double ffn_dim_multiplier,
+                                int64_t multiple_of) {
   TransformerModelArgs a;
   a.dim = dim;
   a.n_layers = n_layers;
@@ -84,28 +84,20 @@ void validate(const TransformerModelArgs& a, const std::string& family) {
   auto fail = [&family](const std::string& what) { throw UserError("[" + family + "] " + what); };
   if (a.dim <= 0 || a.n_layers <= 0 || a.n_heads <= 0)
     fail("dim, n_layers and n_heads must be positive (dim=" + std::to_string(a.dim) +
-         ", n_layers=" + std::to_string(a.n_layers) + ", n_heads=" + std::to_string(a.n_heads) +
-         ")");
+         ", n_layers=" + std::to_string(a.n_layers) + ", n_heads=" + std::to_string(a.n_heads) + ")");
   if (a.dim % a.n_heads != 0)
-    fail("dim=" + std::to_string(a.dim) + " is not divisible by n_heads=" +
-         std::to_string(a.n_heads));
+    fail("dim=" + std::to_string(a.dim) + " is not divisible by n_heads=" + std::to_string(a.n_heads));
   if (a.head_dim() % 2 != 0)
-    fail("head_dim=dim/n_heads=" + std::to_string(a.head_dim()) +
-         " must be even for rotary embeddings");
+    fail("head_dim=dim/n_heads=" + std::to_string(a.head_dim()) + " must be even for rotary embeddings");
   if (a.kv_heads() <= 0 || a.n_heads % a.kv_heads() != 0)
-    fail("n_heads=" + std::to_string(a.n_heads) + " is not a multiple of n_kv_heads=" +
-         std::to_string(a.kv_heads()));
-  if (a.vocab_size <= 0)
-    fail("vocab_size=" + std::to_string(a.vocab_size) + " must be positive");
-  if (a.multiple_of <= 0)
-    fail("multiple_of=" + std::to_string(a.multiple_of) + " must be positive");
-  if (a.max_seq_len <= 0)
-    fail("max_seq_len=" + std::to_string(a.max_seq_len) + " must be positive");
+    fail("n_heads=" + std::to_string(a.n_heads) + " is not a multiple of n_kv_heads=" + std::to_string(a.kv_heads()));
+  if (a.vocab_size <= 0) fail("vocab_size=" + std::to_string(a.vocab_size) + " must be positive");
+  if (a.multiple_of <= 0) fail("multiple_of=" + std::to_string(a.multiple_of) + " must be positive");
+  if (a.max_seq_len <= 0) fail("max_seq_len=" + std::to_string(a.max_seq_len) + " must be positive");
   if (a.ffn_dim_multiplier && !(*a.ffn_dim_multiplier > 0))
     fail("ffn_dim_multiplier=" + std::to_string(*a.ffn_dim_multiplier) + " must be positive");
   if (!(a.norm_eps > 0)) fail("norm_eps=" + std::to_string(a.norm_eps) + " must be positive");
-  if (!(a.rope_theta > 0))
-    fail("rope_theta=" + std::to_string(a.rope_theta) + " must be positive");
+  if (!(a.rope_theta > 0)) fail("rope_theta=" + std::to_string(a.rope_theta) + " must be positive");
 }
 
 int64_t ffn_hidden_dim(const TransformerModelArgs& a) {
@@ -125,7 +117,7 @@ ParamCounts count_params(const TransformerModelArgs& a) {
   const int64_t F = ffn_hidden_dim(a), V = a.vocab_size;
   const int64_t attention = D * (H * hd) + 2 * D * (KV * hd) + (H * hd) * D;  // wq, wk+wv, wo
   const int64_t feed_forward = 3 * D * F;                                     // w1, w2, w3
-  const int64_t norms = 2 * D;  // attention_norm, ffn_norm
+  const int64_t norms = 2 * D;                                                // attention_norm, ffn_norm
   const int64_t per_block = attention + feed_forward + norms;
   ParamCounts c;
   c.embedding = V * D;

@@ -15,7 +15,7 @@
 //   model.layers.{i}.input_layernorm.weight          layers.{i}.attention_norm.weight
 //   model.layers.{i}.post_attention_layernorm.weight layers.{i}.ffn_norm.weight
 //   model.norm.weight, lm_head.weight                norm.weight, output.weight
-// q_proj / k_proj hold wq / wk in HF's rotary row order (see models/hf_config.h).
+// q_proj / k_proj hold wq / wk in HF's rotary row order (see checkpoint/hf_config.h).
 //
 // The model knows nothing about distribution. Parallelisms act from outside: blocks are
 // reachable (block(i)), each block's forward is a pure function of (x, freqs_cis), and an

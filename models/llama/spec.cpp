@@ -1,5 +1,6 @@
 #include "models/llama/spec.h"
 
+#include "models/hf_names.h"
 #include "models/llama/model.h"
 
 namespace ctitan::llama {
@@ -33,7 +34,7 @@ HFModelConfig hf_config_of(const TransformerModelArgs& a, int64_t vocab_size) {
   c.max_position_embeddings = a.max_seq_len;
   c.rms_norm_eps = a.norm_eps;
   c.rope_theta = a.rope_theta;
-  c.rope_scaling = a.rope_scaling;
+  if (a.rope_scaling) c.rope_scaling = to_hf(*a.rope_scaling);
   c.vocab_size = vocab_size;
   return c;
 }
@@ -55,7 +56,7 @@ InferenceNet build_inference(const TransformerModelArgs& flavor_args, const std:
   if (hf) {  // what config.json says beyond the structure
     a.norm_eps = hf->rms_norm_eps;
     a.rope_theta = hf->rope_theta;
-    a.rope_scaling = hf->rope_scaling;
+    a.rope_scaling = hf->rope_scaling ? std::optional(from_hf(*hf->rope_scaling)) : std::nullopt;
   }
   return decoder_inference_net(Transformer(a, name).ptr());
 }
@@ -79,8 +80,7 @@ ModelSpec dense_spec(const std::string& name, const std::vector<std::string>& fl
     m.flops_per_token = z.flops_per_token;
     return m;
   };
-  s.build_inference = [=](const std::string& flavor, int64_t vocab_size, int64_t max_seq_len,
-                          const HFModelConfig* hf) {
+  s.build_inference = [=](const std::string& flavor, int64_t vocab_size, int64_t max_seq_len, const HFModelConfig* hf) {
     return build_inference(flavor_args(flavor), name, vocab_size, max_seq_len, hf);
   };
   s.hf_architecture = "LlamaForCausalLM";

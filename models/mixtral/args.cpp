@@ -33,18 +33,15 @@ void validate(const TransformerModelArgs& a) {
   auto s = [](auto v) { return std::to_string(v); };
   if (a.dim <= 0 || a.n_layers <= 0 || a.n_heads <= 0 || a.vocab_size <= 0 || a.max_seq_len <= 0)
     fail("dim, n_layers, n_heads, vocab_size and max_seq_len must be positive (dim=" + s(a.dim) +
-         ", n_layers=" + s(a.n_layers) + ", n_heads=" + s(a.n_heads) + ", vocab_size=" +
-         s(a.vocab_size) + ", max_seq_len=" + s(a.max_seq_len) + ")");
-  if (a.dim % a.n_heads != 0)
-    fail("dim=" + s(a.dim) + " is not divisible by n_heads=" + s(a.n_heads));
-  if (a.head_dim() % 2 != 0)
-    fail("head_dim=dim/n_heads=" + s(a.head_dim()) + " must be even for rotary embeddings");
+         ", n_layers=" + s(a.n_layers) + ", n_heads=" + s(a.n_heads) + ", vocab_size=" + s(a.vocab_size) +
+         ", max_seq_len=" + s(a.max_seq_len) + ")");
+  if (a.dim % a.n_heads != 0) fail("dim=" + s(a.dim) + " is not divisible by n_heads=" + s(a.n_heads));
+  if (a.head_dim() % 2 != 0) fail("head_dim=dim/n_heads=" + s(a.head_dim()) + " must be even for rotary embeddings");
   if (a.n_kv_heads <= 0 || a.n_heads % a.n_kv_heads != 0)
     fail("n_heads=" + s(a.n_heads) + " is not a multiple of n_kv_heads=" + s(a.n_kv_heads));
   const auto& m = a.moe;
   if (m.num_experts <= 0 || m.hidden_dim <= 0)
-    fail("num_experts=" + s(m.num_experts) + " and moe hidden_dim=" + s(m.hidden_dim) +
-         " must be positive");
+    fail("num_experts=" + s(m.num_experts) + " and moe hidden_dim=" + s(m.hidden_dim) + " must be positive");
   if (m.top_k <= 0 || m.top_k > m.num_experts)
     fail("top_k=" + s(m.top_k) + " must be in [1, num_experts=" + s(m.num_experts) + "]");
   if (!(m.load_balance_loss_coeff >= 0))

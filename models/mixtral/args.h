@@ -15,8 +15,8 @@ namespace ctitan::mixtral {
 
 // The MoE feed-forward of every block (torchtitan's MoEArgs, Mixtral's choices).
 struct MoEArgs {
-  int64_t num_experts = 8;  // E
-  int64_t top_k = 2;        // k experts per token
+  int64_t num_experts = 8;     // E
+  int64_t top_k = 2;           // k experts per token
   int64_t hidden_dim = 14336;  // F: each expert's SwiGLU hidden size
   // Switch / Mixtral load-balancing auxiliary loss coefficient α: the training objective
   // is cross_entropy + α · Σ_layers E · Σ_e f_e · P_e (0: no auxiliary loss).

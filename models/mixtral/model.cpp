@@ -15,8 +15,8 @@ namespace {
 // scale · aux to the objective without aux being an output of the unit (so it works when
 // activation checkpointing recomputes the unit in backward).
 struct AddAuxiliaryLoss : public torch::autograd::Function<AddAuxiliaryLoss> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& y,
-                               const torch::Tensor& aux, double scale) {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& y, const torch::Tensor& aux,
+                               double scale) {
     ctx->saved_data["scale"] = scale;
     return y;  // returned as a view of y with this node as its grad_fn
   }
@@ -31,9 +31,7 @@ struct AddAuxiliaryLoss : public torch::autograd::Function<AddAuxiliaryLoss> {
 }  // namespace
 
 // ---------------------------------------------------------------------------------------
-RouterImpl::RouterImpl(int64_t dim, int64_t num_experts) {
-  gate = register_module("gate", Linear(dim, num_experts));
-}
+RouterImpl::RouterImpl(int64_t dim, int64_t num_experts) { gate = register_module("gate", Linear(dim, num_experts)); }
 
 GroupedExpertsImpl::GroupedExpertsImpl(int64_t dim, int64_t hidden, int64_t E) {
   w1 = register_parameter("w1", new_parameter({E, hidden, dim}));
@@ -48,13 +46,12 @@ torch::Tensor GroupedExpertsImpl::forward(const torch::Tensor& x, const std::vec
     if (counts[e] == 0) continue;
     const auto xe = x.narrow(0, row, counts[e]);  // [c_e, D]
     const int64_t i = static_cast<int64_t>(e);
-    const auto h = fused_swiglu(recompute::linear(xe, w1.select(0, i)),
-                                recompute::linear(xe, w3.select(0, i)));  // [c_e, F]
-    outs.push_back(recompute::linear(h, w2.select(0, i)));  // [c_e, D]
+    const auto h =
+        fused_swiglu(recompute::linear(xe, w1.select(0, i)), recompute::linear(xe, w3.select(0, i)));  // [c_e, F]
+    outs.push_back(recompute::linear(h, w2.select(0, i)));                                             // [c_e, D]
     row += counts[e];
   }
-  TORCH_CHECK(row == x.size(0), "[mixtral] expert counts sum to ", row, " but ", x.size(0),
-              " rows were routed");
+  TORCH_CHECK(row == x.size(0), "[mixtral] expert counts sum to ", row, " but ", x.size(0), " rows were routed");
   return torch::cat(outs, 0);
 }
 
@@ -118,7 +115,7 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x) {
   const std::vector<int64_t> counts(cnt.data_ptr<int64_t>(), cnt.data_ptr<int64_t>() + E);
   // Permute: row j of xs is token order[j] / k, rows grouped by expert.
   const auto tok = torch::div(r.order, k, "floor");
-  const auto xs = xf.index_select(0, tok);  // [N·k, D]
+  const auto xs = xf.index_select(0, tok);       // [N·k, D]
   const auto ys = experts->forward(xs, counts);  // [N·k, D]
   // Weight each row by its slot's routing weight, un-permute, sum the k slots of a token.
   const auto w = r.weights.reshape({-1}).index_select(0, r.order).to(ys.scalar_type()).unsqueeze(-1);
@@ -193,9 +190,7 @@ double TransformerImpl::load_balance_loss() const {
   return sum;
 }
 
-double TransformerImpl::aux_loss() const {
-  return args_.moe.load_balance_loss_coeff * load_balance_loss();
-}
+double TransformerImpl::aux_loss() const { return args_.moe.load_balance_loss_coeff * load_balance_loss(); }
 
 torch::Tensor TransformerImpl::tokens_per_expert() const {
   std::vector<torch::Tensor> rows;
@@ -205,8 +200,7 @@ torch::Tensor TransformerImpl::tokens_per_expert() const {
 
 void TransformerImpl::step_load_balance(const torch::Tensor& load) {
   torch::NoGradGuard no_grad;
-  TORCH_CHECK(load.dim() == 2 && load.size(0) == n_layers(), "[mixtral] load must be [L, E], got ",
-              load.sizes());
+  TORCH_CHECK(load.dim() == 2 && load.size(0) == n_layers(), "[mixtral] load must be [L, E], got ", load.sizes());
   for (int64_t i = 0; i < n_layers(); ++i) {
     auto& moe = block(i)->moe;
     if (moe->args.expert_bias_update_rate) {

@@ -1,6 +1,7 @@
 #include "models/mixtral/spec.h"
 
 #include "config/errors.h"
+#include "models/hf_names.h"
 #include "models/mixtral/model.h"
 
 namespace ctitan::mixtral {

@@ -1,5 +1,5 @@
-// Inspect / verify / convert / logits; see tool.h.
-#include "checkpoint/tool.h"
+// Inspect / verify / convert, and open_model; see convert.h and model_source.h.
+#include "checkpoint/convert.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -35,13 +35,12 @@ at::ScalarType export_dtype(const std::string& d) {
   throw UserError("export dtype \"" + d + "\" is not one of: float32, bfloat16, float16");
 }
 
-// What the tool says about the .pt files it writes: what was checked, with which PyTorch
-// (tests/test_checkpoint_hf.cpp runs scripts/pt_load_check.py in the venv).
+}  // namespace
+
+// (tests/test_checkpoint_hf.cpp runs scripts/pt_load_check.py in the venv.)
 const char* const kPtLoadNote =
     "torch.save's format: torch.load reads it with its default weights_only=True, mmap=True too "
     "(checked with PyTorch 2.13.0+cpu)";
-
-}  // namespace
 
 std::string inspect_checkpoint(const std::string& path, bool verify) {
   std::ostringstream out;
@@ -55,8 +54,10 @@ std::string inspect_checkpoint(const std::string& path, bool verify) {
     for (int64_t s : scan.complete)
       out << "  step-" << s << "  complete"
           << (ckpt::is_hf_step(ckpt::step_dir(path, s)) ? " (HF safetensors, model only)" : "") << "\n";
-    for (const auto& [dir, why] : scan.incomplete) out << "  " << fs::path(dir).filename().string() << "  INCOMPLETE: " << why << "\n";
-    for (const auto& dir : scan.staging) out << "  " << fs::path(dir).filename().string() << "  save in progress or failed\n";
+    for (const auto& [dir, why] : scan.incomplete)
+      out << "  " << fs::path(dir).filename().string() << "  INCOMPLETE: " << why << "\n";
+    for (const auto& dir : scan.staging)
+      out << "  " << fs::path(dir).filename().string() << "  save in progress or failed\n";
     return out.str();
   }
   CheckpointReader r(path);  // throws when incomplete or structurally damaged
@@ -139,13 +140,16 @@ c10::IValue load_pt(const std::string& path) {
   const std::string what = "checkpoint tool: " + path + " is not a readable .pt file";
   if (bytes.empty()) throw UserError(what + ": the file is empty");
   if (!torch_save::looks_like_zip(bytes.data(), bytes.size()))
-    throw UserError(what + ": not a zip archive (torch.save writes one since PyTorch 1.6; its older format is not read)");
+    throw UserError(what +
+                    ": not a zip archive (torch.save writes one since PyTorch 1.6; its older format is not read)");
   for (const auto& r : torch_save::check_archive(bytes.data(), bytes.size(), what)) {
     // LibTorch's unpickler reads a top-level collections.OrderedDict as None: say so.
     static const std::string kOrderedDict = std::string("\x80\x02", 2) + "ccollections\nOrderedDict\n";
     if (r.name == "data.pkl" && r.size >= kOrderedDict.size() &&
-        std::equal(kOrderedDict.begin(), kOrderedDict.end(), bytes.begin() + static_cast<std::ptrdiff_t>(r.data_offset)))
-      throw UserError(what + ": it holds a collections.OrderedDict (as torch.save(model.state_dict()) writes), "
+        std::equal(kOrderedDict.begin(), kOrderedDict.end(),
+                   bytes.begin() + static_cast<std::ptrdiff_t>(r.data_offset)))
+      throw UserError(what +
+                      ": it holds a collections.OrderedDict (as torch.save(model.state_dict()) writes), "
                       "which is not read here; save a plain dict: torch.save(dict(state_dict), path)");
   }
   auto first_line = [](std::string s) {
@@ -231,8 +235,8 @@ void write_consolidated(const ModelTensors& m, const std::string& out_file, cons
   torch_save::Writer w(out_file, specs);
   for (const auto& s : specs) {
     const at::Tensor t = m.read(s.name).to(scalar_type_named(s.dtype)).contiguous();
-    TORCH_CHECK(t.sizes().vec() == s.shape, "[checkpoint tool] ", s.name, " read with shape ", t.sizes(),
-                ", declared ", shape_str(s.shape));
+    TORCH_CHECK(t.sizes().vec() == s.shape, "[checkpoint tool] ", s.name, " read with shape ", t.sizes(), ", declared ",
+                shape_str(s.shape));
     w.write(s.name, t.data_ptr(), t.nbytes());
   }
   w.commit();
@@ -246,9 +250,8 @@ void write_hf(const ModelTensors& m, const std::string& out, const std::string& 
   const std::string stage = fs::path(out).lexically_normal().string() + ".partial";
   fs::remove_all(stage);
   fs::create_directories(stage);
-  const int64_t vocab = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())
-                            .at("tok_embeddings.weight")
-                            .at(0);
+  const int64_t vocab =
+      std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end()).at("tok_embeddings.weight").at(0);
   const HFModelConfig c = m.hf_config ? *m.hf_config : hf_config_for(m.model_name, m.flavor, vocab);
   write_hf_files(stage, c, m.params, dtype.empty() ? m.dtype : dtype, m.read,
                  {{"ctitan.model", m.model_name + " " + m.flavor}, {"ctitan.step", std::to_string(m.step)}});
@@ -311,8 +314,8 @@ ModelTensors open_sharded(const std::string& path, const std::string& name_arg, 
   // The metadata lists entries by name; a known model's own parameter order (its
   // state_dict's, as the HF and .pt forms give it) when it holds exactly those tensors.
   try {
-    ParamList model_order = ctitan_params(
-        hf_config_for(m.model_name, m.flavor, r->entry("tok_embeddings.weight").shape.at(0)));
+    ParamList model_order =
+        ctitan_params(hf_config_for(m.model_name, m.flavor, r->entry("tok_embeddings.weight").shape.at(0)));
     if (std::is_permutation(model_order.begin(), model_order.end(), m.params.begin(), m.params.end()))
       m.params = std::move(model_order);
   } catch (const std::exception&) {
@@ -331,7 +334,8 @@ ModelTensors open_hf(const std::string& path, const std::string& name_arg, const
   m.form = "hf";
   m.hf_config = hf->config();
   m.model_name = hf_family(hf->config(), hf->metadata(), name_arg);
-  if (auto it = hf->metadata().find("ctitan.model"); it != hf->metadata().end() && it->second.find(' ') != std::string::npos)
+  if (auto it = hf->metadata().find("ctitan.model");
+      it != hf->metadata().end() && it->second.find(' ') != std::string::npos)
     m.flavor = it->second.substr(it->second.find(' ') + 1);
   if (auto it = hf->metadata().find("ctitan.step"); it != hf->metadata().end()) m.step = std::atoll(it->second.c_str());
   if (m.flavor.empty()) m.flavor = find_flavor(hf->config(), m.model_name);
@@ -346,7 +350,8 @@ ModelTensors open_hf(const std::string& path, const std::string& name_arg, const
     throw UserError("checkpoint tool: " + path + "/config.json matches no " + m.model_name + " flavor; pass --flavor");
   m.params = ctitan_params(hf->config());
   for (const auto& [fqn, shape] : m.params) hf->check_param(fqn, shape);
-  const std::string st = hf->info(hf_pieces(m.params.front().first, m.params.front().second, hf->config())[0].key).dtype;
+  const std::string st =
+      hf->info(hf_pieces(m.params.front().first, m.params.front().second, hf->config())[0].key).dtype;
   m.dtype = st == "BF16" ? "bfloat16" : st == "F16" ? "float16" : "float32";  // F64 is exported as float32
   m.read = [hf, shapes = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())](
                const std::string& fqn) { return hf->read_param(fqn, shapes.at(fqn)); };
@@ -442,8 +447,8 @@ std::string inspect_hf(const std::string& path, bool verify) {
       << ", vocab " << c.vocab_size;
   if (c.moe()) out << ", experts " << c.num_local_experts << " (top " << c.num_experts_per_tok << ")";
   const std::string scaling = c.rope_scaling ? std::string(" (") + kHfRopeScalingType + " scaling)" : "";
-  out << "\n  rope_theta " << c.rope_theta << scaling << ", rms_norm_eps "
-      << c.rms_norm_eps << ", torch_dtype " << c.torch_dtype << "\n";
+  out << "\n  rope_theta " << c.rope_theta << scaling << ", rms_norm_eps " << c.rms_norm_eps << ", torch_dtype "
+      << c.torch_dtype << "\n";
   for (const auto& [k, v] : hf.metadata()) out << "  metadata " << k << " = " << v << "\n";
   const std::string family = hf_family(c, hf.metadata(), "");
   const std::string flavor = find_flavor(c, family);
@@ -468,145 +473,6 @@ std::string inspect_hf(const std::string& path, bool verify) {
     out << "  verified: every file's header is valid, every tensor readable, every ctitan parameter present\n";
   }
   return out.str();
-}
-
-InferenceModel load_inference_model(const ModelTensors& m, int64_t max_seq_len) {
-  InferenceModel im;
-  im.name = m.model_name;
-  im.flavor = m.flavor;
-  im.vocab_size = m.vocab_size();
-  im.max_seq_len = max_seq_len;
-  const InferenceNet net = model_spec(m.model_name)
-                               .build_inference(m.flavor, im.vocab_size, max_seq_len, m.hf_config ? &*m.hf_config : nullptr);
-  im.module = net.module;
-  im.forward = net.forward;
-  im.forward_cached = net.forward_cached;
-  im.new_cache = net.new_cache;
-  im.module->eval();
-  torch::NoGradGuard no_grad;
-  for (auto& kv : im.module->named_parameters()) kv.value().copy_(m.read(kv.key()));
-  return im;
-}
-
-void dump_logits(const std::string& src, const std::vector<std::vector<int64_t>>& batch, const std::string& out_file) {
-  if (batch.empty() || batch[0].empty()) throw UserError("checkpoint tool: logits needs at least one token");
-  const int64_t B = static_cast<int64_t>(batch.size()), T = static_cast<int64_t>(batch[0].size());
-  for (const auto& seq : batch)
-    if (static_cast<int64_t>(seq.size()) != T)
-      throw UserError("checkpoint tool: the sequences of a logits batch must have the same length (" +
-                      std::to_string(T) + " and " + std::to_string(seq.size()) + " tokens)");
-  const ModelTensors m = open_model(src, "", "");
-  const int64_t vocab = m.vocab_size();
-  std::vector<int64_t> flat;
-  for (const auto& seq : batch)
-    for (int64_t t : seq) {
-      if (t < 0 || t >= vocab)
-        throw UserError("checkpoint tool: token " + std::to_string(t) + " is outside the vocabulary [0, " +
-                        std::to_string(vocab) + ")");
-      flat.push_back(t);
-    }
-  const InferenceModel model = load_inference_model(m, T);
-  torch::NoGradGuard no_grad;
-  auto x = torch::tensor(flat, torch::kInt64).view({B, T});
-  at::Tensor logits = model.forward(x).to(torch::kFloat).contiguous();  // [B, T, V]
-  // One sequence: [T, V] and [T], as before batches were accepted.
-  std::vector<int64_t> lshape = {B, T, vocab}, tshape = {B, T};
-  if (B == 1) lshape = {T, vocab}, tshape = {T};
-  safetensors::Writer w(out_file, {{"logits", "F32", lshape}, {"tokens", "I64", tshape}},
-                        {{"source", src}, {"model", m.model_name + " " + m.flavor}});
-  for (const auto& spec : w.order()) {
-    const at::Tensor& t = spec.name == "logits" ? logits : x;
-    w.write(spec.name, t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
-  }
-  w.commit();
-}
-
-// "1,2,3;4,5,6": sequences of token ids (logits' batch), each a comma-separated list.
-static std::vector<std::vector<int64_t>> parse_token_batch(const std::string& text) {
-  std::vector<std::vector<int64_t>> batch(1);
-  std::string cur;
-  auto flush = [&] {
-    size_t pos = 0;
-    long long v = 0;
-    try {
-      v = std::stoll(cur, &pos);
-    } catch (const std::exception&) {
-      pos = std::string::npos;
-    }
-    if (pos != cur.size()) throw UserError("checkpoint tool: \"" + cur + "\" in the token list is not an integer");
-    batch.back().push_back(v);
-    cur.clear();
-  };
-  for (char c : text) {
-    if (c == ',') {
-      flush();
-    } else if (c == ';') {
-      flush();
-      batch.emplace_back();
-    } else {
-      cur += c;
-    }
-  }
-  flush();
-  return batch;
-}
-
-int checkpoint_tool_main(const std::vector<std::string>& args) {
-  const std::string usage =
-      "usage: checkpoint_tool inspect <checkpoint folder | step folder | HF folder> [--verify]\n"
-      "       checkpoint_tool export <step folder> <out.pt> [--dtype float32|bfloat16|float16]\n"
-      "       checkpoint_tool convert <src> <dst> [--to sharded|consolidated|hf] [--dtype D] [--model M] [--flavor F]\n"
-      "           src: a step folder, an HF safetensors folder or a consolidated .pt file; dst form from --to,\n"
-      "           else from its name (*.pt: consolidated, step-<N>: sharded, other: HF folder)\n"
-      "       checkpoint_tool logits <src> <token,token,...[;token,...]> <out.safetensors>\n"
-      "           runs the model (float32, one process) on the tokens; writes logits [T, V] and tokens [T]\n"
-      "           (a batch of equal-length sequences separated by ';': logits [B, T, V], tokens [B, T])\n"
-      "       .pt files are written as torch.save writes a dict of tensors: torch.load(path) reads them with\n"
-      "           its default weights_only=True, and with mmap=True (checked with PyTorch 2.13.0+cpu); read are\n"
-      "           those, earlier ctitan versions' .pt files and torch.save's of a plain dict (not an OrderedDict)\n"
-      "exit status: 0 done; 2 a usage error or a bad input (a damaged .pt file included: truncated, a bad\n"
-      "           zip entry, a CRC-32 mismatch); 1 a damaged checkpoint folder or an I/O failure\n";
-  return run_tool([&]() -> int {
-    if (args.size() >= 2 && args[0] == "inspect" && (args.size() == 2 || (args.size() == 3 && args[2] == "--verify"))) {
-      const bool verify = args.size() == 3;
-      std::error_code ec;
-      if (is_hf_folder(args[1]) && !fs::exists(fs::path(args[1]) / "metadata", ec))
-        std::cout << inspect_hf(args[1], verify);
-      else
-        std::cout << inspect_checkpoint(args[1], verify);
-      return 0;
-    }
-    if (args.size() >= 3 && args[0] == "export" &&
-        (args.size() == 3 || (args.size() == 5 && args[3] == "--dtype"))) {
-      export_consolidated(args[1], args[2], args.size() == 5 ? args[4] : "");
-      std::cout << "wrote " << args[2] << ": a dict of model tensors in " << kPtLoadNote << "\n";
-      return 0;
-    }
-    if (args.size() >= 3 && args[0] == "convert" && args.size() % 2 == 1) {
-      std::map<std::string, std::string> opt;
-      for (size_t i = 3; i + 1 < args.size(); i += 2) {
-        if (args[i] != "--to" && args[i] != "--dtype" && args[i] != "--model" && args[i] != "--flavor") {
-          std::cerr << "checkpoint_tool convert: unknown option " << args[i] << "\n" << usage;
-          return 2;
-        }
-        opt[args[i]] = args[i + 1];
-      }
-      // Converted first: nothing on stdout before an error line, or before the save's log line.
-      const std::string done =
-          convert_checkpoint(args[1], args[2], opt["--to"], opt["--dtype"], opt["--model"], opt["--flavor"]);
-      std::cout << "converted " << done << "\n";
-      return 0;
-    }
-    if (args.size() == 4 && args[0] == "logits") {
-      const std::vector<std::vector<int64_t>> batch = parse_token_batch(args[2]);
-      dump_logits(args[1], batch, args[3]);
-      std::cout << "wrote " << args[3] << " (logits [" << (batch.size() > 1 ? std::to_string(batch.size()) + ", " : "")
-                << batch[0].size() << ", V] float32)\n";
-      return 0;
-    }
-    std::cerr << usage;
-    return 2;
-  });
 }
 
 }  // namespace ctitan

@@ -1,7 +1,8 @@
-// The Hugging Face side of a decoder family (plain C++, no LibTorch): what config.json says
-// about the model, and how ctitan's parameters map to HF's tensors. The JSON text itself is
-// read and written by checkpoint/hf.cpp; each family's ModelSpec (models/model_spec.h) fills
-// an HFModelConfig from a flavor and names its parameters (models/hf_names.cpp).
+// The Hugging Face format of a decoder (plain C++, no LibTorch, no model code): what
+// config.json says about the model, and how ctitan's parameters map to HF's tensors. The JSON
+// text itself is read and written by checkpoint/hf.cpp; each family's ModelSpec
+// (models/model_spec.h) fills an HFModelConfig from a flavor and names its parameters
+// (models/hf_names.h).
 //
 // Rotary embedding layout: ctitan (as torchtitan and the original checkpoints) rotates
 // interleaved pairs (0,1), (2,3), ... of each head; HF's rotate_half pairs dimension i with
@@ -16,13 +17,20 @@
 #include <utility>
 #include <vector>
 
-#include "models/rope_args.h"
-
 namespace ctitan {
 
 // The "rope_type" of RoPEScalingArgs' scaling in a Hugging Face config.json (and its name in
 // messages).
 inline constexpr const char* kHfRopeScalingType = "llama3";
+
+// config.json's "rope_scaling" of rope_type kHfRopeScalingType (Llama 3.1's scaled RoPE; the
+// defaults are Llama 3.1's values). Each family converts it to its model's own arguments.
+struct HFRopeScaling {
+  double factor = 8.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
 
 // What config.json says about the model (the fields ctitan writes and checks).
 struct HFModelConfig {
@@ -30,12 +38,14 @@ struct HFModelConfig {
   int64_t hidden_size = 0, intermediate_size = 0, num_attention_heads = 0, num_key_value_heads = 0,
           num_hidden_layers = 0, vocab_size = 0, max_position_embeddings = 0;
   double rms_norm_eps = 1e-5, rope_theta = 10000;
-  std::optional<RoPEScalingArgs> rope_scaling;  // rope_type kHfRopeScalingType
+  std::optional<HFRopeScaling> rope_scaling;               // rope_type kHfRopeScalingType
   int64_t num_local_experts = 0, num_experts_per_tok = 0;  // MoE families
   double router_aux_loss_coef = 0;
   bool tie_word_embeddings = false;
   std::string torch_dtype = "float32";
 
+  // The family facts below come from models/registry.cpp (which defines these three), the one
+  // place that knows the registered families.
   // Whether the architecture's family is a mixture of experts (its MoE fields are read and
   // written). False for an architecture no family registers.
   bool moe() const;
@@ -58,12 +68,5 @@ struct HFPiece {
   int64_t row_begin = 0, row_end = 0;
   int64_t rope_heads = 0;
 };
-
-// The shared decoder's parameters and their HF names, for a dense SwiGLU feed-forward
-// ("feed_forward", HF "mlp") or a mixture of experts ("moe", HF "block_sparse_moe").
-ParamList decoder_params(const HFModelConfig& c, bool moe);
-// Either feed-forward's names are recognised. UserError when `fqn` has no HF name.
-std::vector<HFPiece> decoder_hf_pieces(const std::string& fqn, const std::vector<int64_t>& shape,
-                                       const HFModelConfig& c);
 
 }  // namespace ctitan

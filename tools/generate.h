@@ -24,7 +24,7 @@
 #include <ATen/core/Generator.h>
 #include <ATen/Tensor.h>
 
-#include "checkpoint/model_source.h"
+#include "tools/inference_model.h"
 
 namespace ctitan {
 
@@ -42,16 +42,16 @@ int64_t sample_token(const at::Tensor& logits, const SamplingOptions& o, at::Gen
 
 struct GenerateResult {
   std::vector<int64_t> prompt, generated;  // generated excludes a final EOS
-  std::string stop;                         // "eos" | "max_new_tokens" | "max_seq_len"
-  double prefill_s = 0, decode_s = 0;       // wall time of the prompt pass / of the rest
+  std::string stop;                        // "eos" | "max_new_tokens" | "max_seq_len"
+  double prefill_s = 0, decode_s = 0;      // wall time of the prompt pass / of the rest
 };
 
 // Generates from `prompt` (ids) with `model`'s KV cache; on_token(id) is called for every new
 // token as it is chosen (EOS included). eos_id < 0: no EOS stop. The cache holds up to
 // model.max_seq_len positions.
-GenerateResult generate_tokens(const InferenceModel& model, const std::vector<int64_t>& prompt,
-                               int64_t max_new_tokens, const SamplingOptions& sampling, uint64_t seed,
-                               int64_t eos_id, const std::function<void(int64_t)>& on_token);
+GenerateResult generate_tokens(const InferenceModel& model, const std::vector<int64_t>& prompt, int64_t max_new_tokens,
+                               const SamplingOptions& sampling, uint64_t seed, int64_t eos_id,
+                               const std::function<void(int64_t)>& on_token);
 
 // argv-style entry point; returns the exit code.
 int generate_main(const std::vector<std::string>& args);

@@ -1,5 +1,5 @@
 // Sampling with a KV cache; see generate.h.
-#include "checkpoint/generate.h"
+#include "tools/generate.h"
 
 #include <chrono>
 #include <cmath>
@@ -54,9 +54,9 @@ int64_t sample_token(const at::Tensor& logits_in, const SamplingOptions& o, at::
   return torch::multinomial(probs, 1, /*replacement=*/false, gen).item<int64_t>();
 }
 
-GenerateResult generate_tokens(const InferenceModel& model, const std::vector<int64_t>& prompt,
-                               int64_t max_new_tokens, const SamplingOptions& sampling, uint64_t seed,
-                               int64_t eos_id, const std::function<void(int64_t)>& on_token) {
+GenerateResult generate_tokens(const InferenceModel& model, const std::vector<int64_t>& prompt, int64_t max_new_tokens,
+                               const SamplingOptions& sampling, uint64_t seed, int64_t eos_id,
+                               const std::function<void(int64_t)>& on_token) {
   using clock = std::chrono::steady_clock;
   GenerateResult r;
   r.prompt = prompt;
@@ -137,7 +137,8 @@ double parse_real(const std::string& opt, const std::string& v) {
   } catch (const std::exception&) {
     pos = std::string::npos;
   }
-  if (pos != v.size() || v.empty() || !std::isfinite(x)) throw UserError("generate: " + opt + " " + v + " is not a number");
+  if (pos != v.size() || v.empty() || !std::isfinite(x))
+    throw UserError("generate: " + opt + " " + v + " is not a number");
   return x;
 }
 
@@ -150,7 +151,8 @@ std::string resolve_checkpoint(const std::string& path) {
     return path;
   const auto scan = ckpt::scan_folder(path);
   if (scan.complete.empty())
-    throw UserError("generate: " + path + " is neither a checkpoint nor a folder holding a complete step-<N> checkpoint");
+    throw UserError("generate: " + path +
+                    " is neither a checkpoint nor a folder holding a complete step-<N> checkpoint");
   return ckpt::step_dir(path, scan.complete.back());
 }
 
@@ -219,30 +221,44 @@ struct GenerateArgs {
 };
 
 void set_option(GenerateArgs& g, const std::string& a, const std::string& v) {
-  if (a == "--config") g.config_file = v;
-  else if (a == "--tokenizer") g.tokenizer_arg = v;
-  else if (a == "--prompt") g.prompt = v, g.have_prompt = true;
-  else if (a == "--prompt-ids") g.prompt_ids = v, g.have_ids = true;
-  else if (a == "--max-new-tokens") g.max_new = parse_int(a, v);
-  else if (a == "--temperature") g.so.temperature = parse_real(a, v);
-  else if (a == "--top-k") g.so.top_k = parse_int(a, v);
-  else if (a == "--top-p") g.so.top_p = parse_real(a, v);
-  else if (a == "--seed") g.seed = static_cast<uint64_t>(parse_int(a, v));
-  else if (a == "--max-seq-len") g.max_seq_arg = parse_int(a, v);
-  else if (a == "--ids-out") g.ids_out = v;
-  else if (a == "--model") g.model_arg = v;
-  else if (a == "--flavor") g.flavor_arg = v;
-  else if (a == "--threads") g.threads = parse_int(a, v);
+  if (a == "--config")
+    g.config_file = v;
+  else if (a == "--tokenizer")
+    g.tokenizer_arg = v;
+  else if (a == "--prompt")
+    g.prompt = v, g.have_prompt = true;
+  else if (a == "--prompt-ids")
+    g.prompt_ids = v, g.have_ids = true;
+  else if (a == "--max-new-tokens")
+    g.max_new = parse_int(a, v);
+  else if (a == "--temperature")
+    g.so.temperature = parse_real(a, v);
+  else if (a == "--top-k")
+    g.so.top_k = parse_int(a, v);
+  else if (a == "--top-p")
+    g.so.top_p = parse_real(a, v);
+  else if (a == "--seed")
+    g.seed = static_cast<uint64_t>(parse_int(a, v));
+  else if (a == "--max-seq-len")
+    g.max_seq_arg = parse_int(a, v);
+  else if (a == "--ids-out")
+    g.ids_out = v;
+  else if (a == "--model")
+    g.model_arg = v;
+  else if (a == "--flavor")
+    g.flavor_arg = v;
+  else if (a == "--threads")
+    g.threads = parse_int(a, v);
 }
 
 // The options in order; stops at --help (help set).
 GenerateArgs parse_args(const std::vector<std::string>& args) {
   GenerateArgs g;
   static const std::map<std::string, bool> takes_value = {
-      {"--config", true},      {"--tokenizer", true},   {"--prompt", true},      {"--prompt-ids", true},
-      {"--max-new-tokens", true}, {"--temperature", true}, {"--top-k", true},    {"--top-p", true},
-      {"--seed", true},        {"--max-seq-len", true}, {"--ids-out", true},     {"--model", true},
-      {"--flavor", true},      {"--threads", true},     {"--no-bos", false},     {"--ignore-eos", false}};
+      {"--config", true},         {"--tokenizer", true},   {"--prompt", true},  {"--prompt-ids", true},
+      {"--max-new-tokens", true}, {"--temperature", true}, {"--top-k", true},   {"--top-p", true},
+      {"--seed", true},           {"--max-seq-len", true}, {"--ids-out", true}, {"--model", true},
+      {"--flavor", true},         {"--threads", true},     {"--no-bos", false}, {"--ignore-eos", false}};
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
@@ -305,8 +321,9 @@ Inputs resolve_inputs(const GenerateArgs& g) {
   }
   ModelTensors m = open_model(source, g.model_arg, g.flavor_arg);
   if (tok_path.empty() && g.have_prompt) {
-    if (m.form == "hf" && (fs::exists(fs::path(source) / "tokenizer.json") || fs::exists(fs::path(source) / "vocab.json") ||
-                           fs::exists(fs::path(source) / "tokenizer.model")))
+    if (m.form == "hf" &&
+        (fs::exists(fs::path(source) / "tokenizer.json") || fs::exists(fs::path(source) / "vocab.json") ||
+         fs::exists(fs::path(source) / "tokenizer.model")))
       tok_path = resolve_tokenizer_path("", source);
     else
       throw UserError("generate: no tokenizer for the prompt: pass --tokenizer PATH (or --config, or --prompt-ids)");

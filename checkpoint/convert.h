@@ -1,7 +1,7 @@
-// Offline checkpoint tools: inspect a checkpoint folder or an HF safetensors folder, verify
-// every checksum, convert the model between the three forms (sharded step folder,
-// consolidated .pt in torch.save's format, HF safetensors folder), and run the model on given
-// tokens (the HF parity script compares those logits with its own).
+// Offline checkpoint work, what checkpoint_tool (tools/checkpoint_tool.h) runs: inspect a
+// checkpoint folder or an HF safetensors folder, verify every checksum, convert the model
+// between the three forms (sharded step folder, consolidated .pt in torch.save's format, HF
+// safetensors folder); the model of any form under ctitan's names: checkpoint/model_source.h.
 //
 // A .pt is written by checkpoint/torch_save.h, as Python's torch.save writes a dict of
 // tensors: torch.load(path) reads it with its default weights_only=True, and with mmap=True
@@ -9,13 +9,6 @@
 // A .pt is read by LibTorch's pickle_load after checking its zip structure and CRCs: torch.save
 // files of a plain dict and the TorchScript-tagged files earlier ctitan versions wrote
 // (torch::pickle_save); a top-level OrderedDict (torch.save(model.state_dict())) is a UserError.
-//
-//   checkpoint_tool inspect  <step folder | checkpoint folder | HF folder> [--verify]
-//   checkpoint_tool export   <step folder> <out.pt> [--dtype float32|bfloat16|float16]
-//   checkpoint_tool convert  <src> <dst> [--to sharded|consolidated|hf] [--dtype D] [--model M] [--flavor F]
-//   checkpoint_tool logits   <src> <t0,t1,...[;t0,t1,...]> <out.safetensors>
-//
-// The executable is a two-line main calling checkpoint_tool_main (see the report / README).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -46,14 +39,7 @@ std::string convert_checkpoint(const std::string& src, const std::string& dst, s
 // reads every tensor and checks every ctitan parameter is present.
 std::string inspect_hf(const std::string& path, bool verify);
 
-// Runs the model held by `src` (any form) in float32 on a batch of equal-length token
-// sequences and writes a safetensors file with "logits" [B, T, V] (F32) and "tokens" [B, T]
-// (I64); for one sequence [T, V] and [T].
-void dump_logits(const std::string& src, const std::vector<std::vector<int64_t>>& batch, const std::string& out_file);
-
-// argv-style entry point of the tool; returns the process exit code: 0 ok; 2 a usage error
-// or a bad input (UserError), a damaged .pt file included (truncated, a bad zip entry, a
-// CRC-32 mismatch, an unreadable pickle); 1 a damaged checkpoint folder or an I/O failure.
-int checkpoint_tool_main(const std::vector<std::string>& args);
+// What the tools say about the .pt files they write: what was checked, with which PyTorch.
+extern const char* const kPtLoadNote;
 
 }  // namespace ctitan

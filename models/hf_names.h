@@ -1,0 +1,24 @@
+// ctitan <-> Hugging Face names of the shared decoder (models/decoder.h), which each family's
+// ModelSpec uses for its HF adapter; the format's types are checkpoint/hf_config.h's.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "checkpoint/hf_config.h"
+#include "models/rope_args.h"
+
+namespace ctitan {
+
+// The shared decoder's parameters and their HF names, for a dense SwiGLU feed-forward
+// ("feed_forward", HF "mlp") or a mixture of experts ("moe", HF "block_sparse_moe").
+ParamList decoder_params(const HFModelConfig& c, bool moe);
+// Either feed-forward's names are recognised. UserError when `fqn` has no HF name.
+std::vector<HFPiece> decoder_hf_pieces(const std::string& fqn, const std::vector<int64_t>& shape,
+                                       const HFModelConfig& c);
+
+// RoPE scaling between the model's arguments and config.json's.
+HFRopeScaling to_hf(const RoPEScalingArgs& a);
+RoPEScalingArgs from_hf(const HFRopeScaling& s);
+
+}  // namespace ctitan
