@@ -62,10 +62,14 @@ class DataE2E : public ::testing::Test {
     return p.string();
   }
 
+  // float32 parameters: on a CPU without native bf16 matmuls (avx512_bf16 / AMX) FSDP's bf16
+  // compute is emulated and ~4x slower per step; what is tested here does not depend on it,
+  // and TrainE2E and FSDP.* run the bf16 path.
   static std::string args(const std::string& data, const std::string& dump, int steps) {
     return " --job.config_file " + kSrc + "/train_configs/debug_model.toml --model.tokenizer_path " + tokenizer_ +
            " --training.dataset_path " + data + " --job.dump_folder " + dump + " --training.steps " +
-           std::to_string(steps) + " --training.seq_len 64 --training.local_batch_size 4 --metrics.log_freq 1";
+           std::to_string(steps) + " --training.seq_len 64 --training.local_batch_size 4 --metrics.log_freq 1" +
+           " --training.mixed_precision_param float32";
   }
 
   static fs::path root_;
