@@ -707,6 +707,9 @@ std::function<double()> matmul_peak_measure(const Job& j, const std::string& pea
   const DeviceChoice device = j.device;
   return [peak_dtype, device] {
     if (device.cuda) return gpu_matmul_peak_flops(peak_dtype, device.index);
+    // Measured between steps: the cache's free blocks go back first, so that the operands
+    // reuse the pages and do not raise the peak RSS above what training reached.
+    release_cached_cpu_memory();
     const double f = std::max(measure_matmul_peak_flops(peak_dtype),
                               gemm::peak_flops(peak_dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat));
     // Its matrices' sizes are none of training's: the cache would keep them for good.
