@@ -11,7 +11,6 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
-#include <memory>
 #include <optional>
 #include <iostream>
 #include <random>
@@ -726,19 +725,10 @@ int train_job(Job& j, gemm::Backend matmuls) {
   const std::string reference = j.device.cuda
                                     ? "cuBLAS matmul on " + j.device.name()
                                     : std::string("the better of ") + gemm::backend_name(matmuls) + " and ATen matmul";
-  auto logged = std::make_shared<bool>(false);
-  const std::function<double()> measure_peak = [measure = matmul_peak_measure(j, peak_dtype), peak_dtype, reference,
-                                                logged] {
-    const double f = measure();
-    if (!*logged)
-      spdlog::info("measured {} matmul peak: {:.1f} GFLOP/s per rank (MFU reference: {})", peak_dtype, f / 1e9,
-                   reference);
-    *logged = true;
-    return f;
-  };
   Trainer trainer(TrainerParts{j.cfg, j.par, j.device, j.model, j.fsdp.get(), *j.optimizer, j.params,
                                j.grad_sq_all_reduce, *j.lr, *j.data.loader, j.data.setup_s, j.validator.get(),
-                               *j.ckpt->manager, j.train_state, j.at, j.accum, /*peak_flops=*/0.0, measure_peak});
+                               *j.ckpt->manager, j.train_state, j.at, j.accum, matmul_peak_measure(j, peak_dtype),
+                               peak_dtype, reference});
   return trainer.train();
 }
 

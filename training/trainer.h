@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <torch/torch.h>
@@ -45,9 +46,11 @@ struct TrainerParts {
   CheckpointManager& checkpoints;
   TrainState& train_state;
   RunProgress& at;
-  int64_t accum;                         // micro-batches per step
-  double peak_flops;                     // the MFU reference; 0: measured at the first metrics line
-  std::function<double()> measure_peak;  // measures it (again)
+  int64_t accum;  // micro-batches per step
+  // The MFU reference's measurement (at the first metrics line, and again if a step beats it),
+  // and what the first one's log line says it is: "<dtype> ... (MFU reference: <what>)".
+  std::function<double()> measure_peak;
+  std::string peak_dtype, peak_reference;
 };
 
 // What one step did, for the metrics.
@@ -98,6 +101,7 @@ class Trainer {
   // The logging window: tokens, data time, activation peak, FSDP's comm wait at its start.
   int64_t window_tokens_ = 0;
   double data_s_ = 0, comm_mark_ = 0, state_gib_ = 0, activation_gib_ = 0;
+  double peak_flops_ = 0;  // measured at the first metrics line
   int peak_remeasures_ = 0;
   torch::Tensor expert_load_;  // [L, E] tokens per expert of the last step, summed over ranks
   LossSpikeDetector spikes_;
