@@ -43,11 +43,12 @@ PACKAGES=(
   slurm-wlm munge     # slurmctld, slurmd, srun, sbatch; munged (tests/test_launchers.cpp)
 )
 
+# One dpkg-query for every package (this check runs before each scripts/run_train.sh).
 missing=()
+installed=" $(dpkg-query -W -f='${Package}:${Status}\n' "${PACKAGES[@]}" 2>/dev/null |
+  sed -n 's/^\([^:]*\):install ok installed$/\1/p' | tr '\n' ' ' || true) "
 for p in "${PACKAGES[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
-    missing+=("$p")
-  fi
+  [[ "$installed" == *" $p "* ]] || missing+=("$p")
 done
 # npm may come from elsewhere (nodesource, nvm, the image's Node.js); accept any working npm.
 if command -v npm >/dev/null 2>&1; then
@@ -59,12 +60,16 @@ if command -v python3 >/dev/null 2>&1 && python3 -c 'import venv, ensurepip' 2>/
 fi
 read -r -a missing <<< "${missing[*]}"
 
+# The installed distributions' versions, read in one Python process without importing them
+# (importing torch and tensorboard took seconds, in every launch of scripts/run_train.sh).
 venv_ok() {
-  [[ -x "$CTITAN_VENV/bin/python" ]] &&
-    "$CTITAN_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null &&
-    "$CTITAN_VENV/bin/python" -c "import tokenizers, sys; sys.exit(tokenizers.__version__ != '$TOKENIZERS_VERSION')" 2>/dev/null &&
-    "$CTITAN_VENV/bin/python" -c "import tensorboard, sys; sys.exit(tensorboard.__version__ != '$TENSORBOARD_VERSION')" 2>/dev/null &&
-    "$CTITAN_VENV/bin/python" -c "from importlib.metadata import version as v; import sys; sys.exit(v('transformers') != '$TRANSFORMERS_VERSION' or v('safetensors') != '$SAFETENSORS_VERSION')" 2>/dev/null
+  [[ -x "$CTITAN_VENV/bin/python" ]] && "$CTITAN_VENV/bin/python" - "$TORCH_VERSION" "$TOKENIZERS_VERSION" \
+    "$TENSORBOARD_VERSION" "$TRANSFORMERS_VERSION" "$SAFETENSORS_VERSION" 2>/dev/null <<'PY'
+import sys
+from importlib.metadata import version
+names = ["torch", "tokenizers", "tensorboard", "transformers", "safetensors"]
+sys.exit(any(version(n).split("+")[0] != want for n, want in zip(names, sys.argv[1:])))
+PY
 }
 
 if [[ "${1:-}" == "--check" ]]; then

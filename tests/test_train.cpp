@@ -50,6 +50,11 @@ class TrainE2E : public ::testing::Test {
            " --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-3";
   }
 
+  // float32 parameters for multi-rank tests whose subject is not mixed precision: on a CPU
+  // without native bf16 matmuls (avx512_bf16 / AMX) FSDP's bf16 path is emulated and ~4x
+  // slower per step. TwoRanksThroughTheLauncher and the FSDP.* suite keep bf16.
+  static constexpr const char* kFp32 = " --training.mixed_precision_param float32";
+
   static fs::path root_;
   static std::string corpus_, tokenizer_;
 };
@@ -92,7 +97,7 @@ TEST_F(TrainE2E, StartUpPeakIsShardPlusOneUnitOn4Ranks) {
   const std::string dump = (root_ / "start150m").string();
   auto r =
       sh("NPROC=4 CTITAN_BUILD_DIR=" + fs::path(kTrain).parent_path().string() + " " + kSrc + "/scripts/run_train.sh" +
-         args(dump, 1) + " --model.flavor 150M --training.seq_len 32 --training.local_batch_size 1 2>&1");
+         args(dump, 1) + kFp32 + " --model.flavor 150M --training.seq_len 32 --training.local_batch_size 1 2>&1");
   ASSERT_EQ(r.code, 0) << r.out;
   for (int rank = 0; rank < 4; ++rank) {
     std::ifstream log(dump + "/logs/rank" + std::to_string(rank) + ".log");
@@ -243,13 +248,13 @@ TEST_F(TrainE2E, NonFiniteLossStopsNamingTheStep) {
 // and training goes on. An injected spike in the reported loss is a warning.
 TEST_F(TrainE2E, NonFiniteStepsStopOrSkipOnEveryRank) {
   const std::string dump = (root_ / "nonfinite").string();
-  auto rs = spawn_processes(train_argv(args(dump, 5)), 2, {{"CTITAN_FAULT", "nan:1:3"}});
+  auto rs = spawn_processes(train_argv(args(dump, 5) + kFp32), 2, {{"CTITAN_FAULT", "nan:1:3"}});
   for (const auto& r : rs) {
     EXPECT_EQ(r.exit_code, 1) << r.output;
     EXPECT_NE(r.output.find("error: step 3: loss is nan; stopping"), std::string::npos) << r.output;
   }
   fs::remove_all(dump);
-  rs = spawn_processes(train_argv(args(dump, 6) + " --training.on_nonfinite skip --checkpoint.enable "
+  rs = spawn_processes(train_argv(args(dump, 6) + kFp32 + " --training.on_nonfinite skip --checkpoint.enable "
                                                   "--checkpoint.interval 1 --checkpoint.no_last_save_model_only"),
                        2, {{"CTITAN_FAULT", "nangrad:1:3"}});
   ASSERT_TRUE(all_ok(rs));
@@ -297,7 +302,7 @@ TEST_F(TrainE2E, FailingRankStopsTheJob) {
     const std::string dump = (root_ / ("fault_" + kind)).string();
     const auto t0 = std::chrono::steady_clock::now();
     auto r = sh("CTITAN_FAULT=" + kind + ":1:3 NPROC=2 CTITAN_BUILD_DIR=" + fs::path(kTrain).parent_path().string() +
-                " " + kSrc + "/scripts/run_train.sh" + args(dump, 8).substr(args(dump, 8).find(" --model")) +
+                " " + kSrc + "/scripts/run_train.sh" + args(dump, 8).substr(args(dump, 8).find(" --model")) + kFp32 +
                 " --comm.train_timeout_seconds 10");
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     EXPECT_EQ(r.code, kind == "raise" ? 1 : 128 + SIGKILL) << r.out;
@@ -319,7 +324,7 @@ TEST_F(TrainE2E, FailingRankStopsTheJob) {
 // comm.train_timeout_seconds with a message naming the collective.
 TEST_F(TrainE2E, SurvivorNamesTheCollective) {
   const std::string dump = (root_ / "survivor").string();
-  const auto argv = train_argv(args(dump, 8) + " --comm.train_timeout_seconds 10");
+  const auto argv = train_argv(args(dump, 8) + kFp32 + " --comm.train_timeout_seconds 10");
   const auto t0 = std::chrono::steady_clock::now();
   auto rs = spawn_processes(argv, 2, {{"CTITAN_FAULT", "kill:1:3"}}, 90);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -356,7 +361,7 @@ TEST_F(TrainE2E, RendezvousTimesOut) {
 // that was never interrupted.
 TEST_F(TrainE2E, StopSignalSavesAndTheRerunResumesExactly) {
   auto common = [&](const std::string& dump) {
-    return args(dump, 8) + " --debug.seed 5 --checkpoint.enable --checkpoint.interval 100";
+    return args(dump, 8) + kFp32 + " --debug.seed 5 --checkpoint.enable --checkpoint.interval 100";
   };
   const std::string ref = (root_ / "stop_ref").string(), dump = (root_ / "stop").string();
   ASSERT_TRUE(all_ok(spawn_processes(train_argv(common(ref)), 2)));
@@ -388,7 +393,7 @@ TEST_F(TrainE2E, StopSignalSavesAndTheRerunResumesExactly) {
 TEST_F(TrainE2E, LauncherPassesStopSignalsOn) {
   const std::string dump = (root_ / "launcher_stop").string();
   const std::string cmd = "NPROC=2 CTITAN_BUILD_DIR=" + fs::path(kTrain).parent_path().string() + " " + kSrc +
-                          "/scripts/run_train.sh" + args(dump, 200).substr(args(dump, 200).find(" --model")) +
+                          "/scripts/run_train.sh" + args(dump, 200).substr(args(dump, 200).find(" --model")) + kFp32 +
                           " --checkpoint.enable --checkpoint.interval 1000";
   // Signal the launcher once rank 0 has logged two steps.
   auto r = sh("{ (" + cmd + ") & lp=$!; for i in $(seq 600); do [ -f " + dump +
