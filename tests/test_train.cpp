@@ -254,8 +254,9 @@ TEST_F(TrainE2E, NonFiniteStepsStopOrSkipOnEveryRank) {
     EXPECT_NE(r.output.find("error: step 3: loss is nan; stopping"), std::string::npos) << r.output;
   }
   fs::remove_all(dump);
-  rs = spawn_processes(train_argv(args(dump, 6) + kFp32 + " --training.on_nonfinite skip --checkpoint.enable "
-                                                  "--checkpoint.interval 1 --checkpoint.no_last_save_model_only"),
+  rs = spawn_processes(train_argv(args(dump, 6) + kFp32 +
+                                  " --training.on_nonfinite skip --checkpoint.enable "
+                                  "--checkpoint.interval 1 --checkpoint.no_last_save_model_only"),
                        2, {{"CTITAN_FAULT", "nangrad:1:3"}});
   ASSERT_TRUE(all_ok(rs));
   for (const auto& r : rs)
