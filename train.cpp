@@ -328,7 +328,16 @@ void check_device_supports(const DeviceChoice& device, const LaunchEnv& launch) 
 // FSDP over the shard group (HSDP: plus the replicate group) whenever there is more than
 // one data-parallel rank. Applied from outside the model: it wraps the model's units.
 bool fsdp_applies(const JobConfig& cfg, const Parallelism& par, const DeviceChoice& device) {
-  if (par.dims.dp() > 1) return true;
+  if (par.dims.dp() > 1) {
+    // Kept as configured (every rank must round alike), but said: on such a CPU the bf16
+    // matmuls are emulated (debug model, 2 ranks: ~4x the float32 step time).
+    if (cfg.training.mixed_precision_param == "bfloat16" && !device.cuda && !cpu_has_native_bf16())
+      spdlog::warn(
+          "training.mixed_precision_param = bfloat16: this CPU has no native bf16 matmul (avx512_bf16 / "
+          "amx_bf16), so FSDP's bf16 compute is emulated and several times slower per step than with float32 "
+          "parameters (--training.mixed_precision_param float32)");
+    return true;
+  }
   // One process: FSDP's machinery over a group of one gives bf16 mixed precision (bf16
   // compute parameters, fp32 master weights, optimizer state and gradients) with the same
   // code and the same rounding as on N ranks. Only where the CPU has native bf16 matmuls:

@@ -19,6 +19,7 @@
 
 #include "config/errors.h"
 #include "util/crc.h"
+#include "util/strings.h"
 
 namespace fs = std::filesystem;
 
@@ -251,14 +252,9 @@ Metadata MetadataParser::parse(const std::string& text) {
 }
 
 int64_t MetadataParser::to_i64(const std::string& s) const {
-  try {
-    size_t pos = 0;
-    const long long v = std::stoll(s, &pos);
-    if (pos != s.size()) bad("not an integer: " + s);
-    return static_cast<int64_t>(v);
-  } catch (const std::logic_error&) {
-    bad("not an integer: " + s);
-  }
+  const auto v = parse_int64(s);
+  if (!v) bad("not an integer: " + s);
+  return *v;
 }
 
 uint32_t MetadataParser::to_crc(const std::string& s) const {

@@ -64,6 +64,19 @@ TEST(Util, JoinAndShape) {
   EXPECT_EQ(shape_str({2, 3}, ","), "[2,3]");
 }
 
+// One integer parser for the tools' command lines and checkpoint metadata: the whole string
+// or nothing, 64-bit range checked.
+TEST(Util, ParseInt64TakesTheWholeStringOrNothing) {
+  EXPECT_EQ(parse_int64("42"), 42);
+  EXPECT_EQ(parse_int64("-7"), -7);
+  EXPECT_EQ(parse_int64("+7"), 7);
+  EXPECT_EQ(parse_int64(" 7"), 7);
+  EXPECT_EQ(parse_int64("9223372036854775807"), INT64_MAX);
+  EXPECT_EQ(parse_int64("-9223372036854775808"), INT64_MIN);
+  for (const char* bad : {"", " ", "7x", "7 ", "1.5", "x", "--1", "9223372036854775808", "1e3"})
+    EXPECT_FALSE(parse_int64(bad).has_value()) << '"' << bad << '"';
+}
+
 uint32_t crc32c_bitwise(const std::string& s) {
   uint32_t c = ~0u;
   for (unsigned char b : s) {

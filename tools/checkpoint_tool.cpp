@@ -12,6 +12,7 @@
 #include "config/cli.h"
 #include "config/errors.h"
 #include "tools/inference_model.h"
+#include "util/strings.h"
 
 namespace fs = std::filesystem;
 
@@ -55,15 +56,9 @@ static std::vector<std::vector<int64_t>> parse_token_batch(const std::string& te
   std::vector<std::vector<int64_t>> batch(1);
   std::string cur;
   auto flush = [&] {
-    size_t pos = 0;
-    long long v = 0;
-    try {
-      v = std::stoll(cur, &pos);
-    } catch (const std::exception&) {
-      pos = std::string::npos;
-    }
-    if (pos != cur.size()) throw UserError("checkpoint tool: \"" + cur + "\" in the token list is not an integer");
-    batch.back().push_back(v);
+    const auto v = parse_int64(cur);
+    if (!v) throw UserError("checkpoint tool: \"" + cur + "\" in the token list is not an integer");
+    batch.back().push_back(*v);
     cur.clear();
   };
   for (char c : text) {

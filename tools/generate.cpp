@@ -21,6 +21,7 @@
 #include "config/job_config.h"
 #include "datasets/tokenizer.h"
 #include "models/registry.h"
+#include "util/strings.h"
 
 namespace fs = std::filesystem;
 
@@ -118,15 +119,9 @@ const char* const kUsage =
     "exit status: 0 done; 2 bad input (missing checkpoint, unknown option, prompt too long); 1 a failure\n";
 
 int64_t parse_int(const std::string& opt, const std::string& v) {
-  size_t pos = 0;
-  long long x = 0;
-  try {
-    x = std::stoll(v, &pos);
-  } catch (const std::exception&) {
-    pos = std::string::npos;
-  }
-  if (pos != v.size() || v.empty()) throw UserError("generate: " + opt + " " + v + " is not an integer");
-  return x;
+  const auto x = parse_int64(v);
+  if (!x) throw UserError("generate: " + opt + " " + v + " is not an integer");
+  return *x;
 }
 
 double parse_real(const std::string& opt, const std::string& v) {
