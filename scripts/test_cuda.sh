@@ -13,6 +13,7 @@
 #      the CPU build only: CI's time (the README's "GPUs" section says why and what it took).
 #   scripts/test_cuda.sh              # all of the above
 #   scripts/test_cuda.sh -R DeviceChoice   # extra arguments replace the test selection
+#   scripts/test_cuda.sh --venv-only  # step 1 alone (scripts/test.sh runs it during the CPU build)
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 CUDA_VENV="${CTITAN_CUDA_VENV:-$CTITAN_ROOT/.venv-cuda}"
@@ -23,18 +24,30 @@ TORCH_CUDA_VERSION="${CTITAN_TORCH_CUDA_VERSION:-2.14.1}"
 CUDA_TESTS='^((DeviceChoice|FsdpStreamPlan|PinnedStaging|CudaBuild)\.|TrainE2E\.(TwentyStepsLossFalls|SameSeedGivesBitwiseEqualLosses|BadConfigExitsTwoWithOneLineAndWritesNothing|TwoRanksThroughTheLauncher|StopSignalSavesAndTheRerunResumesExactly)$)'
 
 
+# Step 1: the venv, (re)installed when its torch is not $TORCH_CUDA_VERSION with CUDA or the two
+# header wheels are missing. nvidia-cuda-crt and nvidia-cuda-cccl: crt/host_config.h and
+# nv/target, which cuda_runtime.h and cuda_fp16.h include and PyTorch's wheel does not bring
+# (cmake/torch_cuda.cmake).
+ensure_cuda_venv() {
+  local crt="${CTITAN_CUDA_CRT_VERSION:-13.0.88}" cccl="${CTITAN_CUDA_CCCL_VERSION:-13.0.85}"
+  if ! "$CUDA_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_CUDA_VERSION' or not torch.version.cuda)" 2>/dev/null ||
+     ! "$CUDA_VENV/bin/python" -m pip show -q nvidia-cuda-crt nvidia-cuda-cccl >/dev/null 2>&1; then
+    ctitan_log "installing PyTorch $TORCH_CUDA_VERSION (CUDA), nvidia-cuda-crt, nvidia-cuda-cccl into $CUDA_VENV"
+    [[ -x "$CUDA_VENV/bin/python" ]] || python3 -m venv "$CUDA_VENV"
+    "$CUDA_VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_CUDA_VERSION" \
+      "nvidia-cuda-crt==$crt" "nvidia-cuda-cccl==$cccl"
+  fi
+}
+if [[ "${1:-}" == --venv-only ]]; then
+  t0=$(date +%s)
+  ensure_cuda_venv
+  ctitan_log "CUDA venv ready in $(( $(date +%s) - t0 )) s"
+  exit 0
+fi
+
 "$CTITAN_ROOT/scripts/fetch_data.sh" all >/dev/null
 t0=$(date +%s)
-# nvidia-cuda-crt and nvidia-cuda-cccl: crt/host_config.h and nv/target, which cuda_runtime.h
-# and cuda_fp16.h include and PyTorch's wheel does not bring (cmake/torch_cuda.cmake).
-CRT_VERSION="${CTITAN_CUDA_CRT_VERSION:-13.0.88}" CCCL_VERSION="${CTITAN_CUDA_CCCL_VERSION:-13.0.85}"
-if ! "$CUDA_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_CUDA_VERSION' or not torch.version.cuda)" 2>/dev/null ||
-   ! "$CUDA_VENV/bin/python" -m pip show -q nvidia-cuda-crt nvidia-cuda-cccl >/dev/null 2>&1; then
-  ctitan_log "installing PyTorch $TORCH_CUDA_VERSION (CUDA), nvidia-cuda-crt, nvidia-cuda-cccl into $CUDA_VENV"
-  [[ -x "$CUDA_VENV/bin/python" ]] || python3 -m venv "$CUDA_VENV"
-  "$CUDA_VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_CUDA_VERSION" \
-    "nvidia-cuda-crt==$CRT_VERSION" "nvidia-cuda-cccl==$CCCL_VERSION"
-fi
+ensure_cuda_venv
 TORCH_ROOT="$("$CUDA_VENV/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
 "$CUDA_VENV/bin/python" - <<'EOF' >&2
 import torch, torch.distributed as dist
