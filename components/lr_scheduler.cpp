@@ -7,6 +7,17 @@
 
 namespace ctitan {
 
+namespace {
+
+// Python's round(), which torchtitan's decay steps use: a half goes to the even neighbour
+// (round(2.5) == 2, round(3.5) == 4), where std::llround goes away from zero.
+int64_t python_round(double x) {
+  if (std::fabs(x - std::trunc(x)) == 0.5) return static_cast<int64_t>(2.0 * std::round(x / 2.0));
+  return static_cast<int64_t>(std::round(x));
+}
+
+}  // namespace
+
 LRScheduler::LRScheduler(double base_lr, const LRScheduleSpec& spec)
     : base_lr_(base_lr), decay_type_(spec.decay_type), min_lr_factor_(spec.min_lr_factor) {
   const int64_t steps = spec.training_steps;
@@ -16,7 +27,7 @@ LRScheduler::LRScheduler(double base_lr, const LRScheduleSpec& spec)
     warmup_ = steps;
   }
   if (spec.decay_ratio) {
-    decay_ = std::llround(static_cast<double>(steps) * *spec.decay_ratio);
+    decay_ = python_round(static_cast<double>(steps) * *spec.decay_ratio);
     if (warmup_ + decay_ > steps) {
       spdlog::warn("warmup ({}) + decay ({}) steps exceed training.steps ({}); decaying over {}", warmup_, decay_,
                    steps, steps - warmup_);

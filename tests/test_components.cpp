@@ -38,6 +38,19 @@ TEST(LRScheduler, WarmupStableLinearDecay) {
   EXPECT_DOUBLE_EQ(lr.lr_for_step(10), 8e-4 * 0.125);  // progress 7/8: last step is not 0
 }
 
+TEST(LRScheduler, DecayStepsRoundHalvesToEvenAsPythonsRound) {
+  // torchtitan: decay_steps = round(training.steps * decay_ratio), Python's round.
+  LRScheduleSpec s;
+  s.decay_ratio = 0.5;
+  for (const auto& [steps, decay] : std::vector<std::pair<int64_t, int64_t>>{{5, 2}, {7, 4}, {9, 4}, {3, 2}, {6, 3}}) {
+    s.training_steps = steps;  // 2.5 -> 2, 3.5 -> 4, 4.5 -> 4, 1.5 -> 2, 3 -> 3
+    EXPECT_EQ(LRScheduler(1.0, s).decay_steps(), decay) << steps << " steps";
+  }
+  s.training_steps = 10;
+  s.decay_ratio = 0.26;  // 2.6 -> 3, not a tie
+  EXPECT_EQ(LRScheduler(1.0, s).decay_steps(), 3);
+}
+
 TEST(LRScheduler, CosineAndSqrtWithMinFactor) {
   LRScheduleSpec s;
   s.training_steps = 100;
