@@ -243,6 +243,7 @@ TEST_P(SameIds, AsTokenizersOnEveryDocumentAndDecodesBack) {
                 tally.count("sotu/specials") + tally.count("unicode/plain"),
             5u);
   EXPECT_EQ(tally["sotu/plain"].docs, 233);
+  EXPECT_EQ(tally["sotu/specials"].docs, 59);  // every fourth address (make_hf_tokenizers.py)
   EXPECT_GT(tally["moby_dick/plain"].docs, 2000);
 }
 
