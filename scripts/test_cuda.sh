@@ -13,7 +13,8 @@
 #      the CPU build only: CI's time (the README's "GPUs" section says why and what it took).
 #   scripts/test_cuda.sh              # all of the above
 #   scripts/test_cuda.sh -R DeviceChoice   # extra arguments replace the test selection
-#   scripts/test_cuda.sh --venv-only  # step 1 alone (scripts/test.sh runs it during the CPU build)
+#   scripts/test_cuda.sh --build-only # steps 1-2, the build at nice 19 (scripts/test.sh runs
+#                                     # this beside the CPU build and tests: see there)
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 CUDA_VENV="${CTITAN_CUDA_VENV:-$CTITAN_ROOT/.venv-cuda}"
@@ -38,14 +39,13 @@ ensure_cuda_venv() {
       "nvidia-cuda-crt==$crt" "nvidia-cuda-cccl==$cccl"
   fi
 }
-if [[ "${1:-}" == --venv-only ]]; then
-  t0=$(date +%s)
-  ensure_cuda_venv
-  ctitan_log "CUDA venv ready in $(( $(date +%s) - t0 )) s"
-  exit 0
+build_only=0
+if [[ "${1:-}" == --build-only ]]; then
+  build_only=1
+  shift
+else
+  "$CTITAN_ROOT/scripts/fetch_data.sh" all >/dev/null
 fi
-
-"$CTITAN_ROOT/scripts/fetch_data.sh" all >/dev/null
 t0=$(date +%s)
 ensure_cuda_venv
 TORCH_ROOT="$("$CUDA_VENV/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
@@ -57,6 +57,7 @@ print(f"[ctitan] CUDA LibTorch: torch {torch.__version__}, CUDA {torch.version.c
       f"GPUs visible here: {torch.cuda.device_count()}")
 EOF
 t1=$(date +%s)
+((build_only == 0)) || renice -n 19 -p $$ >/dev/null
 
 if [[ ! -f "$CUDA_BUILD/CMakeCache.txt" ]]; then
   cmake -S "$CTITAN_ROOT" -B "$CUDA_BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCTITAN_WITH_CUDA=ON \
@@ -67,6 +68,10 @@ fi
 targets=(train checkpoint_tool generate tokenize test_gpu_plan test_train)
 cmake --build "$CUDA_BUILD" -j"$(nproc)" --target "${targets[@]}"
 t2=$(date +%s)
+if ((build_only)); then
+  ctitan_log "CUDA build part: venv $((t1 - t0)) s, configure + build $((t2 - t1)) s"
+  exit 0
+fi
 
 # What the binary links: libtorch_cuda (the CUDA kernels, ProcessGroupNCCL), libc10_cuda, NCCL.
 ctitan_log "build-cuda/train links: $(ldd "$CUDA_BUILD/train" | grep -oE 'lib(torch_cuda|c10_cuda|nccl|cudart)[^ ]*' | sort -u | tr '\n' ' ')"
