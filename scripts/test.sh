@@ -27,9 +27,14 @@ if [[ "$cuda" != 0 ]]; then
   # the CPU build, then the CUDA build at nice 19, so that it takes only the CPU time the CPU
   # build and the CPU tests leave idle (tests waiting on process start-up, sockets, sleeps) and
   # does not slow them down; whatever is left of it runs at full speed after the CPU tests.
+  # A process group of its own (set -m), to renice and stop it as a whole, in this session: with
+  # the kernel's autogroups a new session (setsid) would be scheduled beside this one as an
+  # equal, whatever its nice value.
   cuda_log="$(mktemp)"
-  setsid -w "$CTITAN_ROOT/scripts/test_cuda.sh" --build-only >"$cuda_log" 2>&1 &
+  set -m
+  "$CTITAN_ROOT/scripts/test_cuda.sh" --build-only >"$cuda_log" 2>&1 &
   cuda_pid=$!
+  set +m
   trap 'kill -- -"$cuda_pid" 2>/dev/null || true; rm -f "$cuda_log"' EXIT
 fi
 start=$(date +%s)
