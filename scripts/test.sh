@@ -55,7 +55,11 @@ if [[ "$cuda" != 0 ]]; then
   cuda_status=0
   wait "$cuda_pid" || cuda_status=$?
   cat "$cuda_log" >&2
-  ((cuda_status == 0)) || ctitan_log "the CUDA build beside the CPU tests failed (exit $cuda_status, above)"
+  if ((cuda_status == 0)); then
+    export CTITAN_CUDA_BUILT=1
+  else
+    ctitan_log "the CUDA build beside the CPU tests failed (exit $cuda_status, above)"
+  fi
   "$CTITAN_ROOT/scripts/test_cuda.sh" || status=$?
 fi
 exit $status

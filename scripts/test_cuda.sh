@@ -47,19 +47,23 @@ else
   "$CTITAN_ROOT/scripts/fetch_data.sh" all >/dev/null
 fi
 t0=$(date +%s)
-ensure_cuda_venv
-TORCH_ROOT="$("$CUDA_VENV/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
-"$CUDA_VENV/bin/python" - <<'EOF' >&2
+# CTITAN_CUDA_BUILT=1: scripts/test.sh's --build-only run of this script succeeded, so the venv
+# was checked and its versions logged there (each check imports torch: ~15 s).
+if [[ "${CTITAN_CUDA_BUILT:-0}" != 1 ]]; then
+  ensure_cuda_venv
+  "$CUDA_VENV/bin/python" - <<'EOF' >&2
 import torch, torch.distributed as dist
 print(f"[ctitan] CUDA LibTorch: torch {torch.__version__}, CUDA {torch.version.cuda}, "
       f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
       f"torch.distributed.is_nccl_available() = {dist.is_nccl_available()}, "
       f"GPUs visible here: {torch.cuda.device_count()}")
 EOF
+fi
 t1=$(date +%s)
 ((build_only == 0)) || renice -n 19 -p $$ >/dev/null
 
 if [[ ! -f "$CUDA_BUILD/CMakeCache.txt" ]]; then
+  TORCH_ROOT="$("$CUDA_VENV/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
   cmake -S "$CTITAN_ROOT" -B "$CUDA_BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCTITAN_WITH_CUDA=ON \
     -DCTITAN_TORCH_ROOT="$TORCH_ROOT" | grep -E "^-- ctitan" >&2
 fi
