@@ -49,8 +49,9 @@ cd "$CTITAN_BUILD_DIR"
 status=0
 ctest --output-on-failure --timeout 900 --parallel "$(( $(nproc) < 2 ? 2 : $(nproc) ))" "$@" || status=$?
 if [[ "$cuda" != 0 ]]; then
-  # The rest of the CUDA build at the normal priority, then its tests (test_cuda.sh: the venv
-  # and the build are checked again, and a failure of either shows there).
+  # The rest of the CUDA build at the normal priority, then its tests. test_cuda.sh builds
+  # again (a no-op after a success); after a failure it also checks the venv again, so the
+  # failure shows there too.
   renice -n 0 -g "$cuda_pid" >/dev/null 2>&1 || true
   cuda_status=0
   wait "$cuda_pid" || cuda_status=$?
