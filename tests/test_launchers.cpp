@@ -213,24 +213,27 @@ TEST_F(Launchers, TorchrunElasticShrinksToOneAgentAndReadsEveryDocumentOnce) {
   require_torchrun();
   const std::string dump = (root_ / "elastic").string();
   const int steps = 60;
-  const std::string agent = torchrun() +
-                            " --nnodes 1:2 --nproc-per-node 1 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint "
-                            "127.0.0.1:" +
-                            std::to_string(free_port()) +
-                            " --rdzv-id elastic --rdzv-conf last_call_timeout=2,keep_alive_interval=1,"
-                            "keep_alive_max_attempt=2 --no-python " +
-                            kTrain + args(dump, steps) +
-                            " --checkpoint.dataloader_reshard redistribute --checkpoint.no_last_save_model_only";
+  // A hosts the rendezvous store (B is killed later): is_host in each agent's rendezvous config
+  // says so. (A one-second head start alone lost the race on a loaded machine: B hosted the
+  // store, and A's agent lost it with B.)
+  const std::string port = std::to_string(free_port());
+  auto agent = [&](bool host) {
+    return torchrun() + " --nnodes 1:2 --nproc-per-node 1 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint " +
+           "127.0.0.1:" + port + " --rdzv-id elastic --rdzv-conf is_host=" + (host ? "true" : "false") +
+           ",last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2 --no-python " + kTrain +
+           args(dump, steps) + " --checkpoint.dataloader_reshard redistribute --checkpoint.no_last_save_model_only";
+  };
   const std::string trace_a = (root_ / "trace_a").string(), trace_b = (root_ / "trace_b").string();
   const std::string log_a = (root_ / "elastic_a.log").string(), log_b = (root_ / "elastic_b.log").string();
   // Each agent leads a process group of its own (setsid execs it: its pid is the group id).
-  auto start = [&](const std::string& trace, const std::string& log) {
-    auto r = sh("CTITAN_TRACE_WINDOWS=" + trace + " setsid " + agent + " > " + log + " 2>&1 < /dev/null & echo $!");
+  auto start = [&](bool host, const std::string& trace, const std::string& log) {
+    auto r =
+        sh("CTITAN_TRACE_WINDOWS=" + trace + " setsid " + agent(host) + " > " + log + " 2>&1 < /dev/null & echo $!");
     return static_cast<pid_t>(std::stol(r.out));
   };
-  const pid_t a = start(trace_a, log_a);
-  std::this_thread::sleep_for(std::chrono::seconds(1));  // A hosts the rendezvous store
-  const pid_t b = start(trace_b, log_b);
+  const pid_t a = start(true, trace_a, log_a);
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const pid_t b = start(false, trace_b, log_b);
   struct KillAgents {  // on every way out of the test (their workers follow within 0.5 s)
     pid_t a, b;
     ~KillAgents() {
