@@ -260,21 +260,30 @@ ParallelDims build_parallel_dims(const JobConfig& cfg, int64_t world_size) {
                              c.tensor_parallel_degree, c.pipeline_parallel_degree, world_size);
 }
 
-Parallelism build_parallelism(const JobConfig& cfg) {
+// use_nccl: FSDP's tensor collectives go over NCCL groups of the same ranks (GPUs), the Gloo
+// groups staying for the CPU-side control.
+Parallelism build_parallelism(const JobConfig& cfg, bool use_nccl) {
   Parallelism p;
   p.env = detect_launch_env(environment_map());
   p.dims = build_parallel_dims(cfg, p.env.world_size);
   if (!p.env.distributed()) return p;
   p.dist = init_distributed(p.env, std::chrono::seconds(cfg.comm.init_timeout_seconds));
   // Every rank creates every group, in the same order (group creation is collective).
-  for (int64_t rep = 0; rep < p.dims.dp_replicate; ++rep) {
-    auto g = p.dist->new_group(p.dims.shard_group(rep * p.dims.dp_shard), "dp_shard" + std::to_string(rep));
-    if (g) p.shard = g;
-  }
-  for (int64_t sh = 0; sh < p.dims.dp_shard; ++sh) {
-    auto g = p.dist->new_group(p.dims.replicate_group(sh), "dp_replicate" + std::to_string(sh));
-    if (g) p.replicate = g;
-  }
+  // The shard groups over NCCL twice: all-gathers on one, reduce-scatters on the other, so that
+  // each kind has a stream of its own (FSDP::use_reduce_scatter_group).
+  auto make = [&](const std::vector<int64_t>& ranks, const std::string& name, std::shared_ptr<Comm>& gloo,
+                  std::shared_ptr<Comm>& fsdp, std::shared_ptr<Comm>* fsdp_rs) {
+    if (auto g = p.dist->new_group(ranks, name)) gloo = fsdp = g;
+    if (!use_nccl || ranks.size() <= 1) return;  // a group of one has no collective to run
+    if (auto g = p.dist->new_nccl_group(ranks, name + "_nccl")) fsdp = g;
+    if (fsdp_rs)
+      if (auto g = p.dist->new_nccl_group(ranks, name + "_nccl_rs")) *fsdp_rs = g;
+  };
+  for (int64_t rep = 0; rep < p.dims.dp_replicate; ++rep)
+    make(p.dims.shard_group(rep * p.dims.dp_shard), "dp_shard" + std::to_string(rep), p.shard, p.fsdp_shard,
+         &p.fsdp_reduce_scatter);
+  for (int64_t sh = 0; sh < p.dims.dp_shard; ++sh)
+    make(p.dims.replicate_group(sh), "dp_replicate" + std::to_string(sh), p.replicate, p.fsdp_replicate, nullptr);
   p.dp_rank = p.env.rank;  // only data parallelism: the dp rank is the global rank
   return p;
 }
@@ -311,20 +320,6 @@ void check_validation_config(const JobConfig& cfg) {
                     " (the model's max_seq_len: its RoPE table has that many positions)");
 }
 
-// What the GPU path runs today (issue 17): one rank, float32, no FSDP. Several ranks need
-// FSDP's NCCL collectives and its stream plan executed on the device: until then a GPU run
-// on several ranks stops before writing anything, saying how to run instead. (bf16 on one
-// GPU falls back to float32 in fsdp_applies, as on a CPU without native bf16.)
-void check_device_supports(const DeviceChoice& device, const LaunchEnv& launch) {
-  if (!device.cuda || launch.world_size <= 1) return;
-  throw UserError("device: " + std::to_string(launch.world_size) +
-                  " ranks on GPUs (FSDP over NCCL) are not "
-                  "implemented yet (issue 17: one rank on " +
-                  device.name() +
-                  " is); run one rank, or the CPU "
-                  "(CUDA_VISIBLE_DEVICES=)");
-}
-
 // FSDP over the shard group (HSDP: plus the replicate group) whenever there is more than
 // one data-parallel rank. Applied from outside the model: it wraps the model's units.
 bool fsdp_applies(const JobConfig& cfg, const Parallelism& par, const DeviceChoice& device) {
@@ -340,16 +335,10 @@ bool fsdp_applies(const JobConfig& cfg, const Parallelism& par, const DeviceChoi
   }
   // One process: FSDP's machinery over a group of one gives bf16 mixed precision (bf16
   // compute parameters, fp32 master weights, optimizer state and gradients) with the same
-  // code and the same rounding as on N ranks. Only where the CPU has native bf16 matmuls:
-  // elsewhere bf16 is emulated and slower than float32.
+  // code and the same rounding as on N ranks. On a GPU, or where the CPU has native bf16
+  // matmuls: elsewhere bf16 is emulated and slower than float32.
   if (cfg.training.mixed_precision_param == "float32") return false;
-  if (device.cuda) {
-    spdlog::info(
-        "training.mixed_precision_param = {}: bf16 on {} needs FSDP's mixed precision on the GPU, not "
-        "implemented yet (issue 17), so one process trains in float32",
-        cfg.training.mixed_precision_param, device.name());
-    return false;
-  }
+  if (device.cuda) return true;  // GPUs multiply bf16 natively
   if (!cpu_has_native_bf16()) {
     spdlog::info(
         "training.mixed_precision_param = {}: this CPU has no native bf16 matmul (avx512_bf16 / "
@@ -371,14 +360,18 @@ std::string fsdp_reshard_policy(const JobConfig& cfg, int64_t dp) {
 
 // init_unit: for a model built with ModelInit::Deferred, what fills each unit before FSDP
 // keeps this rank's rows (empty: the shards start as zeros for a checkpoint to fill).
+// On a GPU the shards and the unsharded parameters live there, the units being initialised on
+// the CPU first (the values a CPU run has).
 std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, Parallelism& par, bool sharded,
-                                       const std::function<void(size_t)>& init_unit) {
+                                       const DeviceChoice& device, const std::function<void(size_t)>& init_unit) {
   if (!sharded) return nullptr;
-  if (par.dims.dp() <= 1) par.shard = Comm::single("local");
+  if (par.dims.dp() <= 1) par.shard = par.fsdp_shard = Comm::single("local");
   const std::string reshard = fsdp_reshard_policy(cfg, par.dims.dp());
   auto opts = fsdp_options(reshard, cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce);
   opts.prefetch = cfg.parallelism.fsdp_prefetch;
-  auto fsdp = std::make_shared<FSDP>(model.units(), par.shard, par.replicate, opts, init_unit);
+  if (device.cuda) opts.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(device.index));
+  auto fsdp = std::make_shared<FSDP>(model.units(), par.fsdp_shard, par.fsdp_replicate, opts, init_unit);
+  if (par.fsdp_reduce_scatter) fsdp->use_reduce_scatter_group(par.fsdp_reduce_scatter);
   model.set_unit_runner(fsdp->wrapper());
   if (par.dims.dp() <= 1)
     spdlog::info(
@@ -445,10 +438,25 @@ MemoryRun memory_run(const JobConfig& cfg, int64_t dp, bool sharded) {
 
 // Before anything of the model is allocated: the estimate of this rank's peak, and when it
 // cannot fit in what the rank can have, one line with the numbers and what would fit (exit 2).
+// On a GPU the model's state and activations live in the GPU's memory, not the host's: the
+// estimate (without the host process) is compared with the GPU's free memory and only warned
+// about, since the estimate has not been checked against a GPU run yet.
 MemoryEstimate check_memory_fits(const JobConfig& cfg, const ModelArgs& margs, const LaunchEnv& env, int64_t dp,
-                                 bool sharded) {
+                                 bool sharded, const DeviceChoice& device) {
   const MemoryModel mm = memory_model(margs);
   const MemoryRun run = memory_run(cfg, dp, sharded);
+  if (device.cuda) {
+    const MemoryEstimate est = estimate_memory(mm, run, /*base=*/0);
+    const GpuMemoryInfo gpu = gpu_memory_info(device.index);
+    const double G = 1 << 30;
+    if (est.total() > gpu.free_bytes)
+      spdlog::warn(
+          "memory: {} {} needs an estimated {} per rank, more than {}'s {} GiB free of {} GiB; going on (the "
+          "estimate is made for the CPU and not yet checked on a GPU)",
+          cfg.model.name, cfg.model.flavor, describe(est), device.name(), format_gib(gpu.free_bytes / G),
+          format_gib(gpu.total_bytes / G));
+    return est;
+  }
   const double base = current_rss_gib() * (1 << 30);
   const MemoryEstimate est = estimate_memory(mm, run, base);
   std::string how;
@@ -546,9 +554,9 @@ void setup_environment(Job& j) {
   init_logging(!cfg.metrics.disable_color_printing && isatty(STDERR_FILENO), j.launch.rank);
   // cuda:LOCAL_RANK in the CUDA build when a GPU is visible, else the CPU (parallelisms/device.h).
   j.device = choose_device(device_facts(j.launch.local_rank, j.launch.local_world_size));
-  check_device_supports(j.device, j.launch);
+  use_device(j.device);  // before any NCCL group: each binds to the current GPU
   exit_when_agent_dies(j.launch);
-  j.par = build_parallelism(cfg);
+  j.par = build_parallelism(cfg, j.device.cuda);
   j.accum = gradient_accumulation_steps(cfg, j.par.dims.dp());
   j.seed = agree_on_seed(j.par, pick_seed(cfg));
   if (cfg.debug.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);
@@ -561,7 +569,7 @@ ModelArgs setup_data(Job& j) {
   ModelArgs margs = build_model_args(cfg, *j.data.tokenizer);
   j.validator = maybe_build_validator(cfg, *j.data.tokenizer, j.par.dp_rank, j.par.dims.dp());
   j.sharded = fsdp_applies(cfg, j.par, j.device);
-  j.mem_estimate = check_memory_fits(cfg, margs, j.launch, j.par.dims.dp(), j.sharded);
+  j.mem_estimate = check_memory_fits(cfg, margs, j.launch, j.par.dims.dp(), j.sharded, j.device);
   j.at.estimate_bytes = j.mem_estimate.total();
   return margs;
 }
@@ -592,12 +600,16 @@ void announce_run(const Job& j, const ModelArgs& margs, gemm::Backend matmuls) {
 }
 
 // A GPU: the model, initialised on the CPU from the seed (the same values as a CPU run's),
-// moves there; every forward takes its inputs there (validation's too).
-void maybe_move_to_device(TrainModel& model, const DeviceChoice& device) {
+// moves there; every forward takes its inputs there (validation's too). With FSDP the
+// parameters are there already (its shards and unsharded parameters): only the buffers move.
+void maybe_move_to_device(TrainModel& model, const DeviceChoice& device, bool params_placed) {
   if (!device.cuda) return;
-  const torch::Device compute_device(torch::kCUDA, device.index);
-  use_device(device);
-  model.module->to(compute_device);
+  const torch::Device compute_device(torch::kCUDA, static_cast<c10::DeviceIndex>(device.index));
+  if (params_placed) {
+    for (auto& b : model.module->buffers()) b.set_data(b.to(compute_device));
+  } else {
+    model.module->to(compute_device);
+  }
   model.forward = [forward = model.forward, compute_device](const torch::Tensor& x) {
     return forward(x.to(compute_device, /*non_blocking=*/true));
   };
@@ -638,7 +650,7 @@ void setup_model(Job& j, const ModelArgs& margs) {
       ++units_initialised;
     };
   enter_phase(j.at, 0, sharded ? "sharding and initialisation" : "initialisation");
-  j.fsdp = maybe_apply_fsdp(model, cfg, j.par, sharded, init_unit);
+  j.fsdp = maybe_apply_fsdp(model, cfg, j.par, sharded, j.device, init_unit);
   spdlog::info("model init: {} of {} units randomly initialised on this rank ({})", units_initialised, n_units,
                loads_weights ? "the weights come from the checkpoint"
                : sharded     ? "one unit at a time, this rank keeping its rows"
@@ -646,7 +658,7 @@ void setup_model(Job& j, const ModelArgs& margs) {
   // The full-size parameters sharding freed sit in the CPU allocator's cache; they are
   // the memory FSDP exists to give back.
   if (j.fsdp) release_cached_cpu_memory();
-  maybe_move_to_device(model, j.device);
+  maybe_move_to_device(model, j.device, /*params_placed=*/j.fsdp != nullptr);
 }
 
 // Optimizer and LR schedule, on the local shards with FSDP.

@@ -335,7 +335,8 @@ std::string write_hf_files(const std::string& dir, HFModelConfig c, const ParamL
   safetensors::Writer w((fs::path(dir) / file).string(), specs, meta);
   torch::NoGradGuard no_grad;
   for (const auto& [fqn, shape] : want) {
-    at::Tensor t = read_full(fqn).to(torch_dtype_of(dtype)).contiguous();
+    // On the host whatever device the state lives on: the writer reads the bytes.
+    at::Tensor t = read_full(fqn).to(at::kCPU, torch_dtype_of(dtype)).contiguous();
     TORCH_CHECK(t.sizes().vec() == shape, "[hf] read ", fqn, " with shape ", t.sizes(), ", expected ",
                 shape_str(shape));
     for (const auto& piece : hf_pieces(fqn, shape, c)) {

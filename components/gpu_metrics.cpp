@@ -11,6 +11,7 @@ double gpu_matmul_peak_flops(const std::string&, int64_t) {
   throw std::logic_error("[metrics] gpu_matmul_peak_flops: this build has no CUDA");
 }
 void gpu_synchronize(int64_t) {}
+GpuMemoryInfo gpu_memory_info(int64_t) { return {}; }
 #endif
 
 }  // namespace ctitan

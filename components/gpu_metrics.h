@@ -18,6 +18,12 @@ GpuMemory gpu_memory(int64_t device);
 // it) on cuda:device over >= 0.3 s, each timed between device synchronisations.
 double gpu_matmul_peak_flops(const std::string& dtype, int64_t device);
 
+// The device's free and total memory in bytes, as the driver reports them (cudaMemGetInfo).
+struct GpuMemoryInfo {
+  double free_bytes = 0, total_bytes = 0;
+};
+GpuMemoryInfo gpu_memory_info(int64_t device);
+
 // Waits for the device's queued work (step times with device synchronisation).
 void gpu_synchronize(int64_t device);
 

@@ -1,6 +1,7 @@
 // CUDA build only (CMakeLists.txt compiles *_cuda.cpp files into it alone).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -18,6 +19,13 @@ GpuMemory gpu_memory(int64_t device) {
   m.peak_allocated_gib = static_cast<double>(s.allocated_bytes[agg].peak) / double(1 << 30);
   m.peak_reserved_gib = static_cast<double>(s.reserved_bytes[agg].peak) / double(1 << 30);
   return m;
+}
+
+GpuMemoryInfo gpu_memory_info(int64_t device) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  size_t free = 0, total = 0;
+  C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  return {static_cast<double>(free), static_cast<double>(total)};
 }
 
 void gpu_synchronize(int64_t device) {

@@ -131,7 +131,6 @@ CTITAN_KERNEL double sum_of_squares_range(const float* x, int64_t begin, int64_t
 
 // Σ x² of a float32 tensor in float64, one pass: fixed-size chunks summed in index order.
 double sum_of_squares(const torch::Tensor& t) {
-  if (on_gpu(t)) return t.to(torch::kFloat64).pow(2).sum().item<double>();
   const auto c = t.contiguous();
   if (c.scalar_type() != torch::kFloat) return c.to(torch::kFloat64).pow(2).sum().item<double>();
   const float* x = c.data_ptr<float>();
@@ -189,8 +188,17 @@ double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
   torch::NoGradGuard no_grad;
   // Sum of squares in fp64 so the norm does not depend on how the sum is split (shards).
   double sq = 0.0;
+  // GPU gradients: each tensor's norm where it is (no float64 copy of a gradient on the device),
+  // squared and summed in float64 and read with one synchronisation, not one per tensor.
+  std::vector<torch::Tensor> gpu_norms;
   for (const auto& p : params)
-    if (p.grad().defined()) sq += sum_of_squares(p.grad());
+    if (p.grad().defined()) {
+      if (on_gpu(p.grad()))
+        gpu_norms.push_back(at::linalg_vector_norm(p.grad(), 2));
+      else
+        sq += sum_of_squares(p.grad());
+    }
+  if (!gpu_norms.empty()) sq += at::stack(gpu_norms).to(torch::kFloat64).square().sum().item<double>();
   if (all_reduce_sum) sq = all_reduce_sum(sq);
   const double norm = std::sqrt(sq);
   if (max_norm > 0 && std::isfinite(norm)) {

@@ -141,24 +141,46 @@ void check_same_metadata(const std::string& unit, const std::vector<TensorMeta>&
                          " tensors but the forward saved " + std::to_string(fwd.size()));
 }
 
-// ---- the CPU RNG ---------------------------------------------------------------------------
-at::Tensor rng_state() {
-  auto gen = at::detail::getDefaultCPUGenerator();
+// ---- the RNG: the CPU generator, and the GPU's where the unit runs on one --------------------
+// The state of the CPU default generator and, when the unit's input is on a GPU, of that GPU's
+// default generator (as torch.utils.checkpoint keeps the devices of its tensor inputs).
+struct RngState {
+  at::Tensor cpu;
+  at::Tensor device;  // defined only for a unit on a GPU
+  c10::Device where = c10::Device(c10::kCPU);
+  bool defined() const { return cpu.defined(); }
+};
+
+at::Tensor generator_state(at::Generator gen) {
   std::lock_guard<std::mutex> lock(gen.mutex());
   return gen.get_state();
 }
-void set_rng_state(const at::Tensor& s) {
-  auto gen = at::detail::getDefaultCPUGenerator();
+void set_generator_state(at::Generator gen, const at::Tensor& s) {
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(s);
+}
+
+// `on`: the unit's input; its device's generator is kept too when it is not the CPU.
+RngState rng_state(const at::Tensor& on) {
+  RngState s;
+  s.cpu = generator_state(at::detail::getDefaultCPUGenerator());
+  if (on.defined() && !on.is_cpu()) {
+    s.where = on.device();
+    s.device = generator_state(at::globalContext().defaultGenerator(s.where));
+  }
+  return s;
+}
+void set_rng_state(const RngState& s) {
+  set_generator_state(at::detail::getDefaultCPUGenerator(), s.cpu);
+  if (s.device.defined()) set_generator_state(at::globalContext().defaultGenerator(s.where), s.device);
 }
 
 // Plays the forward's RNG state for the recompute, then puts the outer stream back.
 class RngReplay {
  public:
-  explicit RngReplay(const at::Tensor& forward_state) {
+  RngReplay(const RngState& forward_state, const at::Tensor& on) {
     if (!forward_state.defined()) return;
-    outer_ = rng_state();
+    outer_ = rng_state(on);
     set_rng_state(forward_state);
   }
   ~RngReplay() {
@@ -168,7 +190,7 @@ class RngReplay {
   RngReplay& operator=(const RngReplay&) = delete;
 
  private:
-  at::Tensor outer_;
+  RngState outer_;
 };
 
 // ---- what a checkpointed call keeps between its forward and its backward ------------------
@@ -177,7 +199,7 @@ struct CheckpointRecord : torch::CustomClassHolder {
   UnitFn fn;
   std::shared_ptr<const ActivationCheckpoint::Policy> policy;
   std::shared_ptr<ACStats> stats;
-  at::Tensor rng;                                  // CPU RNG state before the forward
+  RngState rng;                                    // RNG state before the forward (CPU, and its GPU)
   std::vector<TensorMeta> metas;                   // every tensor the forward produced
   std::vector<std::vector<at::Tensor>> decisions;  // recompute::decide results, in order
   std::vector<at::Tensor> kept;                    // op SAC: kept matmul outputs, in order
@@ -307,7 +329,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
                             c10::intrusive_ptr<CheckpointRecord> rec) {
     // Autograd runs a custom function's forward with grad disabled: nothing is saved for
     // backward inside the unit.
-    if (rec->policy->preserve_rng) rec->rng = rng_state();
+    if (rec->policy->preserve_rng) rec->rng = rng_state(x);
     at::Tensor y;
     {
       ForwardContext fctx(*rec);
@@ -340,7 +362,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     std::vector<TensorMeta> metas;
     {
       torch::AutoGradMode grad_on(true);
-      RngReplay rng(rec->rng);
+      RngReplay rng(rec->rng, x);
       RecomputeContext rctx(*rec);
       recompute::ContextGuard guard(&rctx);
       {
@@ -358,7 +380,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     rec->kept_versions.clear();
     rec->decisions.clear();
     rec->metas.clear();
-    rec->rng = at::Tensor();
+    rec->rng = RngState();
     // Reentrant backward through the recomputed unit: parameter gradients accumulate
     // into their .grad (FSDP's accumulator hooks fire), the input's into xd.grad.
     if (y.requires_grad()) torch::autograd::backward({y}, {grads[0]});

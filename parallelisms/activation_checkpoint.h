@@ -34,9 +34,10 @@
 // (positions from 0; dtype and device differences read "has dtype BFloat16 but the forward
 // saved Float"). This checks every produced tensor, a superset of the tensors autograd saves.
 //
-// preserve_rng_state: the CPU default generator's state before the forward is put back for
-// the recompute, and the state backward found is restored after it (dropout masks repeat,
-// the outer random stream is as without AC). CUDA generators are not handled.
+// preserve_rng_state: the CPU default generator's state before the forward (and, for a unit
+// whose input is on a GPU, that GPU's default generator's) is put back for the recompute, and
+// the state backward found is restored after it (dropout masks repeat, the outer random
+// stream is as without AC). The GPU half is compiled in the CUDA build and not yet run on a GPU.
 //
 // With FSDP the model's wrapper is FSDP(AC(block)): AC's transform() and FSDP's wrapper() go
 // into their own slots (models/unit_runner.h: UnitSlots, TrainModel::set_unit_transform and

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -11,28 +12,45 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "config/errors.h"
+#include "parallelisms/nccl.h"
 
 namespace ctitan {
 namespace {
 std::atomic<int64_t> g_step{0};
 std::atomic<int64_t> g_timeout_ms{300000};
+// NCCL groups take their timeout from their own options (their watchdog enforces it):
+// set_timeout passes the new one on to every group alive.
+std::mutex g_nccl_mutex;
+std::vector<c10::weak_intrusive_ptr<c10d::Backend>> g_nccl_groups;
 }  // namespace
 
 void CommContext::set_step(int64_t step) { g_step = step; }
 int64_t CommContext::step() { return g_step; }
-void CommContext::set_timeout(std::chrono::milliseconds t) { g_timeout_ms = t.count(); }
+void CommContext::set_timeout(std::chrono::milliseconds t) {
+  g_timeout_ms = t.count();
+  std::lock_guard<std::mutex> lock(g_nccl_mutex);
+  for (auto& weak : g_nccl_groups)
+    if (auto pg = weak.lock()) pg->setTimeout(t);
+}
 std::chrono::milliseconds CommContext::timeout() { return std::chrono::milliseconds(g_timeout_ms.load()); }
 
 PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish,
-                                     std::string what, std::string where)
-    : work_(std::move(work)), finish_(std::move(finish)), what_(std::move(what)), where_(std::move(where)) {}
+                                     std::string what, std::string where, bool thread_waits)
+    : work_(std::move(work)),
+      finish_(std::move(finish)),
+      what_(std::move(what)),
+      where_(std::move(where)),
+      thread_waits_(thread_waits) {}
 
 void PendingCollective::wait() {
   if (work_) {
     auto work = std::move(work_);
     work_.reset();
     try {
-      work->wait(CommContext::timeout());
+      if (thread_waits_)
+        work->wait(CommContext::timeout());
+      else
+        work->wait();
     } catch (const std::exception& e) {
       std::string reason = e.what();
       if (auto nl = reason.find('\n'); nl != std::string::npos) reason.resize(nl);
@@ -50,12 +68,15 @@ void PendingCollective::wait() {
   }
 }
 
-Comm::Comm(c10::intrusive_ptr<c10d::Backend> pg, std::string name, int64_t global_rank)
+Comm::Comm(c10::intrusive_ptr<c10d::Backend> pg, std::string name, int64_t global_rank, CommKind kind,
+           bool native_reduce_scatter)
     : pg_(std::move(pg)),
       name_(std::move(name)),
       global_rank_(global_rank),
       rank_(pg_->getRank()),
-      size_(pg_->getSize()) {}
+      size_(pg_->getSize()),
+      kind_(kind),
+      native_reduce_scatter_(native_reduce_scatter || kind == CommKind::Nccl) {}
 
 std::shared_ptr<Comm> Comm::single(std::string name) {
   auto c = std::shared_ptr<Comm>(new Comm());
@@ -72,6 +93,12 @@ void Comm::fail(const std::string& what, const std::string& reason) const {
 
 static std::string where_of(int64_t global_rank, const std::string& group) {
   return "rank " + std::to_string(global_rank) + " (group " + group + ")";
+}
+
+PendingCollective Comm::pending(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish,
+                                const std::string& what) const {
+  return PendingCollective(std::move(work), std::move(finish), what, where_of(global_rank_, name_),
+                           kind_ == CommKind::Gloo);
 }
 
 PendingCollective Comm::all_gather_flat(const at::Tensor& input, at::Tensor out, const std::string& tag) {
@@ -91,8 +118,8 @@ PendingCollective Comm::all_gather_flat(const at::Tensor& input, at::Tensor out,
     fail("all_gather(" + tag + ")", e.what());
   }
   // Keep the input alive until the collective completes.
-  return PendingCollective(
-      work, [in] {}, "all_gather(" + tag + ")", where_of(global_rank_, name_));
+  return pending(
+      work, [in] {}, "all_gather(" + tag + ")");
 }
 
 PendingCollective Comm::reduce_scatter_sum(const at::Tensor& input, at::Tensor out, const std::string& tag) {
@@ -104,6 +131,20 @@ PendingCollective Comm::reduce_scatter_sum(const at::Tensor& input, at::Tensor o
   if (size_ == 1) {
     out.copy_(input.reshape_as(out));
     return {};
+  }
+  if (native_reduce_scatter_) {
+    auto in = input.reshape({-1}).contiguous();
+    auto flat = out.view({S});
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      work = pg_->_reduce_scatter_base(flat, in, opts);
+    } catch (const std::exception& e) {
+      fail("reduce_scatter(" + tag + ")", e.what());
+    }
+    return pending(
+        work, [in] {}, "reduce_scatter(" + tag + ")");
   }
   // alltoall_base (rank r sends chunk j of its input to rank j) and a local sum of the N
   // received chunks, not Gloo's _reduce_scatter_base: bench/comm_bench.sh measured the latter
@@ -123,7 +164,7 @@ PendingCollective Comm::reduce_scatter_sum(const at::Tensor& input, at::Tensor o
     auto flat = out.view({S});
     at::sum_out(flat, recv.view({n, S}), {0});
   };
-  return PendingCollective(work, finish, "reduce_scatter(" + tag + ")", where_of(global_rank_, name_));
+  return pending(work, finish, "reduce_scatter(" + tag + ")");
 }
 
 PendingCollective Comm::all_reduce_sum(at::Tensor t, const std::string& tag) {
@@ -135,8 +176,8 @@ PendingCollective Comm::all_reduce_sum(at::Tensor t, const std::string& tag) {
   } catch (const std::exception& e) {
     fail("all_reduce(" + tag + ")", e.what());
   }
-  return PendingCollective(
-      work, [ts] {}, "all_reduce(" + tag + ")", where_of(global_rank_, name_));
+  return pending(
+      work, [ts] {}, "all_reduce(" + tag + ")");
 }
 
 void Comm::broadcast(at::Tensor t, int64_t root, const std::string& tag) {
@@ -150,13 +191,13 @@ void Comm::broadcast(at::Tensor t, int64_t root, const std::string& tag) {
   } catch (const std::exception& e) {
     fail("broadcast(" + tag + ")", e.what());
   }
-  PendingCollective(work, nullptr, "broadcast(" + tag + ")", where_of(global_rank_, name_)).wait();
+  pending(work, nullptr, "broadcast(" + tag + ")").wait();
 }
 
 void Comm::barrier(const std::string& tag) {
   if (size_ == 1) return;
   // Gloo's barrier is an all-reduce of a small tensor; use one so the timeout applies.
-  auto t = at::zeros({1});
+  auto t = at::zeros({1}, at::TensorOptions().device(kind_ == CommKind::Nccl ? at::kCUDA : at::kCPU));
   all_reduce_sum(t, "barrier:" + tag).wait();
 }
 
@@ -168,14 +209,35 @@ static c10::intrusive_ptr<c10d::Backend> make_gloo(const c10::intrusive_ptr<c10d
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(rank), static_cast<int>(size), opts);
 }
 
-std::shared_ptr<Comm> Distributed::new_group(const std::vector<int64_t>& ranks, const std::string& name) {
+std::pair<int64_t, c10::intrusive_ptr<c10d::Store>> Distributed::group_store(const std::vector<int64_t>& ranks) {
   const int64_t id = group_counter_++;
   auto it = std::find(ranks.begin(), ranks.end(), env.rank);
-  if (it == ranks.end()) return nullptr;
-  const int64_t group_rank = it - ranks.begin();
+  if (it == ranks.end()) return {-1, nullptr};
   std::string key = "group" + std::to_string(id) + "/";
   for (auto r : ranks) key += std::to_string(r) + ",";
-  auto prefix = c10::make_intrusive<c10d::PrefixStore>(key, store);
+  return {it - ranks.begin(), c10::make_intrusive<c10d::PrefixStore>(key, store)};
+}
+
+std::shared_ptr<Comm> Distributed::new_nccl_group(const std::vector<int64_t>& ranks, const std::string& name) {
+  auto [group_rank, prefix] = group_store(ranks);
+  if (group_rank < 0) return nullptr;
+#ifdef CTITAN_WITH_CUDA
+  auto pg =
+      make_nccl_group(prefix, static_cast<int>(group_rank), static_cast<int>(ranks.size()), CommContext::timeout());
+  {
+    std::lock_guard<std::mutex> lock(g_nccl_mutex);
+    g_nccl_groups.emplace_back(pg);
+  }
+  return std::make_shared<Comm>(pg, name, env.rank, CommKind::Nccl);
+#else
+  throw RuntimeFailure("rank " + std::to_string(env.rank) + ": process group " + name +
+                       " over NCCL: this build has no CUDA (configure with -DCTITAN_WITH_CUDA=ON)");
+#endif
+}
+
+std::shared_ptr<Comm> Distributed::new_group(const std::vector<int64_t>& ranks, const std::string& name) {
+  auto [group_rank, prefix] = group_store(ranks);
+  if (group_rank < 0) return nullptr;
   try {
     return std::make_shared<Comm>(
         make_gloo(prefix, group_rank, static_cast<int64_t>(ranks.size()), CommContext::timeout()), name, env.rank);

@@ -23,19 +23,31 @@ struct CommContext {
   static void set_step(int64_t step);
   static int64_t step();
   // Every wait() gives up after this long (comm.init_timeout_seconds until the first
-  // step finishes, comm.train_timeout_seconds after).
+  // step finishes, comm.train_timeout_seconds after); NCCL groups alive get it too.
   static void set_timeout(std::chrono::milliseconds t);
   static std::chrono::milliseconds timeout();
 };
 
-// An issued collective; wait() blocks (up to the CommContext timeout) and then runs the
-// local post-processing (the sum of a reduce-scatter, say). Errors name the collective,
-// the group, the step and the rank.
+// How a group's collectives run and are waited for.
+//   Gloo (CPU tensors): wait() blocks the thread up to the CommContext timeout; a
+//     reduce-scatter is an alltoall plus a local sum (measured faster than Gloo's own).
+//   NCCL (GPU tensors, CUDA build): wait() makes the current CUDA stream wait for the
+//     collective's stream and returns at once, so the CPU keeps queueing compute while the
+//     collective runs (passing a timeout to a NCCL wait would block the thread until it ends);
+//     the group's own timeout, enforced by ProcessGroupNCCL's watchdog, ends a job whose
+//     collective hangs: comm.init_timeout_seconds until the first step ends, then
+//     comm.train_timeout_seconds (CommContext::set_timeout passes it on). Reduce-scatter is
+//     NCCL's own.
+enum class CommKind { Gloo, Nccl };
+
+// An issued collective; wait() blocks (up to the CommContext timeout; for NCCL see CommKind)
+// and then runs the local post-processing (the sum of a reduce-scatter, say). Errors name the
+// collective, the group, the step and the rank.
 class PendingCollective {
  public:
   PendingCollective() = default;
   PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish, std::string what,
-                    std::string where);
+                    std::string where, bool thread_waits = true);
   void wait();
   bool pending() const { return static_cast<bool>(work_) || static_cast<bool>(finish_); }
 
@@ -43,11 +55,15 @@ class PendingCollective {
   c10::intrusive_ptr<c10d::Work> work_;
   std::function<void()> finish_;
   std::string what_, where_;
+  bool thread_waits_ = true;  // false: a stream-ordered wait (NCCL), no timeout passed
 };
 
 class Comm {
  public:
-  Comm(c10::intrusive_ptr<c10d::Backend> pg, std::string name, int64_t global_rank);
+  // native_reduce_scatter: the backend's own _reduce_scatter_base instead of alltoall + sum
+  // (always for NCCL; for Gloo only in tests, which check that both agree).
+  Comm(c10::intrusive_ptr<c10d::Backend> pg, std::string name, int64_t global_rank, CommKind kind = CommKind::Gloo,
+       bool native_reduce_scatter = false);
   // A group of one process and no backend: every collective is a local copy or a no-op.
   // Lets one process run FSDP's mixed-precision machinery (bf16 compute parameters, fp32
   // master weights and gradients) without a process group.
@@ -55,6 +71,7 @@ class Comm {
   int64_t rank() const { return rank_; }
   int64_t size() const { return size_; }
   const std::string& name() const { return name_; }
+  CommKind kind() const { return kind_; }
 
   // input [S] → out [N·S] (rank r's input lands at [r·S, (r+1)·S)).
   PendingCollective all_gather_flat(const at::Tensor& input, at::Tensor out, const std::string& tag);
@@ -73,6 +90,10 @@ class Comm {
   c10::intrusive_ptr<c10d::Backend> pg_;
   std::string name_;
   int64_t global_rank_ = 0, rank_ = 0, size_ = 1;
+  CommKind kind_ = CommKind::Gloo;
+  bool native_reduce_scatter_ = false;
+  PendingCollective pending(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish,
+                            const std::string& what) const;
 };
 
 // The world group plus the rendezvous store. Created once per process.
@@ -84,9 +105,14 @@ struct Distributed {
   // must call it with the same arguments in the same order; returns nullptr on ranks
   // outside the group.
   std::shared_ptr<Comm> new_group(const std::vector<int64_t>& ranks, const std::string& name);
+  // The same over NCCL, for FSDP's tensor collectives on GPUs (CUDA build; elsewhere it throws
+  // RuntimeFailure). Same calling rule; the group's timeout is CommContext::timeout() now.
+  std::shared_ptr<Comm> new_nccl_group(const std::vector<int64_t>& ranks, const std::string& name);
 
  private:
   int64_t group_counter_ = 0;
+  // The group's rank of this process (-1 outside) and its store, under a key of its own.
+  std::pair<int64_t, c10::intrusive_ptr<c10d::Store>> group_store(const std::vector<int64_t>& ranks);
 };
 
 // TCPStore rendezvous at MASTER_ADDR:MASTER_PORT + ProcessGroupGloo. Rank 0 serves the

@@ -1,6 +1,5 @@
 #include "parallelisms/fsdp.h"
 
-#include <ATen/native/Resize.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -67,10 +66,18 @@ struct GradReadyHook : public torch::autograd::FunctionPostHook {
   size_t unit;
 };
 
-void free_storage(const at::Tensor& t) { at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0); }
-void alloc_storage(const at::Tensor& t, size_t nbytes) {
-  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), nbytes);
+// Gives the tensor's storage nbytes of fresh memory from the storage's own allocator (the CPU
+// allocator, or CUDA's caching allocator on the current stream), or none: what resize_bytes_cpu
+// does, without copying the old bytes (FSDP never keeps them) and for any device, so the CPU
+// tests run the code a GPU runs.
+void set_storage_bytes(const at::Tensor& t, size_t nbytes) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  TORCH_CHECK(s->resizable() && s->allocator(), "[fsdp] the storage of a parameter cannot be resized");
+  s->set_data_ptr_noswap(nbytes ? s->allocator()->allocate(nbytes) : at::DataPtr(nullptr, s->device()));
+  s->set_nbytes(nbytes);
 }
+void free_storage(const at::Tensor& t) { set_storage_bytes(t, 0); }
+void alloc_storage(const at::Tensor& t, size_t nbytes) { set_storage_bytes(t, nbytes); }
 
 }  // namespace
 
@@ -78,6 +85,7 @@ FSDP::FSDP(std::vector<ModelUnit> units, std::shared_ptr<Comm> shard, std::share
            FSDPOptions options, const std::function<void(size_t unit)>& init_unit)
     : shard_(std::move(shard)), replicate_(std::move(replicate)), opt_(std::move(options)) {
   TORCH_CHECK(shard_, "[fsdp] a shard group is required");
+  reduce_scatter_ = shard_;
   if (opt_.reshard_after_forward != "default" && opt_.reshard_after_forward != "always" &&
       opt_.reshard_after_forward != "never")
     throw UserError("config error: parallelism.fsdp_reshard_after_forward = \"" + opt_.reshard_after_forward +
@@ -117,14 +125,14 @@ FSDP::FSDP(std::vector<ModelUnit> units, std::shared_ptr<Comm> shard, std::share
       // This rank's rows in fp32, zero-padded to chunk_rows.
       std::vector<int64_t> shard_shape = p.shape;
       shard_shape[0] = p.chunk_rows;
-      p.shard = at::zeros(shard_shape, t.options().dtype(at::kFloat));
+      p.shard = at::zeros(shard_shape, t.options().dtype(at::kFloat).device(opt_.device));
       if (p.end > p.begin && !(deferred && !init_unit))
         p.shard.narrow(0, 0, p.end - p.begin).copy_(t.narrow(0, p.begin, p.end - p.begin));
       p.shard.requires_grad_(true);
       // The model's tensor becomes the unsharded parameter in the compute dtype, storage freed
       // (the full values first, so a deferred unit's fp32 and compute copies never coexist).
       free_storage(t);
-      t.set_data(at::empty({0}, t.options().dtype(opt_.param_dtype)));
+      t.set_data(at::empty({0}, t.options().dtype(opt_.param_dtype).device(opt_.device)));
       t.unsafeGetTensorImpl()->set_sizes_contiguous(p.shape);
       fqns_.push_back(fqn);
       u->params.push_back(std::move(p));
@@ -142,6 +150,12 @@ FSDP::FSDP(std::vector<ModelUnit> units, std::shared_ptr<Comm> shard, std::share
 }
 
 FSDP::~FSDP() = default;
+
+void FSDP::use_reduce_scatter_group(std::shared_ptr<Comm> group) {
+  TORCH_CHECK(group && group->size() == shard_->size() && group->rank() == shard_->rank(),
+              "[fsdp] the reduce-scatter group must have the shard group's ranks, in its order");
+  reduce_scatter_ = std::move(group);
+}
 
 size_t FSDP::index_of(const std::string& unit) const {
   auto it = unit_index_.find(unit);
@@ -271,7 +285,7 @@ void FSDP::reduce_grads(Unit& u) {
   }
   u.reduced = true;
   // [N, S]: row r holds, for every parameter, the rows rank r owns (zero-padded).
-  auto send = at::zeros({N, u.S}, at::TensorOptions().dtype(opt_.reduce_dtype));
+  auto send = at::zeros({N, u.S}, at::TensorOptions().dtype(opt_.reduce_dtype).device(opt_.device));
   for (auto& p : u.params) {
     const at::Tensor g = p.full.grad();
     if (g.defined()) {
@@ -292,7 +306,7 @@ void FSDP::reduce_grads(Unit& u) {
     pending_reductions_.pop_front();
   }
   u.rs_out = at::empty({u.S}, send.options());
-  u.rs = shard_->reduce_scatter_sum(send, u.rs_out, u.name);
+  u.rs = reduce_scatter_->reduce_scatter_sum(send, u.rs_out, u.name);
   pending_reductions_.push_back(index_of(u.name));
   ++stats_.reduce_scatters;
 }
@@ -334,11 +348,12 @@ void FSDP::finish_backward() {
 }
 
 double FSDP::local_grad_sq_norm() const {
-  double s = 0;
+  // Summed where the gradients are, read once (on a GPU, one synchronisation, not one per parameter).
+  at::Tensor s = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(opt_.device));
   for (const auto& u : units_)
     for (const auto& p : u->params)
-      if (p.shard.grad().defined()) s += p.shard.grad().to(at::kDouble).pow(2).sum().item<double>();
-  return s;
+      if (p.shard.grad().defined()) s.add_(p.shard.grad().to(at::kDouble).pow(2).sum());
+  return s.item<double>();
 }
 
 std::vector<at::Tensor> FSDP::sharded_parameters() const {

@@ -40,6 +40,10 @@ struct FSDPOptions {
   at::ScalarType param_dtype = at::kFloat;   // compute dtype of the unsharded parameters
   at::ScalarType reduce_dtype = at::kFloat;  // dtype of the gradient reduction
   bool prefetch = true;                      // issue the next unit's all-gather early
+  // Where the shards, the unsharded parameters and the reduction buffers live. The model's
+  // parameters may be initialised on the CPU (deferred init: one unit at a time, the values a
+  // CPU run has); each rank's rows then move here. A GPU needs NCCL groups (CommKind::Nccl).
+  at::Device device = at::kCPU;
 };
 
 struct FSDPStats {
@@ -98,6 +102,12 @@ class FSDP {
   int64_t sharded_param_bytes() const;
   int64_t sharded_grad_bytes() const;
 
+  // Reduce-scatters over `group` instead of the shard group: the same ranks in the same order,
+  // a second process group. On GPUs train gives a second NCCL group, so that all-gathers and
+  // reduce-scatters run on two streams (each NCCL group has its own), as FSDP2's do, and a
+  // prefetched all-gather does not queue behind the previous unit's reduce-scatter.
+  void use_reduce_scatter_group(std::shared_ptr<Comm> group);
+
   FSDPStats& stats() { return stats_; }
   int64_t shard_size() const { return shard_->size(); }
 
@@ -124,6 +134,7 @@ class FSDP {
   std::map<std::string, size_t> unit_index_;
   std::vector<std::string> fqns_;
   std::shared_ptr<Comm> shard_, replicate_;
+  std::shared_ptr<Comm> reduce_scatter_;  // the shard group's ranks: shard_, or a second group
   FSDPOptions opt_;
   FSDPStats stats_;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;  // keep hooks alive

@@ -1,7 +1,7 @@
 // NCCL process groups for FSDP's tensor collectives on GPUs (all-gather into one tensor,
 // reduce-scatter of one tensor, in the parameters' or the reduce dtype), Gloo kept for the
 // CPU-side control (stop agreement, checkpoint coordination). CUDA build only
-// (parallelisms/nccl_cuda.cpp). Not used by FSDP yet (issue 17): only its creation is here.
+// (parallelisms/nccl_cuda.cpp); train reaches it through Distributed::new_nccl_group (comm.h).
 #pragma once
 #ifdef CTITAN_WITH_CUDA
 #include <chrono>

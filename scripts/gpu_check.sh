@@ -18,9 +18,13 @@
 #       FFN 14336, vocab 128256, seq 8192; ctitan flavor "8B_<n>L"), the most layers (from
 #       CTITAN_GPU_LAYERS, default "8 6 4 2") that train 10 steps: ctitan's tokens/s, MFU and
 #       peak memory beside bench/eager_llama.py --device cuda (plain PyTorch eager, the same
-#       shape, the same PyTorch, in this script), and the ratio.
+#       shape, the same PyTorch, in this script), and the ratio; bf16 mixed precision for both
+#       (ctitan: debug_model.toml's bfloat16 parameters; eager: torch.autocast);
+#   (e) bf16 mixed precision on the GPU (FSDP's machinery over a group of one: bf16 compute,
+#       float32 master weights), debug.deterministic: AC full bitwise equal to AC none, and the
+#       losses within 5e-2 relative of (a)'s float32 GPU run (run before (d)).
 # Each part prints PASS or FAIL with its numbers; the runs' folders and logs go to
-# outputs/gpu_check/ (git-ignored). Exit 0 only when (a)-(c) pass and (d) ran.
+# outputs/gpu_check/ (git-ignored). Exit 0 only when (a)-(c) and (e) pass and (d) ran.
 #   scripts/gpu_check.sh                      # everything
 #   CTITAN_GPU_PARTS="a b" scripts/gpu_check.sh   # some parts
 #   CTITAN_GPU_CONFIGURE_ONLY=1 scripts/gpu_check.sh  # configure the build and stop (no GPU needed)
@@ -31,7 +35,7 @@ PY="${PYTHON:-python3}"
 DEPS="${CTITAN_BUILD_DEPS:-$ROOT/build-deps}"
 BUILD="${CTITAN_GPU_BUILD_DIR:-$ROOT/build-gpu}"
 OUT="${CTITAN_GPU_OUT:-$ROOT/outputs/gpu_check}"
-PARTS="${CTITAN_GPU_PARTS:-a b c d}"
+PARTS="${CTITAN_GPU_PARTS:-a b c e d}"
 log() { echo "[gpu_check] $*" >&2; }
 die() { log "$*"; exit 1; }
 
@@ -170,6 +174,26 @@ if part c; then
     else echo "(c) FAIL: CPU resume: $(tail -1 "$OUT/c_cpu_resume.log")"; status=1; fi
   else
     echo "(c) FAIL: the GPU run"; status=1
+  fi
+fi
+
+if part e; then
+  log "(e) bf16 mixed precision on one GPU (FSDP's machinery over a group of one): AC none vs full, and against (a)"
+  ok=1
+  for mode in none full; do
+    run "e_$mode" CUBLAS_WORKSPACE_CONFIG=:4096:8 -- --training.steps 20 --debug.deterministic true \
+      --training.mixed_precision_param bfloat16 --activation_checkpoint.mode "$mode" &&
+      { grep -q "mixed precision on one process: bfloat16" "$OUT/e_$mode.log" ||
+        { log "e_$mode did not train in bf16: $(grep -m1 'mixed_precision\|mixed precision' "$OUT/e_$mode.log")"; false; }; } &&
+      losses "$OUT/e_$mode/metrics.jsonl" >"$OUT/e_$mode.losses" || ok=0
+  done
+  if ((ok)); then
+    echo "(e) bf16, AC full vs none: $(compare "$OUT/e_full.losses" "$OUT/e_none.losses" 0)" || status=1
+    if [[ -s "$OUT/a_gpu.losses" ]]; then
+      echo "(e) bf16 vs float32 (a), 20 steps: $(compare "$OUT/e_none.losses" "$OUT/a_gpu.losses" 5e-2)" || status=1
+    fi
+  else
+    echo "(e) FAIL: a run failed"; status=1
   fi
 fi
 

@@ -48,8 +48,9 @@ struct RunResult {
 
 // world == nullptr: the reference (no FSDP, whole batch in one process).
 // replicate > 1: HSDP, `replicate` groups of N / replicate ranks each holding the shards.
+// rs_group: reduce-scatters over a second group of the shard ranks (what train does on GPUs).
 RunResult train(Comm* world, const std::string& param_dtype, bool prefetch, const std::string& reshard,
-                Distributed* dist = nullptr, int64_t replicate = 1) {
+                Distributed* dist = nullptr, int64_t replicate = 1, bool rs_group = false) {
   torch::manual_seed(7);
   llama::Transformer model(tiny_args());
   model->init_weights();
@@ -57,17 +58,21 @@ RunResult train(Comm* world, const std::string& param_dtype, bool prefetch, cons
   std::shared_ptr<FSDP> fsdp;
   std::vector<torch::Tensor> params;
   if (world) {
-    std::shared_ptr<Comm> shard(world, [](Comm*) {}), rep;
+    std::shared_ptr<Comm> shard(world, [](Comm*) {}), rep, rs;
+    const auto dims = ParallelDims::build(replicate, -1, 1, 1, 1, N);
     if (replicate > 1) {
-      auto dims = ParallelDims::build(replicate, -1, 1, 1, 1, N);
       for (int64_t g = 0; g < replicate; ++g)
         if (auto c = dist->new_group(dims.shard_group(g * dims.dp_shard), "shard" + std::to_string(g))) shard = c;
       for (int64_t g = 0; g < dims.dp_shard; ++g)
         if (auto c = dist->new_group(dims.replicate_group(g), "rep" + std::to_string(g))) rep = c;
     }
+    if (rs_group)
+      for (int64_t g = 0; g < replicate; ++g)
+        if (auto c = dist->new_group(dims.shard_group(g * dims.dp_shard), "shard_rs" + std::to_string(g))) rs = c;
     auto opts = fsdp_options(reshard, param_dtype, "float32");
     opts.prefetch = prefetch;
     fsdp = std::make_shared<FSDP>(model->units(), shard, rep, opts);
+    if (rs) fsdp->use_reduce_scatter_group(rs);
     model->set_unit_wrapper(fsdp->wrapper());
     params = fsdp->sharded_parameters();
   } else {
@@ -128,23 +133,29 @@ CTITAN_CHILD(fsdp_train) {
   const std::string dtype = std::getenv("FSDP_DTYPE");
   const bool prefetch = std::string(std::getenv("FSDP_PREFETCH")) == "1";
   const char* rep = std::getenv("FSDP_REPLICATE");
-  auto res = train(d->world.get(), dtype, prefetch, std::getenv("FSDP_RESHARD"), d.get(), rep ? std::atoi(rep) : 1);
+  const char* rs = std::getenv("FSDP_RS_GROUP");
+  auto res = train(d->world.get(), dtype, prefetch, std::getenv("FSDP_RESHARD"), d.get(), rep ? std::atoi(rep) : 1,
+                   rs && std::string(rs) == "1");
   if (d->world->rank() == 0) save_result(res, result_path());
   d->world->barrier("done");
   return 0;
 }
 
-class FSDPParity : public ::testing::TestWithParam<std::tuple<int, std::string, bool, int>> {};
+// (ranks, reshard_after_forward, prefetch, replicate degree (HSDP when > 1), reduce-scatters
+// over a second group of the shard ranks)
+class FSDPParity : public ::testing::TestWithParam<std::tuple<int, std::string, bool, int, bool>> {};
 
 TEST_P(FSDPParity, LossesAndFinalParametersMatchOneProcess) {
-  const auto [n, reshard, prefetch, replicate] = GetParam();
+  const auto [n, reshard, prefetch, replicate, rs_group] = GetParam();
   static RunResult reference = train(nullptr, "float32", true, "default");
   const std::string out = "/tmp/ctitan_fsdp_" + std::to_string(getpid()) + ".pt";
   auto rs = spawn_ranks("fsdp_train", n,
                         {{"CTITAN_TEST_OUT", out},
                          {"FSDP_DTYPE", "float32"},
                          {"FSDP_PREFETCH", prefetch ? "1" : "0"},
-                         {"FSDP_RESHARD", reshard}});
+                         {"FSDP_RESHARD", reshard},
+                         {"FSDP_REPLICATE", std::to_string(replicate)},
+                         {"FSDP_RS_GROUP", rs_group ? "1" : "0"}});
   ASSERT_TRUE(all_ok(rs));
   std::vector<torch::Tensor> ts;
   torch::load(ts, out);
@@ -175,12 +186,12 @@ TEST_P(FSDPParity, LossesAndFinalParametersMatchOneProcess) {
   EXPECT_LT(reference.losses.back(), reference.losses.front());
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, FSDPParity,
-                         ::testing::Values(std::make_tuple(1, "default", true, 1),
-                                           std::make_tuple(2, "default", true, 1),
-                                           std::make_tuple(3, "always", false, 1), std::make_tuple(4, "never", true, 1),
-                                           // HSDP: 2 replicas × 2 shards
-                                           std::make_tuple(4, "default", true, 2)));
+INSTANTIATE_TEST_SUITE_P(
+    Ranks, FSDPParity,
+    ::testing::Values(std::make_tuple(1, "default", true, 1, false), std::make_tuple(2, "default", true, 1, true),
+                      std::make_tuple(3, "always", false, 1, false), std::make_tuple(4, "never", true, 1, false),
+                      // HSDP: 2 replicas × 2 shards (reduce-scatters on a second group, as on GPUs)
+                      std::make_tuple(4, "default", true, 2, true)));
 
 TEST(FSDP, Bf16ParametersFollowTheFp32Curve) {
   static RunResult reference = train(nullptr, "float32", true, "default");

@@ -9,14 +9,16 @@
 #include <set>
 #include <stdexcept>
 
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
 #include "checkpoint/staging.h"
 #include "config/errors.h"
+#include "parallelisms/comm.h"
 #include "parallelisms/device.h"
 #include "parallelisms/fsdp_stream_plan.h"
 #include "parallelisms/launch_env.h"
 
 #ifdef CTITAN_WITH_CUDA
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
 #include "parallelisms/nccl.h"
@@ -380,6 +382,35 @@ TEST(PinnedStaging, NotReusedBeforeThePreviousWriterFinished) {
   EXPECT_THROW(b.begin({-1}), std::logic_error);  // still in use: refused before the sizes are read
   b.finished();
   EXPECT_THROW(b.begin({-1}), std::invalid_argument);
+}
+
+// ---------------------------------------------------------------- FSDP's NCCL groups
+// train makes FSDP's groups over NCCL on GPUs (Distributed::new_nccl_group): a rank outside the
+// group gets none, and where NCCL cannot be had the answer is one line naming why.
+TEST(NcclGroups, OutsideTheGroupNoneElseANcclGroupOrOneLine) {
+  Distributed d;
+  d.env.rank = 0;
+  d.env.world_size = 1;
+  d.store = c10::make_intrusive<c10d::HashStore>();
+  EXPECT_EQ(d.new_nccl_group({1}, "others"), nullptr);
+  const bool gpu = visible_cuda_devices() > 0;
+  try {
+    auto g = d.new_nccl_group({0}, "dp_shard0_nccl");
+    ASSERT_TRUE(gpu) << "an NCCL group where no GPU can run it";
+    ASSERT_TRUE(g);
+    EXPECT_EQ(g->kind(), CommKind::Nccl);
+    EXPECT_EQ(g->size(), 1);
+  } catch (const RuntimeFailure& e) {
+    EXPECT_FALSE(gpu) << e.what();
+#ifdef CTITAN_WITH_CUDA
+    EXPECT_EQ(std::string(e.what()),
+              "NCCL group: no GPU visible to this process (ProcessGroupNCCL needs one per rank)");
+#else
+    EXPECT_EQ(std::string(e.what()),
+              "rank 0: process group dp_shard0_nccl over NCCL: this build has no CUDA (configure with "
+              "-DCTITAN_WITH_CUDA=ON)");
+#endif
+  }
 }
 
 #ifdef CTITAN_WITH_CUDA

@@ -6,6 +6,8 @@
 #include <thread>
 
 #include "config/errors.h"
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "parallelisms/comm.h"
@@ -205,6 +207,26 @@ CTITAN_CHILD(collectives) {
       if (!torch::equal(gathered.narrow(0, q * S, S), want)) {
         std::cerr << "all_gather mismatch S=" << S << " q=" << q << "\n";
         return 2;
+      }
+    }
+  }
+  // The backend's own reduce-scatter (what NCCL groups use) gives what alltoall + sum gives,
+  // here over a second Gloo group of the same ranks.
+  {
+    auto store = c10::make_intrusive<c10d::PrefixStore>("native_rs/", d->store);
+    auto opts = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(30));
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    Comm native(c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(r), static_cast<int>(N), opts),
+                "native_rs", r, CommKind::Gloo, /*native_reduce_scatter=*/true);
+    for (int64_t S : {1, 7, 1000}) {
+      torch::manual_seed(200 + r);
+      auto input = torch::randn({N * S});
+      auto a = torch::empty({S}), b = torch::empty({S});
+      w.reduce_scatter_sum(input, a, "rs_alltoall").wait();
+      native.reduce_scatter_sum(input, b, "rs_native").wait();
+      if (!torch::allclose(a, b, 1e-5, 1e-6) || b.abs().sum().item<float>() == 0) {
+        std::cerr << "native reduce_scatter differs from alltoall + sum, S=" << S << "\n";
+        return 5;
       }
     }
   }

@@ -15,8 +15,12 @@ namespace ctitan {
 struct Parallelism {
   LaunchEnv env;
   ParallelDims dims;
-  std::unique_ptr<Distributed> dist;  // null for one process
-  std::shared_ptr<Comm> shard, replicate;
+  std::unique_ptr<Distributed> dist;       // null for one process
+  std::shared_ptr<Comm> shard, replicate;  // Gloo: CPU tensors (control, gradient norm)
+  // FSDP's groups: shard / replicate themselves on the CPU; on GPUs the same ranks over NCCL
+  // (build_parallelism makes both, Gloo keeping the CPU-side control).
+  std::shared_ptr<Comm> fsdp_shard, fsdp_replicate;
+  std::shared_ptr<Comm> fsdp_reduce_scatter;  // GPUs: a second NCCL group of the shard ranks
   int64_t dp_rank = 0;
 };
 
