@@ -144,7 +144,7 @@ void check_same_metadata(const std::string& unit, const std::vector<TensorMeta>&
 // ---- the RNG: the CPU generator, and the GPU's where the unit runs on one --------------------
 // The state of the CPU default generator and, when the unit's input is on a GPU, of that GPU's
 // default generator (as torch.utils.checkpoint keeps the devices of its tensor inputs).
-struct RngState {
+struct GeneratorStates {
   at::Tensor cpu;
   at::Tensor device;  // defined only for a unit on a GPU
   c10::Device where = c10::Device(c10::kCPU);
@@ -161,8 +161,8 @@ void set_generator_state(at::Generator gen, const at::Tensor& s) {
 }
 
 // `on`: the unit's input; its device's generator is kept too when it is not the CPU.
-RngState rng_state(const at::Tensor& on) {
-  RngState s;
+GeneratorStates rng_state(const at::Tensor& on) {
+  GeneratorStates s;
   s.cpu = generator_state(at::detail::getDefaultCPUGenerator());
   if (on.defined() && !on.is_cpu()) {
     s.where = on.device();
@@ -170,7 +170,7 @@ RngState rng_state(const at::Tensor& on) {
   }
   return s;
 }
-void set_rng_state(const RngState& s) {
+void set_rng_state(const GeneratorStates& s) {
   set_generator_state(at::detail::getDefaultCPUGenerator(), s.cpu);
   if (s.device.defined()) set_generator_state(at::globalContext().defaultGenerator(s.where), s.device);
 }
@@ -178,7 +178,7 @@ void set_rng_state(const RngState& s) {
 // Plays the forward's RNG state for the recompute, then puts the outer stream back.
 class RngReplay {
  public:
-  RngReplay(const RngState& forward_state, const at::Tensor& on) {
+  RngReplay(const GeneratorStates& forward_state, const at::Tensor& on) {
     if (!forward_state.defined()) return;
     outer_ = rng_state(on);
     set_rng_state(forward_state);
@@ -190,7 +190,7 @@ class RngReplay {
   RngReplay& operator=(const RngReplay&) = delete;
 
  private:
-  RngState outer_;
+  GeneratorStates outer_;
 };
 
 // ---- what a checkpointed call keeps between its forward and its backward ------------------
@@ -199,7 +199,7 @@ struct CheckpointRecord : torch::CustomClassHolder {
   UnitFn fn;
   std::shared_ptr<const ActivationCheckpoint::Policy> policy;
   std::shared_ptr<ACStats> stats;
-  RngState rng;                                    // RNG state before the forward (CPU, and its GPU)
+  GeneratorStates rng;                             // RNG state before the forward (CPU, and its GPU)
   std::vector<TensorMeta> metas;                   // every tensor the forward produced
   std::vector<std::vector<at::Tensor>> decisions;  // recompute::decide results, in order
   std::vector<at::Tensor> kept;                    // op SAC: kept matmul outputs, in order
@@ -380,7 +380,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     rec->kept_versions.clear();
     rec->decisions.clear();
     rec->metas.clear();
-    rec->rng = RngState();
+    rec->rng = GeneratorStates();
     // Reentrant backward through the recomputed unit: parameter gradients accumulate
     // into their .grad (FSDP's accumulator hooks fire), the input's into xd.grad.
     if (y.requires_grad()) torch::autograd::backward({y}, {grads[0]});

@@ -347,15 +347,6 @@ void FSDP::finish_backward() {
   in_backward_ = false;
 }
 
-double FSDP::local_grad_sq_norm() const {
-  // Summed where the gradients are, read once (on a GPU, one synchronisation, not one per parameter).
-  at::Tensor s = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(opt_.device));
-  for (const auto& u : units_)
-    for (const auto& p : u->params)
-      if (p.shard.grad().defined()) s.add_(p.shard.grad().to(at::kDouble).pow(2).sum());
-  return s.item<double>();
-}
-
 std::vector<at::Tensor> FSDP::sharded_parameters() const {
   std::vector<at::Tensor> out;
   for (const auto& u : units_)

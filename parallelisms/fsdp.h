@@ -93,8 +93,6 @@ class FSDP {
   // no-grad) leaves the units that do not reshard after forward (the last one, by default)
   // gathered; this returns them to the state a training step ends in.
   void reshard_all();
-  // Sum of squared local shard gradients (fp64), to be all-reduced for the global norm.
-  double local_grad_sq_norm() const;
 
   // Full fp32 parameters (a collective: every rank calls it), for tests and export.
   std::map<std::string, at::Tensor> gather_full_parameters();
