@@ -52,6 +52,7 @@
 #include "training/trainer.h"
 #include "training/world.h"
 #include "util/env.h"
+#include "util/files.h"
 #include "util/strings.h"
 
 namespace fs = std::filesystem;
@@ -321,12 +322,13 @@ void check_validation_config(const JobConfig& cfg) {
 }
 
 // FSDP over the shard group (HSDP: plus the replicate group) whenever there is more than
-// one data-parallel rank. Applied from outside the model: it wraps the model's units.
-bool fsdp_applies(const JobConfig& cfg, const Parallelism& par, const DeviceChoice& device) {
-  if (par.dims.dp() > 1) {
+// one data-parallel rank. Applied from outside the model: it wraps the model's units. `say`:
+// log why bf16 is emulated or not used (the run does; job.validate_only does not).
+bool fsdp_applies(const JobConfig& cfg, int64_t dp, const DeviceChoice& device, bool say) {
+  if (dp > 1) {
     // Kept as configured (every rank must round alike), but said: on such a CPU the bf16
     // matmuls are emulated (debug model, 2 ranks: ~4x the float32 step time).
-    if (cfg.training.mixed_precision_param == "bfloat16" && !device.cuda && !cpu_has_native_bf16())
+    if (say && cfg.training.mixed_precision_param == "bfloat16" && !device.cuda && !cpu_has_native_bf16())
       spdlog::warn(
           "training.mixed_precision_param = bfloat16: this CPU has no native bf16 matmul (avx512_bf16 / "
           "amx_bf16), so FSDP's bf16 compute is emulated and several times slower per step than with float32 "
@@ -340,10 +342,11 @@ bool fsdp_applies(const JobConfig& cfg, const Parallelism& par, const DeviceChoi
   if (cfg.training.mixed_precision_param == "float32") return false;
   if (device.cuda) return true;  // GPUs multiply bf16 natively
   if (!cpu_has_native_bf16()) {
-    spdlog::info(
-        "training.mixed_precision_param = {}: this CPU has no native bf16 matmul (avx512_bf16 / "
-        "amx_bf16), so one process trains in float32",
-        cfg.training.mixed_precision_param);
+    if (say)
+      spdlog::info(
+          "training.mixed_precision_param = {}: this CPU has no native bf16 matmul (avx512_bf16 / "
+          "amx_bf16), so one process trains in float32",
+          cfg.training.mixed_precision_param);
     return false;
   }
   return true;
@@ -500,18 +503,64 @@ MemoryEstimate check_memory_fits(const JobConfig& cfg, const ModelArgs& margs, c
                   (fits.empty() ? std::string("nothing this estimate can find on this machine") : join(fits, ", or ")));
 }
 
-// job.validate_only: the checks a run makes before it writes anything — the config, the
-// launch environment against the parallelism degrees, the batch arithmetic, the tokenizer
-// (loaded) and the model built on its vocabulary, the dataset (found) — then one line on
-// `out` and exit 0. No communication between ranks, no output folder.
+// torchtitan: the full model initialised on one process, saved as step 0, then exit.
+void check_seed_checkpoint_launch(const JobConfig& cfg, int64_t world_size) {
+  if (cfg.checkpoint.create_seed_checkpoint && world_size != 1)
+    throw UserError("config error: checkpoint.create_seed_checkpoint = true must run on one process, not " +
+                    std::to_string(world_size));
+}
+
+// The folders the run will write into, each named by its key: the dump folder, and under it
+// those of the enabled outputs. One that cannot be a folder this process writes into (a file
+// is in the way, no permission) is refused now, not when the first save or trace comes.
+void check_output_folders(const JobConfig& cfg) {
+  const fs::path dump(cfg.job.dump_folder);
+  const auto setting = [](const std::string& key, const std::string& value) { return key + " = \"" + value + "\""; };
+  std::vector<std::pair<std::string, std::string>> folders = {
+      {setting("job.dump_folder", cfg.job.dump_folder), cfg.job.dump_folder}};
+  if (cfg.checkpoint.enable)
+    folders.emplace_back(setting("checkpoint.folder", cfg.checkpoint.folder), checkpoint_options(cfg).folder);
+  if (cfg.metrics.enable_tensorboard)
+    folders.emplace_back(setting("metrics.save_tb_folder", cfg.metrics.save_tb_folder),
+                         (dump / cfg.metrics.save_tb_folder).string());
+  if (cfg.profiling.enable_profiling)
+    folders.emplace_back(setting("profiling.save_traces_folder", cfg.profiling.save_traces_folder),
+                         (dump / cfg.profiling.save_traces_folder).string());
+  for (const auto& [key, folder] : folders) {
+    const std::string why = why_not_a_writable_folder(folder);
+    if (!why.empty())
+      throw UserError("config error: " + key + ": this run cannot write into the folder " + folder + " (" + why + ")");
+  }
+}
+
+// The start-up checks that need the launch, the device and the model's size, after the
+// config's own: a seed checkpoint on one process, the output folders, the memory estimate.
+// The run makes them before it writes anything and job.validate_only makes the same calls,
+// so both refuse with the same line (exit 2). Returns the estimate.
+MemoryEstimate check_start(const JobConfig& cfg, const ModelArgs& margs, const LaunchEnv& launch, int64_t dp,
+                           bool sharded, const DeviceChoice& device) {
+  check_seed_checkpoint_launch(cfg, launch.world_size);
+  check_output_folders(cfg);
+  return check_memory_fits(cfg, margs, launch, dp, sharded, device);
+}
+
+// job.validate_only: the checks a run makes before it writes anything, in its order — the
+// config, the launch environment and the device, the parallelism degrees, the batch
+// arithmetic, the tokenizer (loaded) and the model built on its vocabulary, the dataset
+// (found), then check_start's (a seed checkpoint's one process, the output folders, the
+// memory estimate) — then one line on `out` and exit 0. No communication between ranks,
+// nothing written.
 int validate_only(const JobConfig& cfg, std::ostream& out) {
   const LaunchEnv env = detect_launch_env(environment_map());
+  const DeviceChoice device = choose_device(device_facts(env.local_rank, env.local_world_size));
   const ParallelDims dims = build_parallel_dims(cfg, env.world_size);
+  const int64_t dp_rank = std::min(env.rank, dims.dp() - 1);
   const int64_t accum = gradient_accumulation_steps(cfg, dims.dp());
-  const DataPipeline data = build_data(cfg, std::min(env.rank, dims.dp() - 1), dims.dp());
+  const DataPipeline data = build_data(cfg, dp_rank, dims.dp());
   const ModelArgs margs = build_model_args(cfg, *data.tokenizer);
   const int64_t model_vocab = margs.sizes.vocab_size;
-  maybe_build_validator(cfg, *data.tokenizer, std::min(env.rank, dims.dp() - 1), dims.dp());
+  maybe_build_validator(cfg, *data.tokenizer, dp_rank, dims.dp());
+  check_start(cfg, margs, env, dims.dp(), fsdp_applies(cfg, dims.dp(), device, /*say=*/false), device);
   out << "config ok: " << (cfg.job.config_file.empty() ? "defaults" : cfg.job.config_file) << "; " << cfg.model.name
       << " " << cfg.model.flavor << "; " << env.world_size << " rank(s), dp " << dims.dp() << " x " << accum
       << " micro-batch(es); tokenizer " << data.tokenizer->model_path() << " (" << data.tokenizer->kind() << ", "
@@ -568,8 +617,8 @@ ModelArgs setup_data(Job& j) {
   j.data = build_data(cfg, j.par.dp_rank, j.par.dims.dp());
   ModelArgs margs = build_model_args(cfg, *j.data.tokenizer);
   j.validator = maybe_build_validator(cfg, *j.data.tokenizer, j.par.dp_rank, j.par.dims.dp());
-  j.sharded = fsdp_applies(cfg, j.par, j.device);
-  j.mem_estimate = check_memory_fits(cfg, margs, j.launch, j.par.dims.dp(), j.sharded, j.device);
+  j.sharded = fsdp_applies(cfg, j.par.dims.dp(), j.device, /*say=*/true);
+  j.mem_estimate = check_start(cfg, margs, j.launch, j.par.dims.dp(), j.sharded, j.device);
   j.at.estimate_bytes = j.mem_estimate.total();
   return margs;
 }
@@ -685,11 +734,7 @@ bool setup_checkpointing(Job& j) {
   enter_phase(j.at, 0, "checkpoint load");
   j.ckpt = build_checkpointing(cfg, j.par, j.model, j.fsdp.get(), *j.optimizer, *j.lr, *j.data.loader, j.train_state,
                                j.seed);
-  if (cfg.checkpoint.create_seed_checkpoint) {
-    // torchtitan: the full model initialised on one process, saved as step 0, then exit.
-    if (j.launch.world_size != 1)
-      throw UserError("config error: checkpoint.create_seed_checkpoint = true must run on one process, not " +
-                      std::to_string(j.launch.world_size));
+  if (cfg.checkpoint.create_seed_checkpoint) {  // one process: check_start made sure
     j.ckpt->manager->save_to(j.ckpt->manager->options().folder, 0, /*model_only=*/true);
     return false;
   }

@@ -76,7 +76,7 @@ train_table() {  # train_table <corpus>
   "$CTITAN_PYTHON" - "$corpus" "$OUT/$name"/logs/rank*.log <<'PY'
 import os, re, sys
 corpus, log = sys.argv[1], "".join(open(f).read() for f in sys.argv[2:])  # every rank's own log file
-first = {int(r): float(s) for r, s in re.findall(r"\[rank(\d+)\].*first batch ready ([0-9.]+) s after the process started", log)}
+first = {int(r): float(s) for r, s in re.findall(r"\[rank(\d+)\].*first batch ready ([0-9.]+) s after main started", log)}
 part = {int(r): float(a) + float(b) for r, a, b in
         re.findall(r"\[rank(\d+)\].*the data's part: ([0-9.]+) s opening the tokenizer and corpus, ([0-9.]+) s reading", log)}
 data = {int(r): (int(b), float(m)) for r, b, m in

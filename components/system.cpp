@@ -115,6 +115,15 @@ double heap_in_use_gib() {
 
 double current_rss_gib() { return read_status_kib("VmRSS") / (1024.0 * 1024.0); }
 
+int64_t process_rchar() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  int64_t v = 0;
+  while (io >> key >> v)
+    if (key == "rchar:") return v;
+  return 0;
+}
+
 bool reset_peak_rss() {
   std::ofstream f("/proc/self/clear_refs");
   f << "5";

@@ -1,5 +1,6 @@
 // Facts about the process and the machine that training reports or depends on.
 #pragma once
+#include <cstdint>
 #include <string>
 
 namespace ctitan {
@@ -29,6 +30,9 @@ bool cpu_has_native_bf16();
 double peak_rss_gib();
 // Current resident set size, in GiB (VmRSS).
 double current_rss_gib();
+// Bytes this process has read through read(2) and friends (/proc/self/io rchar), 0 if
+// unknown. It counts what the process did before an exec and what its reaped children read.
+int64_t process_rchar();
 // Starts VmHWM over from the current RSS (writes 5 to /proc/self/clear_refs), so a later
 // peak_rss_gib() is the peak of what came after. False where the kernel refuses.
 bool reset_peak_rss();

@@ -149,8 +149,9 @@ struct Job {
     v(print_config, "print_config", false, "Print the effective config as TOML and exit 0 without training",
       alias("print_args"));
     v(validate_only, "validate_only", false,
-      "ctitan: check the config, launch environment, tokenizer and dataset as a run would, print "
-      "\"config ok: ...\" and exit 0 without training or writing anything");
+      "ctitan: make the checks a run makes at start (config, launch environment, device, tokenizer, "
+      "dataset, output folders, memory estimate), print \"config ok: ...\" and exit 0 without training or "
+      "writing anything");
     v(save_config_file, "save_config_file", "",
       "Extra file name under dump_folder to save the effective config to (\"\" = None)");
     v(custom_config_module, "custom_config_module", "", "Python module extending JobConfig (torchtitan only)",

@@ -137,6 +137,107 @@ TEST_F(TrainE2E, StartsThatCannotFitExitTwoWithTheEstimate) {
   }
 }
 
+// The last line of a command's output: the one-line refusal a run ends with.
+std::string last_line(const std::string& out) {
+  const std::string text = out.substr(0, out.find_last_not_of('\n') + 1);
+  return text.substr(text.rfind('\n') + 1);
+}
+
+// A line with its measured figures (decimals: the estimate, the RSS, MemAvailable) masked.
+std::string figures_masked(const std::string& line) {
+  return std::regex_replace(line, std::regex("[0-9]+\\.[0-9]+"), "#");
+}
+
+// job.validate_only refuses what the run refuses at start, with the same line and exit code:
+// a model that cannot fit (it used to say "config ok" for 8B, which the run then refused), a
+// checkpoint folder that is a file, or lies under one. The run's line and validate_only's
+// differ only in measured figures (the process's RSS, MemAvailable at that moment).
+TEST_F(TrainE2E, ValidateOnlyRefusesWhatTheRunRefusesWithTheSameLine) {
+  const std::string dump = (root_ / "refused").string();
+  fs::create_directories(dump);
+  std::ofstream(dump + "/ckfile") << "keep";
+  const std::vector<std::string> cases = {" --model.flavor 8B", " --checkpoint.enable --checkpoint.folder ckfile",
+                                          " --checkpoint.enable --checkpoint.folder ckfile/sub"};
+  for (const auto& extra : cases) {
+    auto run = sh(kTrain + args(dump, 2) + extra);
+    auto check = sh(kTrain + args(dump, 2) + extra + " --job.validate_only");
+    EXPECT_EQ(run.code, 2) << extra << ": " << run.out;
+    EXPECT_EQ(check.code, 2) << extra << ": " << check.out;
+    EXPECT_EQ(std::count(check.out.begin(), check.out.end(), '\n'), 1) << extra << ": " << check.out;
+    EXPECT_EQ(figures_masked(last_line(run.out)), figures_masked(last_line(check.out))) << extra;
+    EXPECT_EQ(check.out.find("config ok"), std::string::npos) << check.out;
+    EXPECT_EQ(std::distance(fs::directory_iterator(dump), fs::directory_iterator()), 1)
+        << extra << ": a file was written";
+  }
+  const auto one = sh(kTrain + args(dump, 2) + cases[0] + " --job.validate_only");
+  EXPECT_NE(one.out.find("memory: llama3 8B at local_batch_size 4 × seq_len 64"), std::string::npos) << one.out;
+  const auto under = sh(kTrain + args(dump, 2) + cases[2] + " --job.validate_only");
+  EXPECT_EQ(under.out, "config error: checkpoint.folder = \"ckfile/sub\": this run cannot write into the folder " +
+                           dump + "/ckfile/sub (" + dump + "/ckfile is a file)\n");
+  std::ifstream kept(dump + "/ckfile");
+  std::string text;
+  kept >> text;
+  EXPECT_EQ(text, "keep") << "the file in the way is left as it was";
+  // A seed checkpoint on 2 ranks: refused by every rank before anything is written (it used to
+  // be refused after the model and optimizer were built), and by validate_only on each.
+  const std::string seed = args(dump, 2) + kFp32 + " --checkpoint.enable --checkpoint.create_seed_checkpoint";
+  const auto runs = spawn_processes(train_argv(seed), 2);
+  const auto checks = spawn_processes(train_argv(seed + " --job.validate_only"), 2);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(runs[r].exit_code, 2) << runs[r].output;
+    EXPECT_EQ(checks[r].exit_code, 2) << checks[r].output;
+    EXPECT_EQ(last_line(runs[r].output),
+              "config error: checkpoint.create_seed_checkpoint = true must run on one process, not 2");
+    EXPECT_EQ(checks[r].output, last_line(runs[r].output) + "\n");
+  }
+  EXPECT_EQ(std::distance(fs::directory_iterator(dump), fs::directory_iterator()), 1) << "a file was written";
+}
+
+// A checkpoint folder that cannot be created is refused at start, before any step (it used
+// to fail at the first save, after training up to it): exit 2, the one line naming the
+// folder, no metrics, no log.
+TEST_F(TrainE2E, CheckpointFolderThatIsAFileIsRefusedAtStart) {
+  const std::string dump = (root_ / "ckpt_file").string();
+  fs::create_directories(dump);
+  std::ofstream(dump + "/checkpoint") << "keep";
+  auto r = sh(kTrain + args(dump, 4) + " --checkpoint.enable --checkpoint.interval 2");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_EQ(last_line(r.out),
+            "config error: checkpoint.folder = \"checkpoint\": this run cannot write into the folder " + dump +
+                "/checkpoint (" + dump + "/checkpoint is a file)")
+      << r.out;
+  EXPECT_EQ(r.out.find("step 1"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(dump + "/metrics.jsonl"));
+  EXPECT_FALSE(fs::exists(dump + "/logs"));
+  EXPECT_EQ(fs::file_size(dump + "/checkpoint"), 4u);
+}
+
+// The first-batch time and the read count are train's own, from main: a shell that reads
+// 2 GiB and sleeps 4 s before it execs train (as run_train.sh execs train in the shell that
+// built it) adds neither. The shell's own count shows that the 2 GiB are there to be counted.
+TEST_F(TrainE2E, FirstBatchTimeAndReadCountStartAtMain) {
+  const std::string dump = (root_ / "from_main").string();
+  const auto wall = [] {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  };
+  auto r =
+      sh("bash -c 'dd if=/dev/zero of=/dev/null bs=1M count=2048 2>/dev/null; sleep 4; "
+         "echo \"shell $(grep rchar /proc/$$/io) exec at $(date +%s.%N)\"; exec " +
+         kTrain + args(dump, 1) + "'");
+  const double end = wall();
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::smatch shell, first, read;
+  ASSERT_TRUE(std::regex_search(r.out, shell, std::regex("shell rchar: ([0-9]+) exec at ([0-9.]+)"))) << r.out;
+  ASSERT_TRUE(std::regex_search(r.out, first, std::regex("first batch ready ([0-9.]+) s after main started"))) << r.out;
+  ASSERT_TRUE(std::regex_search(r.out, read, std::regex("the process read ([0-9]+) bytes since main started")))
+      << r.out;
+  EXPECT_GE(std::stoll(shell[1]), int64_t{2} << 30) << "dd's reads count in the shell that waited for it";
+  EXPECT_LT(std::stoll(read[1]), int64_t{1} << 30) << r.out;
+  EXPECT_GT(std::stoll(read[1]), 0) << "the tokenizer and the corpus are read";
+  const double since_exec = end - std::stod(shell[2]);
+  EXPECT_LE(std::stod(first[1]), since_exec) << "the first batch came before train ended; " << r.out;
+}
+
 // The start-up estimate against what the run then measures: the debug flavor on one rank,
 // AC none and full, is within 15% of the rank's peak RSS (VmHWM since the model was built,
 // logged at the end as "peak RSS: X GiB on this rank ... (start-up estimate Y GiB ...").

@@ -1,15 +1,20 @@
 // util/: the environment hooks' parser, the string helpers and the checksums, against
 // references written here (zlib itself for CRC-32, bit-at-a-time CRC-32C).
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "util/crc.h"
 #include "util/env.h"
+#include "util/files.h"
 #include "util/strings.h"
 
 namespace ctitan {
@@ -98,6 +103,42 @@ TEST(Util, CrcMatchesReferences) {
             crc::crc32(s.data(), s.size()));
   EXPECT_EQ(crc::crc32c("123456789", 9), 0xE3069283u);
   EXPECT_EQ(crc::crc32c(s.data(), s.size()), crc32c_bitwise(s));
+}
+
+// A folder a run will write into, looked at before anything is written: "" when it exists or
+// can be made; otherwise the part in the way is named (the folder itself or one above it).
+// Nothing is created or changed.
+TEST(Util, WhyNotAWritableFolderNamesWhatIsInTheWay) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / ("ctitan_files_" + std::to_string(getpid()));
+  fs::create_directories(root / "dir");
+  std::ofstream(root / "file") << "keep";
+  EXPECT_EQ(why_not_a_writable_folder((root / "dir").string()), "");
+  EXPECT_EQ(why_not_a_writable_folder((root / "new/a/b").string()), "");
+  EXPECT_EQ(why_not_a_writable_folder((root / "dir/../new/").string()), "");
+  EXPECT_FALSE(fs::exists(root / "new"));
+  const std::string file = (root / "file").string();
+  EXPECT_EQ(why_not_a_writable_folder(file), file + " is a file");
+  EXPECT_EQ(why_not_a_writable_folder(file + "/sub/step-1"), file + " is a file");
+  EXPECT_EQ(why_not_a_writable_folder(file + "/../dir"), file + " is a file") << "as mkdir -p sees it";
+  EXPECT_EQ(why_not_a_writable_folder("/dev/null/x"), "/dev/null exists and is not a folder");
+  const fs::path cwd = fs::current_path();
+  fs::current_path(root);
+  EXPECT_EQ(why_not_a_writable_folder("file/ckpt"), file + " is a file") << "relative to the working folder";
+  EXPECT_EQ(why_not_a_writable_folder("outputs/ckpt"), "");
+  fs::current_path(cwd);
+  if (geteuid() != 0) {  // root may write anywhere
+    fs::create_directories(root / "ro");
+    chmod((root / "ro").c_str(), 0555);
+    EXPECT_EQ(why_not_a_writable_folder((root / "ro/ckpt").string()),
+              (root / "ro").string() + " is not writable (Permission denied)");
+    chmod((root / "ro").c_str(), 0755);
+  }
+  std::ifstream kept(file);
+  std::string text;
+  kept >> text;
+  EXPECT_EQ(text, "keep");
+  fs::remove_all(root);
 }
 
 }  // namespace

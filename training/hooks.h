@@ -1,23 +1,29 @@
 // Where a run is (for the line an allocation failure ends with), and the test hooks the loop
 // calls: faults injected on one rank at one step, and the trace of the windows a rank trains on.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include <torch/torch.h>
 
+#include "components/system.h"
 #include "datasets/dataloader.h"
 
 namespace ctitan {
 
 // Where a run is, for the line an allocation failure ends with: the step (0 before the
-// first) and the phase, plus what the start-up estimate said.
+// first) and the phase, plus what the start-up estimate said. Made when train_main begins:
+// the first-batch time and the read count are taken from then, not from the process's start
+// (a shell that built train and then exec'd it would count its build: 564 s, 15 GB).
 struct RunProgress {
   int64_t step = 0;
   std::string phase = "start-up";
   int64_t rank = 0;
   double estimate_bytes = 0;
+  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
+  int64_t rchar_at_start = process_rchar();
 };
 
 // Enters a phase of a step (0: start-up); an allocation failure names the last one entered.

@@ -1,13 +1,8 @@
 #include "training/trainer.h"
 
-#include <unistd.h>
-
 #include <cmath>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
-#include <sstream>
 
 #include <spdlog/spdlog.h>
 #include <torch/csrc/autograd/profiler_legacy.h>
@@ -26,33 +21,6 @@ namespace ctitan {
 namespace {
 
 using Clock = Trainer::Clock;
-
-// Seconds since this process started (/proc/self/stat's start time against /proc/uptime;
-// 10 ms resolution): start-up as the user waits for it, loading of shared libraries included.
-double process_age_s() {
-  std::ifstream stat("/proc/self/stat"), up("/proc/uptime");
-  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-  const auto paren = text.rfind(')');
-  if (paren == std::string::npos) return 0;
-  std::istringstream fields(text.substr(paren + 2));
-  std::string f;
-  for (int i = 3; i <= 22 && fields >> f; ++i) {
-  }
-  double uptime = 0;
-  up >> uptime;
-  if (f.empty() || f.find_first_not_of("0123456789") != std::string::npos) return 0;
-  return uptime - std::stod(f) / static_cast<double>(sysconf(_SC_CLK_TCK));
-}
-
-// Bytes this process has read through read(2) and friends (/proc/self/io rchar), 0 if unknown.
-int64_t process_rchar() {
-  std::ifstream io("/proc/self/io");
-  std::string key;
-  int64_t v = 0;
-  while (io >> key >> v)
-    if (key == "rchar:") return v;
-  return 0;
-}
 
 // profiling.enable_profiling: every profile_freq-th step is recorded by LibTorch's profiler
 // (op names, shapes off) into a Chrome trace, in torchtitan's folder layout.
@@ -168,9 +136,9 @@ void Trainer::next_batch(int64_t step, int64_t micro, torch::Tensor& inputs, tor
   Batch batch = p_.loader.next();
   if (step == first_step_ && micro == 0)
     spdlog::info(
-        "first batch ready {:.2f} s after the process started (the data's part: {:.3f} s opening the "
+        "first batch ready {:.2f} s after main started (the data's part: {:.3f} s opening the "
         "tokenizer and corpus, {:.3f} s reading this batch)",
-        process_age_s(), p_.data_setup_s, seconds_since(t_data));
+        seconds_since(p_.at.started), p_.data_setup_s, seconds_since(t_data));
   maybe_trace_batch(batch, p_.par.env.rank, step);
   inputs = torch::from_blob(batch.inputs.data(), {B_, T_}, torch::kInt64).clone();  // [B, T]
   labels = torch::from_blob(batch.labels.data(), {B_, T_}, torch::kInt64).clone();  // [B, T]
@@ -377,8 +345,9 @@ int Trainer::finish() {
   spdlog::info("training done: {} steps in {}", cfg.training.steps, format_duration(seconds_since(train_start_)));
   spdlog::info(
       "data: dp rank {} read {} bytes of the corpus ({} documents parsed); the process read {} bytes "
-      "(rchar), peak RSS {:.0f} MiB",
-      p_.par.dp_rank, p_.loader.bytes_read(), p_.loader.documents_parsed(), process_rchar(), peak_rss_gib() * 1024);
+      "since main started (rchar), peak RSS {:.0f} MiB",
+      p_.par.dp_rank, p_.loader.bytes_read(), p_.loader.documents_parsed(), process_rchar() - p_.at.rchar_at_start,
+      peak_rss_gib() * 1024);
   spdlog::default_logger()->flush();
   return 0;
 }
