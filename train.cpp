@@ -608,7 +608,7 @@ void setup_environment(Job& j) {
   j.par = build_parallelism(cfg, j.device.cuda);
   j.accum = gradient_accumulation_steps(cfg, j.par.dims.dp());
   j.seed = agree_on_seed(j.par, pick_seed(cfg));
-  if (cfg.debug.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);
+  if (cfg.debug.deterministic) spdlog::info(use_deterministic_algorithms(j.device));
 }
 
 // Tokenizer, data and the model's size, validated before anything is written.

@@ -159,8 +159,10 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
     // oneDNN's sgemm reads a transposed B slower than a plain one when the output is
     // narrow (measured, M = 2048: 167-169 vs 182-192 GFLOP/s for out <= in, the other way
     // round for out 1536 and 8192); Wᵀ is one small copy (out·in, not M·anything).
-    if (out <= in) return mm_f32(x2, w.t().contiguous()).view(shape);
-    return mm_f32(x2, w.t()).view(shape);
+    // _unsafe_view, as ATen's matmul: the output is a fresh tensor, not a view autograd would
+    // forbid to modify in place (a view made inside a custom function).
+    if (out <= in) return at::_unsafe_view(mm_f32(x2, w.t().contiguous()), shape);
+    return at::_unsafe_view(mm_f32(x2, w.t()), shape);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();

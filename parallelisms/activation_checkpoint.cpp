@@ -242,7 +242,9 @@ class ForwardContext final : public recompute::Context {
     }
     record_tensor(y);
     if (keep) {
-      r_.kept.push_back(y);
+      // Detached: y's own graph (which holds x and the gathered weight) goes with the unit's.
+      SuspendRecording s;  // the recompute does not detach
+      r_.kept.push_back(y.detach());
       r_.kept_versions.push_back(y._version());
       ++r_.stats->kept_matmuls;
       r_.stats->kept_bytes += static_cast<int64_t>(y.nbytes());
@@ -253,11 +255,11 @@ class ForwardContext final : public recompute::Context {
     std::vector<at::Tensor> ts;
     {
       SuspendRecording s;
-      ts = f();
+      for (const at::Tensor& t : f()) ts.push_back(t.defined() ? t.detach() : t);
     }
     for (const auto& t : ts) record_tensor(t);
     r_.decisions.push_back(ts);
-    return ts;
+    return ts;  // the very tensors the recompute gets back
   }
 
  private:
@@ -321,24 +323,42 @@ class RecomputeContext final : public recompute::Context {
   size_t next_kept_ = 0, next_decision_ = 0;
 };
 
+// The unit's input as both of its runs see it: detached, needing a gradient as x does.
+at::Tensor unit_input(const at::Tensor& x, bool needs_grad) {
+  at::Tensor xd = x.detach();
+  xd.requires_grad_(needs_grad);
+  return xd;
+}
+
 // The checkpointed unit. Inputs: x (the unit's input), an anchor that requires grad (so
 // the output is part of the graph even when x is not, and the parameters still get their
 // gradients), and the record.
+//
+// Both runs of the unit run its ops the same way, with grad enabled, as PyTorch's
+// non-reentrant checkpoint does: an op may produce other tensors when no gradient is needed
+// (CUDA's memory-efficient attention returns an empty logsumexp then), and the forward must
+// record what the recompute will produce. The forward's graph is dropped when the unit
+// returns (autograd runs a custom function's forward with grad disabled; grad is enabled
+// again inside, and the output detached), so what it saved lives only while the unit runs:
+// the forward's peak grows by one unit's activations, which the recompute holds in backward
+// anyway. (PyTorch drops them as they are saved, through saved-tensor hooks that LibTorch
+// offers only to Python.)
 struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& anchor,
                             c10::intrusive_ptr<CheckpointRecord> rec) {
-    // Autograd runs a custom function's forward with grad disabled: nothing is saved for
-    // backward inside the unit.
     if (rec->policy->preserve_rng) rec->rng = rng_state(x);
+    const at::Tensor xd = unit_input(x, x.requires_grad());  // (before recording, as in backward)
     at::Tensor y;
     {
+      torch::AutoGradMode grad_on(true);
       ForwardContext fctx(*rec);
       recompute::ContextGuard guard(&fctx);
       std::optional<RecordingScope> recording;
       if (rec->policy->check) recording.emplace(&rec->metas);
-      y = rec->fn(x);
+      y = rec->fn(xd);
       record_tensor(y);
     }
+    y = y.detach();  // the unit's graph, and all it saved, goes
     ++rec->stats->checkpointed_forwards;
     rec->stats->kept_bytes += static_cast<int64_t>(x.nbytes());
     ctx->save_for_backward({x});
@@ -356,8 +376,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     rec->recomputed = true;
     const at::Tensor x = ctx->get_saved_variables()[0];
     const bool x_grad = ctx->needs_input_grad(0);
-    at::Tensor xd = x.detach();
-    xd.requires_grad_(x_grad);
+    at::Tensor xd = unit_input(x, x_grad);
     at::Tensor y;
     std::vector<TensorMeta> metas;
     {

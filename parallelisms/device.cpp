@@ -1,5 +1,7 @@
 #include "parallelisms/device.h"
 
+#include <ATen/Context.h>
+
 #include <cstdlib>
 
 #include "config/errors.h"
@@ -45,6 +47,18 @@ DeviceFacts device_facts(int64_t local_rank, int64_t local_world_size) {
     f.cuda_visible_devices = v;
   }
   return f;
+}
+
+std::string use_deterministic_algorithms(const DeviceChoice& choice) {
+  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+  at::globalContext().setDeterministicCuDNN(true);
+  at::globalContext().setBenchmarkCuDNN(false);
+  std::string line = "debug.deterministic: deterministic algorithms";
+  if (choice.cuda) {
+    setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+    line += ", cuDNN deterministic, CUBLAS_WORKSPACE_CONFIG=" + std::string(std::getenv("CUBLAS_WORKSPACE_CONFIG"));
+  }
+  return line;
 }
 
 #ifndef CTITAN_WITH_CUDA

@@ -44,4 +44,10 @@ int64_t visible_cuda_devices();
 // Makes the chosen GPU this process's current device (no-op for the CPU).
 void use_device(const DeviceChoice& choice);
 
+// debug.deterministic, as torchtitan's set_determinism: ATen's deterministic algorithms (an op
+// without one is an error), cuDNN deterministic and not benchmarking, and on a GPU cuBLAS's
+// fixed workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8 unless the launcher set it; read when the
+// first cuBLAS handle is made, so this runs before any matmul). Returns the line to log.
+std::string use_deterministic_algorithms(const DeviceChoice& choice);
+
 }  // namespace ctitan

@@ -24,6 +24,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/torch.h>
@@ -135,7 +136,9 @@ class FSDP {
   std::shared_ptr<Comm> reduce_scatter_;  // the shard group's ranks: shard_, or a second group
   FSDPOptions opt_;
   FSDPStats stats_;
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;  // keep hooks alive
+  // Keeps the hooks alive. The element type is whatever grad_accumulator returns: a
+  // std::shared_ptr<Node> up to PyTorch 2.12, a c10::intrusive_ptr<Node> from 2.13.
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()))> accumulators_;
   bool in_backward_ = false;
   std::deque<size_t> pending_reductions_;  // units whose reduce-scatter is in flight
 };

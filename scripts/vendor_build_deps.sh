@@ -36,7 +36,7 @@ done
 # cuda_runtime.h's crt/ and cuda_fp16.h's nv/ headers (the nvidia-cuda-crt and -cccl wheels, which
 # PyTorch's CUDA wheel does not depend on): in case the GPU image's PyTorch lacks them too
 # (cmake/torch_cuda.cmake looks in build-deps/cuda/include). From .venv-cuda (scripts/test_cuda.sh).
-CUDA_INC="$(ls -d "$ROOT"/.venv-cuda/lib/python3*/site-packages/nvidia/cu13/include 2>/dev/null | head -1)"
+CUDA_INC="$(ls -d "$ROOT"/.venv-cuda/lib/python3*/site-packages/nvidia/cu13/include 2>/dev/null | head -1 || true)"
 if [[ -n "$CUDA_INC" && -f "$CUDA_INC/crt/host_config.h" && -d "$CUDA_INC/nv" ]]; then
   mkdir -p "$OUT/cuda/include"
   cp -a "$CUDA_INC/crt" "$CUDA_INC/nv" "$OUT/cuda/include/"

@@ -413,6 +413,62 @@ TEST(ACDeterminismCheck, SecondBackwardThroughAUnitIsRefused) {
   }
 }
 
+// An op whose saved output depends on whether a gradient is needed, as CUDA's memory-efficient
+// attention (float32's SDPA backend there) returns its logsumexp [B, H, T] when one is and
+// [B, H, 0] when none is. The AC forward runs its ops with grad enabled, as the recompute does
+// (and PyTorch's non-reentrant checkpoint): the check compares like with like and passes, and
+// the gradients are those of training without AC. (Run without grad, the forward recorded
+// [6,0] where the recompute makes [6,4] (the narrowed columns), and the check stopped the
+// run: "layers.0: recomputed tensor 12 has shape [6,4] but the forward saved [6,0]".)
+namespace {
+at::Tensor grad_dependent_unit(const at::Tensor& in, const at::Tensor& w1, const at::Tensor& w2,
+                               std::vector<int64_t>* lse_shape = nullptr) {
+  auto h = recompute::linear(in, w1);  // [6, 4]
+  const bool needs_grad = at::GradMode::is_enabled() && h.requires_grad();
+  // The "logsumexp": one value per column when a gradient will be needed, none otherwise;
+  // it changes no output value (each of its values is multiplied by 0).
+  auto lse = at::logsumexp(h.narrow(1, 0, needs_grad ? h.size(1) : 0), {0});  // [4] or [0]
+  if (lse_shape) *lse_shape = lse.sizes().vec();
+  h = torch::tanh(h) + 0.0 * lse.sum();
+  return recompute::linear(h, w2);
+}
+}  // namespace
+
+TEST(ACDeterminismCheck, OutputThatDependsOnGradModeIsRecordedAsTheRecomputeMakesIt) {
+  auto run = [](const Mode& m) {
+    torch::manual_seed(21);
+    auto w1 = torch::randn({4, 5}, torch::requires_grad()), w2 = torch::randn({3, 4}, torch::requires_grad());
+    auto x = torch::randn({6, 5}, torch::requires_grad());
+    ActivationCheckpoint ac(options_of(m), {});
+    UnitFn fn = [=](const at::Tensor& in) { return grad_dependent_unit(in, w1, w2); };
+    auto y = ac.wrap("layers.0", fn)(x);
+    y.pow(2).sum().backward();
+    EXPECT_EQ(ac.stats().recomputes, m.mode == "none" ? 0 : 1) << m.label;
+    return std::vector<at::Tensor>{y.detach(), x.grad(), w1.grad(), w2.grad()};
+  };
+  // The unit does make a tensor whose shape depends on grad mode (else this test proves nothing).
+  {
+    std::vector<int64_t> with_grad, without_grad;
+    auto w1 = torch::randn({4, 5}, torch::requires_grad()), w2 = torch::randn({3, 4}, torch::requires_grad());
+    grad_dependent_unit(torch::randn({6, 5}), w1, w2, &with_grad);
+    torch::NoGradGuard no_grad;
+    grad_dependent_unit(torch::randn({6, 5}), w1, w2, &without_grad);
+    ASSERT_EQ(with_grad, (std::vector<int64_t>{4}));
+    ASSERT_EQ(without_grad, (std::vector<int64_t>{0}));
+  }
+  const auto ref = run(kModes[0]);
+  for (const Mode& m : {kModes[1], kModes[3]}) {
+    std::vector<at::Tensor> got;
+    try {
+      got = run(m);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << m.label << ": " << e.what();
+      continue;
+    }
+    for (size_t i = 0; i < ref.size(); ++i) EXPECT_TRUE(torch::equal(got[i], ref[i])) << m.label << ", tensor " << i;
+  }
+}
+
 // ---- 3. state a forward mutates, decisions a forward makes -------------------------------------
 TEST(ACRecomputeApi, GuardedCounterUpdatedOncePerStep) {
   auto w = torch::randn({8, 8}, torch::requires_grad());
