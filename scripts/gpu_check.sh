@@ -56,10 +56,6 @@ if [[ "${1:-}" == --prepare ]]; then
   source "$ROOT/scripts/common.sh"
   ctitan_ensure_deps
   "$ROOT/scripts/vendor_build_deps.sh" || die "--prepare: scripts/vendor_build_deps.sh failed"
-  # The sentencepiece shim, built here against Debian's sentencepiece with Debian's g++ (see
-  # SHIM below for why the GPU machine's own build of it is not used).
-  ctitan_build ctitan_spm_shim >/dev/null || die "--prepare: building ctitan_spm_shim failed"
-  mkdir -p "$ROOT/build-deps/spm_shim" && cp "$CTITAN_BUILD_DIR/libctitan_spm_shim.so" "$ROOT/build-deps/spm_shim/"
   ctitan_ensure_default_corpus || die "--prepare: the Moby-Dick corpus or its tokenizer could not be made"
   for v in "${TOKENIZERS[@]}"; do
     tok="$CTITAN_DATA_DIR/tokenizers/moby_dick_$v.model"
@@ -100,15 +96,6 @@ fi
 [[ -z "${CTITAN_GPU_CONFIGURE_ONLY:-}" ]] || exit 0
 cmake --build "$BUILD" -j"$(nproc)" --target train checkpoint_tool test_gpu_plan || die "build failed"
 TRAIN="$BUILD/train"
-# The sentencepiece shim made by --prepare replaces the one just built. Seen on the H200 image
-# (g++ 13 at /opt/gcc): its own build of the shim carries libstdc++ code that Debian's
-# libsentencepiece binds to under RTLD_DEEPBIND, and every run died with SIGSEGV in
-# libsentencepiece's static initialisation (std::ostream inside absl::Flag's constructor),
-# before the first log line. The shim has a C API only, so a build of it from another
-# compiler serves; the one built on Debian 12 ran there.
-SHIM="$DEPS/spm_shim/libctitan_spm_shim.so"
-[[ -s "$SHIM" ]] || die "$SHIM is missing: run scripts/gpu_check.sh --prepare on the CPU machine and carry build-deps/"
-cp "$SHIM" "$BUILD/libctitan_spm_shim.so" && log "sentencepiece shim: the Debian-built one from build-deps/spm_shim"
 "$BUILD/test_gpu_plan" --gtest_brief=1 || die "test_gpu_plan failed on the GPU machine"
 
 # The corpus and tokenizers, made by --prepare on the CPU machine and carried.
