@@ -1,14 +1,20 @@
-# The CUDA LibTorch of a PyTorch wheel (torch==2.14.1 in .venv-cuda here, the device image's
-# PyTorch 2.11 there), used without its TorchConfig: that wants a full CUDA toolkit (nvcc,
-# cudart, cuDNN/cuSPARSE headers where CMake's FindCUDA looks), which neither a fresh Debian 12
-# machine nor the device image has in one place. ctitan compiles no .cu file; the GPU work
-# goes through ATen and c10d, so the headers (torch's, the CUDA runtime's and NCCL's, which
-# the wheels' nvidia-* packages carry) and the shared libraries are all it needs.
+# The CUDA LibTorch of a PyTorch wheel (torch==2.11.0 in .venv-cuda here, the GPU machine's
+# build; the device image's PyTorch 2.11 there), used without its TorchConfig: that wants a full
+# CUDA toolkit (nvcc, cudart, cuDNN/cuSPARSE headers where CMake's FindCUDA looks), which neither
+# a fresh Debian 12 machine nor the device image has in one place. ctitan compiles no .cu file;
+# the GPU work goes through ATen and c10d, so the headers (torch's, the CUDA runtime's and
+# NCCL's, which the wheels' nvidia-* packages carry) and the shared libraries are all it needs.
+#
+# Also the CPU build (CTITAN_WITH_CUDA=OFF) against a wheel's LibTorch given as
+# CTITAN_TORCH_ROOT: only its CPU side (libtorch_cpu, libc10), no CUDA header or library. PyPI
+# has CUDA wheels only for most releases, so this is how a CPU build against them is checked
+# (scripts/check_libtorch_range.sh).
 #
 # In:  CTITAN_TORCH_ROOT (…/site-packages/torch), else Torch_DIR (…/torch/share/cmake/Torch),
 #      else <source>/.venv-cuda's torch.
-# Out: TORCH_LIBRARIES (one interface target, ctitan_torch_cuda), TORCH_INSTALL_PREFIX,
-#      Torch_VERSION, CTITAN_CUDA_VERSION, CTITAN_NCCL_VERSION.
+# Out: TORCH_LIBRARIES (one interface target: ctitan_torch_cuda, or ctitan_torch_cpu in the CPU
+#      build), TORCH_INSTALL_PREFIX,
+#      Torch_VERSION, CTITAN_CUDA_VERSION, CTITAN_NCCL_VERSION (the last two: CUDA build only).
 
 if(NOT CTITAN_TORCH_ROOT)
   if(Torch_DIR)
@@ -18,10 +24,41 @@ if(NOT CTITAN_TORCH_ROOT)
     list(GET _roots 0 CTITAN_TORCH_ROOT)
   endif()
 endif()
+# What was found under another LibTorch (a build folder configured again with another venv)
+# is found again under this one.
+if(DEFINED CACHE{CTITAN_TORCH_ROOT_CONFIGURED} AND NOT CTITAN_TORCH_ROOT_CONFIGURED STREQUAL CTITAN_TORCH_ROOT)
+  foreach(_var CTITAN_CUDART_INCLUDE CTITAN_NCCL_INCLUDE CTITAN_CUDART_LIBRARY CTITAN_NCCL_LIBRARY CTITAN_CUDA_CRT_INCLUDE)
+    unset(${_var} CACHE)
+  endforeach()
+endif()
+set(CTITAN_TORCH_ROOT_CONFIGURED "${CTITAN_TORCH_ROOT}" CACHE INTERNAL "the LibTorch the cached paths belong to")
+# The same venv's torch reinstalled at another version configures the build again.
+set_property(DIRECTORY "${CMAKE_SOURCE_DIR}" APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${CTITAN_TORCH_ROOT}/version.py")
+set(_lib "${CTITAN_TORCH_ROOT}/lib")
+
+if(NOT CTITAN_WITH_CUDA)
+  if(NOT EXISTS "${_lib}/libtorch_cpu.so")
+    message(FATAL_ERROR "ctitan: no LibTorch at CTITAN_TORCH_ROOT '${CTITAN_TORCH_ROOT}' (lib/libtorch_cpu.so missing)")
+  endif()
+  set(TORCH_INSTALL_PREFIX "${CTITAN_TORCH_ROOT}")
+  file(STRINGS "${CTITAN_TORCH_ROOT}/version.py" _v REGEX "^__version__")
+  string(REGEX REPLACE "^__version__ *= *'([^'+]*).*" "\\1" Torch_VERSION "${_v}")
+  add_library(ctitan_torch_cpu INTERFACE IMPORTED)
+  set_target_properties(ctitan_torch_cpu PROPERTIES
+    INTERFACE_INCLUDE_DIRECTORIES "${CTITAN_TORCH_ROOT}/include;${CTITAN_TORCH_ROOT}/include/torch/csrc/api/include"
+    # What torch_cpu's exported target defines (Caffe2Targets.cmake), less the NCCL group.
+    INTERFACE_COMPILE_DEFINITIONS "USE_DISTRIBUTED;USE_C10D_GLOO;USE_RPC;USE_TENSORPIPE"
+    INTERFACE_LINK_LIBRARIES "${_lib}/libtorch_cpu.so;${_lib}/libtorch.so;${_lib}/libc10.so")
+  set(TORCH_LIBRARIES ctitan_torch_cpu)
+  message(STATUS "ctitan: CPU build against the wheel's LibTorch ${Torch_VERSION} at ${CTITAN_TORCH_ROOT} "
+    "(its CPU side only: libtorch_cpu, libc10)")
+  return()
+endif()
+
 if(NOT EXISTS "${CTITAN_TORCH_ROOT}/lib/libtorch_cuda.so")
   message(FATAL_ERROR "CTITAN_WITH_CUDA: no CUDA LibTorch at '${CTITAN_TORCH_ROOT}' (lib/libtorch_cuda.so "
     "missing); pass -DCTITAN_TORCH_ROOT=<site-packages>/torch of a CUDA PyTorch (scripts/test_cuda.sh "
-    "installs torch==2.14.1 into .venv-cuda)")
+    "installs torch==2.11.0 into .venv-cuda)")
 endif()
 set(TORCH_INSTALL_PREFIX "${CTITAN_TORCH_ROOT}")
 get_filename_component(_site "${CTITAN_TORCH_ROOT}/.." ABSOLUTE)
@@ -77,7 +114,6 @@ if(NOT _defs)
   message(FATAL_ERROR "CTITAN_WITH_CUDA: ${CTITAN_TORCH_ROOT} was built without USE_C10D_NCCL (no ProcessGroupNCCL)")
 endif()
 
-set(_lib "${CTITAN_TORCH_ROOT}/lib")
 add_library(ctitan_torch_cuda INTERFACE IMPORTED)
 set_target_properties(ctitan_torch_cuda PROPERTIES
   # (an imported target's include directories are system ones: no warnings from them)

@@ -27,8 +27,9 @@ ctitan_build() {
     if [[ -z "$torch_dir" ]]; then
       torch_dir="$("$CTITAN_PYTHON" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')/Torch"
     fi
+    # Its "-- ctitan: LibTorch <version> (CUDA: OFF, C++17)" line goes to the log (CI's shows 2.13).
     cmake -S "$CTITAN_ROOT" -B "$CTITAN_BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-      -DTorch_DIR="$torch_dir" >/dev/null
+      -DTorch_DIR="$torch_dir" | grep -E "^-- ctitan" >&2
   fi
   if (($#)); then
     local t args=()

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The CUDA + NCCL build (issue 17), compiled, linked and tested in every CI run on a machine
 # without a GPU: scripts/test.sh calls it after the CPU tests (CTITAN_CUDA=0 skips it).
-#   1. PyTorch 2.14.1 (CUDA 13, NCCL; its nvidia-* wheels) in a second venv, $CTITAN_CUDA_VENV
-#      (default <repo>/.venv-cuda, ~5.5 GB; its LibTorch is what this build links);
+#   1. PyTorch 2.11.0 (+cu130: CUDA 13.0, NCCL 2.28.9; its nvidia-* wheels), the GPU machine's
+#      exact build, in a second venv, $CTITAN_CUDA_VENV (default <repo>/.venv-cuda, ~5.5 GB; its
+#      LibTorch is what this build links), so that "compiles in CI" means "compiles there";
+#      CTITAN_TORCH_CUDA_VERSION picks another (scripts/check_libtorch_range.sh builds newer ones);
 #   2. build-cuda/ configured with -DCTITAN_WITH_CUDA=ON (cmake/torch_cuda.cmake: C++20, the
-#      *_cuda.cpp files, libtorch_cuda + libc10_cuda + NCCL) and built like the CPU build;
+#      *_cuda.cpp files, libtorch_cuda + libc10_cuda + NCCL) and built like the CPU build; configured
+#      again when the venv's torch is another than the one it was configured with;
 #   3. the log lines that show it: LibTorch's CUDA version, NCCL's, what `train` links;
 #   4. tests run with the CUDA-built binaries, which must behave as the CPU build's without a
 #      GPU: test_gpu_plan (the device choice, FSDP's stream plan, the pinned staging, the NCCL
@@ -19,7 +22,7 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 CUDA_VENV="${CTITAN_CUDA_VENV:-$CTITAN_ROOT/.venv-cuda}"
 CUDA_BUILD="${CTITAN_CUDA_BUILD_DIR:-$CTITAN_ROOT/build-cuda}"
-TORCH_CUDA_VERSION="${CTITAN_TORCH_CUDA_VERSION:-2.14.1}"
+TORCH_CUDA_VERSION="${CTITAN_TORCH_CUDA_VERSION:-2.11.0}"
 # What runs with the CUDA build's binaries by default (test_gpu_plan's suites, and TrainE2E's
 # runs of `train` on one and two ranks, through the launcher, resumed after a stop signal).
 CUDA_TESTS='^((DeviceChoice|FsdpStreamPlan|PinnedStaging|NcclGroups|CudaBuild)\.|TrainE2E\.(TwentyStepsLossFalls|SameSeedGivesBitwiseEqualLosses|BadConfigExitsTwoWithOneLineAndWritesNothing|TwoRanksThroughTheLauncher|StopSignalSavesAndTheRerunResumesExactly)$)'
@@ -28,7 +31,8 @@ CUDA_TESTS='^((DeviceChoice|FsdpStreamPlan|PinnedStaging|NcclGroups|CudaBuild)\.
 # Step 1: the venv, (re)installed when its torch is not $TORCH_CUDA_VERSION with CUDA or the two
 # header wheels are missing. nvidia-cuda-crt and nvidia-cuda-cccl: crt/host_config.h and
 # nv/target, which cuda_runtime.h and cuda_fp16.h include and PyTorch's wheel does not bring
-# (cmake/torch_cuda.cmake).
+# (cmake/torch_cuda.cmake); the versions of the CUDA 13.0 toolkit (13.0.2) that torch 2.11.0's
+# wheel depends on (its nvidia-cuda-nvrtc is 13.0.88, its nvidia-cuda-cupti 13.0.85).
 ensure_cuda_venv() {
   local crt="${CTITAN_CUDA_CRT_VERSION:-13.0.88}" cccl="${CTITAN_CUDA_CCCL_VERSION:-13.0.85}"
   if ! "$CUDA_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_CUDA_VERSION' or not torch.version.cuda)" 2>/dev/null ||
@@ -62,8 +66,11 @@ fi
 t1=$(date +%s)
 ((build_only == 0)) || renice -n 19 -p $$ >/dev/null
 
-if [[ ! -f "$CUDA_BUILD/CMakeCache.txt" ]]; then
-  TORCH_ROOT="$("$CUDA_VENV/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
+# Configured when build-cuda/ has no cache or was configured with another torch folder (another
+# venv); the same venv's torch reinstalled at another version reconfigures by itself
+# (cmake/torch_cuda.cmake makes the build depend on torch/version.py).
+TORCH_ROOT="$(echo "$CUDA_VENV"/lib/python3*/site-packages/torch)"
+if [[ "$(sed -n 's/^CTITAN_TORCH_ROOT:[A-Z]*=//p' "$CUDA_BUILD/CMakeCache.txt" 2>/dev/null)" != "$TORCH_ROOT" ]]; then
   cmake -S "$CTITAN_ROOT" -B "$CUDA_BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCTITAN_WITH_CUDA=ON \
     -DCTITAN_TORCH_ROOT="$TORCH_ROOT" | grep -E "^-- ctitan" >&2
 fi
