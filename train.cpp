@@ -49,6 +49,7 @@
 #include "train.h"
 #include "training/checkpointing.h"
 #include "training/hooks.h"
+#include "training/prefetcher.h"
 #include "training/trainer.h"
 #include "training/world.h"
 #include "util/env.h"
@@ -115,10 +116,12 @@ uint64_t pick_seed(const JobConfig& cfg) {
   return (static_cast<uint64_t>(rd()) << 32 | rd()) & 0x7fffffffffffffffULL;
 }
 
-// Data: the tokenizer and this rank's stream of packed windows [B, T+1].
+// Data: the tokenizer and this rank's stream of packed windows [B, T+1], read ahead of the
+// step by `batches` (made after the device is chosen; destroyed, its thread stopped, first).
 struct DataPipeline {
   std::unique_ptr<Tokenizer> tokenizer;
   std::unique_ptr<DataLoader> loader;
+  std::unique_ptr<BatchPrefetcher> batches;
   std::string source;
   double setup_s = 0;  // loading the tokenizer and opening the corpus (for the start-up line)
 };
@@ -611,10 +614,23 @@ void setup_environment(Job& j) {
   if (cfg.debug.deterministic) spdlog::info(use_deterministic_algorithms(j.device));
 }
 
+// training.prefetch_batches on this device: pinned host batches copied to a GPU, plain ones on
+// the CPU; the loader's vectors kept only for the CTITAN_TRACE_WINDOWS trace.
+PrefetchOptions prefetch_options(const JobConfig& cfg, const DeviceChoice& device) {
+  PrefetchOptions o;
+  o.depth = cfg.training.prefetch_batches;
+  o.pin = device.cuda;
+  o.device = device.cuda ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(device.index))
+                         : torch::Device(torch::kCPU);
+  o.keep_tokens = !runtime_env().trace_windows.empty();
+  return o;
+}
+
 // Tokenizer, data and the model's size, validated before anything is written.
 ModelArgs setup_data(Job& j) {
   const JobConfig& cfg = j.cfg;
   j.data = build_data(cfg, j.par.dp_rank, j.par.dims.dp());
+  j.data.batches = std::make_unique<BatchPrefetcher>(*j.data.loader, prefetch_options(cfg, j.device));
   ModelArgs margs = build_model_args(cfg, *j.data.tokenizer);
   j.validator = maybe_build_validator(cfg, *j.data.tokenizer, j.par.dp_rank, j.par.dims.dp());
   j.sharded = fsdp_applies(cfg, j.par.dims.dp(), j.device, /*say=*/true);
@@ -632,7 +648,8 @@ void announce_run(const Job& j, const ModelArgs& margs, gemm::Backend matmuls) {
   if (launch.rank == 0) write_effective_config(cfg);
   spdlog::info("tokenizer: {} ({}, {} ids, bos {}, eos {}; model vocab {})", tok.model_path(), tok.kind(),
                tok.vocab_size(), tok.bos_id(), tok.eos_id(), margs.sizes.vocab_size);
-  spdlog::info("dataset: {} (dp rank {} of {})", j.data.source, j.par.dp_rank, j.par.dims.dp());
+  spdlog::info("dataset: {} (dp rank {} of {}; {} batch{} read ahead)", j.data.source, j.par.dp_rank, j.par.dims.dp(),
+               cfg.training.prefetch_batches, cfg.training.prefetch_batches == 1 ? "" : "es");
   check_blas_and_warn();
   const int threads = configure_threads(launch.local_world_size);
   const std::string& wait_policy = runtime_env().omp_wait_policy;
@@ -732,7 +749,7 @@ void setup_optimizer(Job& j) {
 bool setup_checkpointing(Job& j) {
   const JobConfig& cfg = j.cfg;
   enter_phase(j.at, 0, "checkpoint load");
-  j.ckpt = build_checkpointing(cfg, j.par, j.model, j.fsdp.get(), *j.optimizer, *j.lr, *j.data.loader, j.train_state,
+  j.ckpt = build_checkpointing(cfg, j.par, j.model, j.fsdp.get(), *j.optimizer, *j.lr, *j.data.batches, j.train_state,
                                j.seed);
   if (cfg.checkpoint.create_seed_checkpoint) {  // one process: check_start made sure
     j.ckpt->manager->save_to(j.ckpt->manager->options().folder, 0, /*model_only=*/true);
@@ -792,7 +809,7 @@ int train_job(Job& j, gemm::Backend matmuls) {
                                     ? "cuBLAS matmul on " + j.device.name()
                                     : std::string("the better of ") + gemm::backend_name(matmuls) + " and ATen matmul";
   Trainer trainer(TrainerParts{j.cfg, j.par, j.device, j.model, j.fsdp.get(), *j.optimizer, j.params,
-                               j.grad_sq_all_reduce, *j.lr, *j.data.loader, j.data.setup_s, j.validator.get(),
+                               j.grad_sq_all_reduce, *j.lr, *j.data.batches, j.data.setup_s, j.validator.get(),
                                *j.ckpt->manager, j.train_state, j.at, j.accum, matmul_peak_measure(j, peak_dtype),
                                peak_dtype, reference});
   return trainer.train();

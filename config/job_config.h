@@ -294,7 +294,10 @@ struct DataLoader {
       at_least(0).supported_only({"0"}));
     v(persistent_workers, "persistent_workers", false, "Keep workers alive between epochs");
     v(pin_memory, "pin_memory", false, "Pin batches in page-locked memory");
-    v(prefetch_factor, "prefetch_factor", std::nullopt, "Batches each worker loads ahead", at_least(1));
+    v(prefetch_factor, "prefetch_factor", std::nullopt,
+      "Batches each worker process loads ahead (ctitan has no workers; its read-ahead is "
+      "training.prefetch_batches)",
+      at_least(1));
   }
   CTITAN_CONFIG_DEFAULTS(DataLoader)
 };
@@ -316,6 +319,7 @@ struct Training {
   std::string on_nonfinite;     // ctitan only
   double loss_spike_factor;     // ctitan only
   std::string on_bad_document;  // ctitan only
+  int64_t prefetch_batches;     // ctitan only
   DataLoader dataloader;
 
   template <class V>
@@ -353,6 +357,11 @@ struct Training {
       "ctitan: a malformed document (bad JSON, no string \"text\", NUL byte, invalid UTF-8) stops the "
       "run naming file, line and reason (exit 2), or is skipped and counted (bad_documents_skipped)",
       one_of({"stop", "skip"}));
+    v(prefetch_batches, "prefetch_batches", 2,
+      "ctitan: batches a background thread reads ahead of the step that trains on them (into pinned "
+      "memory on a GPU, copied there before use); 0 = each batch is read when the step asks for it. "
+      "Checkpoints hold the data position of the batches trained on, whatever the depth",
+      at_least(0));
     v.table(dataloader, "dataloader", "Data-loader settings");
   }
   CTITAN_CONFIG_DEFAULTS(Training)

@@ -2,14 +2,17 @@
 #include "datasets/dataloader.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <stdexcept>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
 #include "config/errors.h"
 #include "datasets/token_shard.h"
+#include "util/env.h"
 
 namespace ctitan {
 namespace {
@@ -40,7 +43,8 @@ DataLoader::DataLoader(const Tokenizer& tokenizer, std::string source_path, int6
       seq_len_(seq_len),
       batch_size_(local_batch_size),
       dp_rank_(dp_rank),
-      dp_world_(dp_world) {
+      dp_world_(dp_world),
+      delay_ms_(runtime_env().data_delay_ms) {
   reader_.report_bad_documents(true);
   if (seq_len < 1) {
     throw UserError("dataloader: seq_len=" + std::to_string(seq_len) + " must be >= 1");
@@ -187,6 +191,7 @@ std::vector<int64_t> DataLoader::next_window() {
 }
 
 Batch DataLoader::next() {
+  if (delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms_));
   Batch b;
   b.batch = batch_size_;
   b.seq = seq_len_;
@@ -201,7 +206,7 @@ Batch DataLoader::next() {
   return b;
 }
 
-std::string DataLoader::state_dict() const {
+LoaderState DataLoader::state() const {
   LoaderState s;
   s.dp_rank = dp_rank_;
   s.dp_world = dp_world_;
@@ -213,8 +218,10 @@ std::string DataLoader::state_dict() const {
   for (const auto& f : sources_) s.files.push_back(f.name);
   s.work.assign(work_.begin() + static_cast<std::ptrdiff_t>(std::min(cur_, work_.size())), work_.end());
   s.buffer.assign(buffer_.begin() + static_cast<std::ptrdiff_t>(head_), buffer_.end());
-  return to_json(s);
+  return s;
 }
+
+std::string DataLoader::state_dict() const { return to_json(state()); }
 
 void DataLoader::load_state_dict(const std::string& state) {
   const std::string where = "dataloader state for dataset " + name_;

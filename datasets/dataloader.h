@@ -47,7 +47,9 @@ class DataLoader {
   DataLoader(const Tokenizer& tokenizer, std::string source_path, int64_t seq_len, int64_t local_batch_size,
              int64_t dp_rank, int64_t dp_world, std::string name = "");
 
-  Batch next();                        // local_batch_size windows
+  // local_batch_size windows. Test hook: CTITAN_DATA_DELAY_MS=<ms> (util/env.h, read when the
+  // loader is made) makes each call sleep that long first, as a slow corpus would.
+  Batch next();
   std::vector<int64_t> next_window();  // one window of seq_len+1 tokens
 
   // Malformed documents (bad JSON, no string "text", NUL bytes, invalid UTF-8):
@@ -77,6 +79,10 @@ class DataLoader {
   const std::string& name() const { return name_; }
   const std::vector<std::string>& files() const { return reader_.files(); }
 
+  // The position as sharding.h's LoaderState; state_dict() is its JSON. A copy of what is
+  // still to read (this pass's ranges and the buffered tokens): cheap enough to take after
+  // every batch, as the training loop's prefetcher does (training/prefetcher.h).
+  LoaderState state() const;
   std::string state_dict() const;
   // Restores a state_dict() of a loader over the same source, tokenizer vocabulary and
   // (dp_rank, dp_world); the following batches are then identical to an uninterrupted
@@ -112,6 +118,7 @@ class DataLoader {
   bool pass_fresh_ = true;  // this pass began with a full plan (not a restored remainder)
   int64_t pass_docs_ = 0;   // documents taken in this pass
   int64_t parsed_ = 0;
+  int64_t delay_ms_ = 0;  // the CTITAN_DATA_DELAY_MS test hook
 };
 
 }  // namespace ctitan

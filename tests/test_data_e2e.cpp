@@ -1,10 +1,12 @@
 // End-to-end tests of the data side through the real `train` binary: malformed documents
-// (training.on_bad_document), corpus formats and sharding as a run sees them.
+// (training.on_bad_document), corpus formats and sharding as a run sees them, and the
+// batches read ahead of the step (training.prefetch_batches).
 //
 // The corpus is generated here (JSON lines of English-like sentences) and a sentencepiece
 // tokenizer (vocab 400) is trained on it with scripts/train_tokenizer.sh.
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -31,6 +33,13 @@ std::string sentence_text(std::mt19937& rng) {
   for (int k = 0; k < n; ++k)
     s += std::string(k ? " " : "") + subj[rng() % 6] + " " + verb[rng() % 6] + " " + obj[rng() % 4] + ".";
   return s;
+}
+
+std::vector<std::string> read_lines(const std::string& path) {
+  std::ifstream f(path);
+  std::vector<std::string> out;
+  for (std::string line; std::getline(f, line);) out.push_back(line);
+  return out;
 }
 
 class DataE2E : public ::testing::Test {
@@ -130,6 +139,78 @@ TEST_F(DataE2E, BadDocumentsStopOrAreSkippedAndCounted) {
   ASSERT_FALSE(counts.empty());
   EXPECT_EQ(std::stod(counts.front()), 4.0);
   EXPECT_EQ(std::stod(counts.back()), 4.0);
+}
+
+// Read-ahead and exact resume through the real binary, windows traced (CTITAN_TRACE_WINDOWS):
+// a run reading 4 batches ahead trains on the windows of a run that reads none, with bitwise
+// its losses, and so does the run resumed from its step-3 checkpoint, saved while the
+// batches of steps 4-9 were being read ahead, for steps 4-8.
+TEST_F(DataE2E, ReadAheadRunsAndTheirResumesTrainOnTheSameWindows) {
+  const std::string data = write_jsonl("ahead.jsonl", {});
+  const auto run = [&](const std::string& name, int depth, const std::string& extra) {
+    const std::string dump = (root_ / name).string();
+    auto r = sh("CTITAN_TRACE_WINDOWS=" + dump + "_trace " + kTrain + args(data, dump, 8) +
+                " --debug.seed 5 --training.prefetch_batches " + std::to_string(depth) + extra);
+    EXPECT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find(std::to_string(depth) + " batches read ahead)"), std::string::npos) << r.out;
+    return std::make_pair(jsonl_field(dump + "/metrics.jsonl", "loss"), read_lines(dump + "_trace.rank0"));
+  };
+  const auto [ref_loss, ref_windows] = run("ahead_ref", 0, "");
+  ASSERT_EQ(ref_loss.size(), 8u);
+  ASSERT_EQ(ref_windows.size(), 8u * 4) << "8 steps of 4 windows";
+  const auto [loss, windows] = run("ahead_4", 4, " --checkpoint.enable --checkpoint.interval 3");
+  EXPECT_EQ(loss, ref_loss);
+  EXPECT_EQ(windows, ref_windows);
+  const std::string ckpt = (root_ / "ahead_4" / "checkpoint" / "step-3").string();
+  ASSERT_TRUE(fs::exists(ckpt));
+  const auto [resumed_loss, resumed_windows] =
+      run("ahead_resumed", 4,
+          " --checkpoint.enable --checkpoint.initial_load_path " + ckpt + " --checkpoint.no_initial_load_model_only");
+  EXPECT_EQ(resumed_loss, std::vector<std::string>(ref_loss.begin() + 3, ref_loss.end()));
+  EXPECT_EQ(resumed_windows, std::vector<std::string>(ref_windows.begin() + 3 * 4, ref_windows.end()));
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// A slow source no longer adds its time to the step when the step computes for longer: with
+// each batch delayed by D (CTITAN_DATA_DELAY_MS, the loader sleeping before each batch, as a
+// slow file system would make it wait) and D a third of this machine's step time (measured first,
+// without a delay), the data wait a run reports per step (data_loading_s) is at least D without
+// read-ahead and under D / 4 with 2 batches read ahead, on every step after the first.
+TEST_F(DataE2E, ReadAheadHidesASlowSourceBehindALongerStep) {
+  const std::string data = write_jsonl("slow.jsonl", {});
+  const auto run = [&](const std::string& name, int delay_ms, int depth) {
+    const std::string dump = (root_ / name).string();
+    auto r = sh("CTITAN_DATA_DELAY_MS=" + std::to_string(delay_ms) + " " + kTrain + args(data, dump, 6) +
+                " --training.seq_len 256 --training.local_batch_size 8 --training.prefetch_batches " +
+                std::to_string(depth));
+    EXPECT_EQ(r.code, 0) << r.out;
+    std::vector<double> wait, at;
+    for (const auto& v : jsonl_field(dump + "/metrics.jsonl", "data_loading_s")) wait.push_back(std::stod(v));
+    for (const auto& v : jsonl_field(dump + "/metrics.jsonl", "elapsed_s")) at.push_back(std::stod(v));
+    EXPECT_EQ(wait.size(), 6u) << r.out;
+    return std::make_pair(wait, at);
+  };
+  const auto [free_wait, free_at] = run("slow_none", 0, 0);
+  ASSERT_EQ(free_at.size(), 6u);
+  std::vector<double> step_s;  // steps 3-6 (step 2's time holds the first line's matmul peak)
+  for (size_t i = 2; i < free_at.size(); ++i) step_s.push_back(free_at[i] - free_at[i - 1]);
+  const int delay_ms = std::clamp(static_cast<int>(median(step_s) * 1000 / 3), 20, 300);
+  const double D = delay_ms / 1000.0;
+  const auto [sync_wait, sync_at] = run("slow_sync", delay_ms, 0);
+  const auto [ahead_wait, ahead_at] = run("slow_ahead", delay_ms, 2);
+  ASSERT_EQ(sync_wait.size(), 6u);
+  ASSERT_EQ(ahead_wait.size(), 6u);
+  for (size_t i = 1; i < 6; ++i) {
+    EXPECT_GE(sync_wait[i], 0.95 * D) << "step " << i + 1 << " without read-ahead, D = " << D;
+    EXPECT_LT(ahead_wait[i], D / 4) << "step " << i + 1 << " with 2 batches read ahead, D = " << D;
+  }
+  std::printf("step %.3f s without delay; D = %.3f s; data wait per step (median of steps 2-6): %.4f s, %.4f s ahead\n",
+              median(step_s), D, median(std::vector<double>(sync_wait.begin() + 1, sync_wait.end())),
+              median(std::vector<double>(ahead_wait.begin() + 1, ahead_wait.end())));
 }
 
 }  // namespace

@@ -1,11 +1,13 @@
 // End-to-end: the real `train` executable (and the launcher) on a corpus and tokenizer
 // built here. Loss falls, same seed → bitwise-equal losses, bad input → exit 2 with one
 // line and nothing written, a NaN stops the run, a failing rank stops the job, a stop
-// signal saves a checkpoint and the rerun resumes.
+// signal saves a checkpoint and the rerun resumes. In-process: the batches read ahead of the
+// step (training/prefetcher.h) on real corpus files.
 #include <gtest/gtest.h>
 
 #include <sys/stat.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -15,9 +17,14 @@
 #include <random>
 #include <regex>
 #include <sstream>
+#include <thread>
 
 #include "checkpoint/checkpoint.h"
+#include "config/errors.h"
 #include "config/job_config.h"
+#include "datasets/dataloader.h"
+#include "datasets/tokenizer.h"
+#include "training/prefetcher.h"
 #include "util/text.h"
 #include "train.h"
 #include "tests/e2e.h"
@@ -849,6 +856,149 @@ TEST_F(TrainE2E, InputFuzzExitsZeroOrTwoWithOneLine) {
       "input fuzz: %d cases (%d accepted, %d rejected with exit 2), %d also through the binary; "
       "%.1f s in all, slowest in-process case %.3f s\n",
       kCases, accepted, rejected, binary_runs, total, slowest);
+}
+
+// ---- read-ahead (training/prefetcher.h), in-process on real corpus files ------------------
+
+// The corpus's paragraphs as JSON lines ({"text": ...}) in `files` files, paragraph p in file
+// p mod files; with `bad` > 0, line `bad` of the first file is a malformed record.
+std::string jsonl_folder(const fs::path& corpus, const fs::path& dir, int files, int bad = 0) {
+  std::ifstream in(corpus);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string text = ss.str();
+  std::vector<std::ofstream> out;
+  fs::create_directories(dir);
+  for (int f = 0; f < files; ++f) out.emplace_back(dir / ("part" + std::to_string(f) + ".jsonl"));
+  std::vector<int> lines(files, 0);
+  size_t at = 0;
+  for (int p = 0; at < text.size(); ++p) {
+    size_t end = text.find("\n\n", at);
+    if (end == std::string::npos) end = text.size();
+    const std::string para = text.substr(at, end - at);  // letters, spaces, periods: no escapes
+    at = end + 2;
+    const int f = p % files;
+    out[f] << (f == 0 && ++lines[0] == bad ? "{\"text\": \"unterminated}" : "{\"text\": \"" + para + "\"}") << "\n";
+  }
+  return dir.string();
+}
+
+torch::Tensor tokens_tensor(const std::vector<int64_t>& v, int64_t B, int64_t T) {
+  return torch::from_blob(const_cast<int64_t*>(v.data()), {B, T}, torch::kInt64).clone();
+}
+
+// What the prefetcher gives is bitwise the loader's own batches in the loader's order, at depth
+// 0 (read when asked), 1 and 4: 150 batches of dp rank 1 of 2, past the end of its share of the
+// corpus (further epochs), on the one-file .txt corpus and on a folder of three .jsonl files.
+TEST_F(TrainE2E, PrefetchGivesTheLoadersBatchesInOrderAtEveryDepth) {
+  const auto tok = ctitan::Tokenizer::load(tokenizer_);
+  const std::string jsonl = jsonl_folder(corpus_, root_ / "prefetch_order", 3);
+  constexpr int64_t B = 4, T = 64;
+  for (const std::string& src : {corpus_, jsonl}) {
+    ctitan::DataLoader plain(*tok, src, T, B, 1, 2);
+    std::vector<ctitan::Batch> want;
+    for (int i = 0; i < 150; ++i) want.push_back(plain.next());
+    ASSERT_GE(plain.epoch(), 1) << src << ": the batches should run into a second epoch";
+    for (const int64_t depth : {0, 1, 4}) {
+      SCOPED_TRACE(src + ", depth " + std::to_string(depth));
+      ctitan::DataLoader loader(*tok, src, T, B, 1, 2);
+      ctitan::BatchPrefetcher batches(loader, ctitan::PrefetchOptions{depth});
+      for (int i = 0; i < 150; ++i) {
+        const ctitan::StepBatch b = batches.next();
+        ASSERT_EQ(b.inputs.sizes().vec(), (std::vector<int64_t>{B, T})) << "batch " << i;
+        ASSERT_EQ(b.inputs.scalar_type(), torch::kInt64);
+        ASSERT_TRUE(torch::equal(b.inputs, tokens_tensor(want[i].inputs, B, T))) << "inputs of batch " << i;
+        ASSERT_TRUE(torch::equal(b.labels, tokens_tensor(want[i].labels, B, T))) << "labels of batch " << i;
+      }
+      batches.stop();
+      EXPECT_THROW(batches.next(), std::logic_error);
+    }
+  }
+}
+
+// The state a checkpoint stores (the dataloader adapter's: BatchPrefetcher::state_dict) is the
+// loader's after the batches next() returned, not after those read ahead: with depth 4, after
+// 1, 7 and 60 (a second epoch) batches it is bitwise a plain loader's state after as many,
+// while the prefetcher's own loader has read at least 4 batches further; a fresh loader
+// restored from it through a fresh prefetcher gives the next 20 batches of the uninterrupted
+// stream. A restore after the read-ahead began is refused.
+TEST_F(TrainE2E, PrefetchCheckpointsTheBatchesTrainedOnAndResumesExactly) {
+  const auto tok = ctitan::Tokenizer::load(tokenizer_);
+  const std::string src = jsonl_folder(corpus_, root_ / "prefetch_resume", 3);
+  constexpr int64_t B = 4, T = 64;
+  for (const int n : {1, 7, 60}) {
+    SCOPED_TRACE("after " + std::to_string(n) + " batches");
+    ctitan::DataLoader plain(*tok, src, T, B, 0, 2);
+    for (int i = 0; i < n; ++i) plain.next();
+    const std::string want_state = plain.state_dict();
+    std::vector<ctitan::Batch> then;
+    for (int i = 0; i < 20; ++i) then.push_back(plain.next());
+
+    ctitan::DataLoader loader(*tok, src, T, B, 0, 2);
+    ctitan::BatchPrefetcher batches(loader, ctitan::PrefetchOptions{4});
+    for (int i = 0; i < n; ++i) batches.next();
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // time to fill the queue
+    const std::string saved = batches.state_dict();
+    EXPECT_EQ(saved, want_state);
+    EXPECT_THROW(batches.load_state_dict(want_state), std::logic_error);
+    batches.stop();
+    EXPECT_GE(loader.windows_produced(), (n + 4) * B) << "the loader had read ahead";
+    EXPECT_EQ(batches.state_dict(), want_state) << "stop() leaves the trained-on position";
+
+    ctitan::DataLoader fresh(*tok, src, T, B, 0, 2);
+    ctitan::BatchPrefetcher resumed(fresh, ctitan::PrefetchOptions{4});
+    resumed.load_state_dict(saved);
+    for (int i = 0; i < 20; ++i) {
+      const ctitan::StepBatch b = resumed.next();
+      ASSERT_TRUE(torch::equal(b.inputs, tokens_tensor(then[i].inputs, B, T))) << "resumed batch " << i;
+      ASSERT_TRUE(torch::equal(b.labels, tokens_tensor(then[i].labels, B, T))) << "resumed batch " << i;
+    }
+  }
+}
+
+// A read error (here a malformed record under on_bad_document = "stop") reaches the caller at
+// the batch that met it, as without read-ahead: the batches before it come, then next() throws
+// the same UserError (same line), and again on a further call. Under "skip" the skipped count
+// follows the batches returned, not those read ahead.
+TEST_F(TrainE2E, PrefetchRethrowsAReadErrorAtTheBatchThatMetIt) {
+  const auto tok = ctitan::Tokenizer::load(tokenizer_);
+  const std::string src = jsonl_folder(corpus_, root_ / "prefetch_bad", 1, /*bad=*/200);
+  constexpr int64_t B = 4, T = 64;
+  ctitan::DataLoader plain(*tok, src, T, B, 0, 1);
+  int good = 0;
+  std::string want;
+  try {
+    for (;; ++good) plain.next();
+  } catch (const ctitan::UserError& e) {
+    want = e.what();
+  }
+  ASSERT_GT(good, 10);
+  ASSERT_NE(want.find(":200: invalid JSON"), std::string::npos) << want;
+  for (const int64_t depth : {1, 4}) {
+    SCOPED_TRACE("depth " + std::to_string(depth));
+    ctitan::DataLoader loader(*tok, src, T, B, 0, 1);
+    ctitan::BatchPrefetcher batches(loader, ctitan::PrefetchOptions{depth});
+    for (int i = 0; i < good; ++i) ASSERT_NO_THROW(batches.next()) << "batch " << i;
+    for (int again = 0; again < 2; ++again) {
+      try {
+        batches.next();
+        ADD_FAILURE() << "no error at batch " << good;
+      } catch (const ctitan::UserError& e) {
+        EXPECT_EQ(std::string(e.what()), want);
+      }
+    }
+  }
+  // skip: the count as of each batch returned equals the plain loader's after as many.
+  ctitan::DataLoader counted(*tok, src, T, B, 0, 1), loader(*tok, src, T, B, 0, 1);
+  counted.set_bad_documents(ctitan::DataLoader::BadDocuments::kSkip);
+  loader.set_bad_documents(ctitan::DataLoader::BadDocuments::kSkip);
+  ctitan::BatchPrefetcher batches(loader, ctitan::PrefetchOptions{4});
+  for (int i = 0; i < good + 5; ++i) {
+    counted.next();
+    batches.next();
+    ASSERT_EQ(batches.skipped_documents(), counted.skipped_documents()) << "after batch " << i;
+  }
+  EXPECT_EQ(batches.skipped_documents(), 1);
 }
 
 }  // namespace

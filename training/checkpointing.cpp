@@ -8,9 +8,11 @@
 namespace ctitan {
 namespace {
 
-// The loader's own state string (datasets/sharding.h owns its format and redistribution).
-std::unique_ptr<DataLoaderState> dataloader_state(const JobConfig& cfg, const Parallelism& par, DataLoader& loader) {
-  DataLoader* l = &loader;
+// The loader's own state string (datasets/sharding.h owns its format and redistribution), as
+// of the batches trained on.
+std::unique_ptr<DataLoaderState> dataloader_state(const JobConfig& cfg, const Parallelism& par,
+                                                  BatchPrefetcher& batches) {
+  BatchPrefetcher* l = &batches;
   return std::make_unique<DataLoaderState>(
       [l] { return l->state_dict(); }, [l](const std::string& s) { l->load_state_dict(s); }, par.dp_rank, par.dims.dp(),
       cfg.checkpoint.dataloader_reshard,
@@ -21,7 +23,7 @@ std::unique_ptr<DataLoaderState> dataloader_state(const JobConfig& cfg, const Pa
 
 std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const Parallelism& par, TrainModel& model,
                                                    FSDP* fsdp, torch::optim::Optimizer& opt, LRScheduler& lr,
-                                                   DataLoader& loader, TrainState& ts, uint64_t seed) {
+                                                   BatchPrefetcher& batches, TrainState& ts, uint64_t seed) {
   auto c = std::make_unique<Checkpointing>();
   CheckpointOptions o = checkpoint_options(cfg);
   o.dp_replicate = par.dims.dp_replicate;
@@ -38,7 +40,7 @@ std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const P
   c->train_state = std::make_unique<ScalarsState>(
       "train_state",
       std::vector<std::pair<std::string, int64_t*>>{{"step", &ts.step}, {"ntokens_seen", &ts.ntokens_seen}});
-  c->dataloader = dataloader_state(cfg, par, loader);
+  c->dataloader = dataloader_state(cfg, par, batches);
   c->rng = std::make_unique<RngState>(par.env.rank, seed);
   std::vector<std::string> fqns;
   for (const auto& p : sp) fqns.push_back(p.fqn);

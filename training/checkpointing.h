@@ -10,9 +10,9 @@
 #include "checkpoint/checkpoint.h"
 #include "components/lr_scheduler.h"
 #include "config/job_config.h"
-#include "datasets/dataloader.h"
 #include "models/train_model.h"
 #include "parallelisms/fsdp.h"
+#include "training/prefetcher.h"
 #include "training/world.h"
 
 namespace ctitan {
@@ -35,10 +35,11 @@ struct Checkpointing {
 };
 
 // The manager with every component registered (nothing loaded yet). The objects passed must
-// outlive the result.
+// outlive the result. The dataloader's state is the batches' (the position of the batches
+// trained on, not of those read ahead: training/prefetcher.h).
 std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const Parallelism& par, TrainModel& model,
                                                    FSDP* fsdp, torch::optim::Optimizer& opt, LRScheduler& lr,
-                                                   DataLoader& loader, TrainState& ts, uint64_t seed);
+                                                   BatchPrefetcher& batches, TrainState& ts, uint64_t seed);
 
 // The periodic save. A save that failed on some rank fails on every rank alike, leaving the
 // previous checkpoint intact (a disk full, an I/O error; a dead rank is a CollectiveFailure,

@@ -87,7 +87,6 @@ Trainer::Trainer(TrainerParts parts)
       T_(p_.cfg.training.seq_len),
       local_tokens_(static_cast<double>(B_ * T_ * p_.accum)),
       first_step_(p_.train_state.step + 1),
-      compute_device_(p_.device.cuda ? torch::Device(torch::kCUDA, p_.device.index) : torch::Device(torch::kCPU)),
       spikes_(p_.cfg.training.loss_spike_factor),
       last_step_(first_step_ - 1) {
   maybe_enable_tensorboard(metrics_, p_.cfg, p_.par);
@@ -102,6 +101,7 @@ Trainer::Trainer(TrainerParts parts)
 
 int Trainer::train() {
   const JobConfig& cfg = p_.cfg;
+  p_.batches.start();  // from the loaded checkpoint's data position
   for (int64_t step = first_step_; step <= cfg.training.steps; ++step) {
     CommContext::set_step(step);
     std::unique_ptr<torch::autograd::profiler::RecordProfile> profile = maybe_profile(cfg, p_.par.env.rank, step);
@@ -132,20 +132,18 @@ std::string Trainer::of_micro(int64_t micro) const {
 
 void Trainer::next_batch(int64_t step, int64_t micro, torch::Tensor& inputs, torch::Tensor& labels) {
   enter_phase(p_.at, step, "data" + of_micro(micro));
+  // The wait for a batch read ahead (or the reading itself with training.prefetch_batches = 0);
+  // on a GPU it comes from pinned host memory with a non-blocking copy (training/prefetcher.h).
   const auto t_data = Clock::now();
-  Batch batch = p_.loader.next();
+  StepBatch batch = p_.batches.next();
   if (step == first_step_ && micro == 0)
     spdlog::info(
         "first batch ready {:.2f} s after main started (the data's part: {:.3f} s opening the "
         "tokenizer and corpus, {:.3f} s reading this batch)",
         seconds_since(p_.at.started), p_.data_setup_s, seconds_since(t_data));
-  maybe_trace_batch(batch, p_.par.env.rank, step);
-  inputs = torch::from_blob(batch.inputs.data(), {B_, T_}, torch::kInt64).clone();  // [B, T]
-  labels = torch::from_blob(batch.labels.data(), {B_, T_}, torch::kInt64).clone();  // [B, T]
-  if (p_.device.cuda) {  // from pinned host memory, queued behind nothing the host waits for
-    inputs = inputs.pin_memory().to(compute_device_, /*non_blocking=*/true);
-    labels = labels.pin_memory().to(compute_device_, /*non_blocking=*/true);
-  }
+  maybe_trace_batch(batch.tokens, p_.par.env.rank, step);
+  inputs = std::move(batch.inputs);  // [B, T]
+  labels = std::move(batch.labels);  // [B, T]
   data_s_ += seconds_since(t_data);
 }
 
@@ -291,7 +289,7 @@ void Trainer::add_extra_metrics(StepMetrics& m, const StepResult& r, const std::
   if (p_.cfg.training.on_bad_document == "skip") {
     // Over the dp ranks and the whole run (the count is in the loader's checkpointed state);
     // ranks of one dp rank (TP/PP peers) share a loader: mean over all ranks × dp.
-    const double mine = static_cast<double>(p_.loader.skipped_documents());
+    const double mine = static_cast<double>(p_.batches.skipped_documents());
     m.extra.emplace_back("bad_documents_skipped",
                          std::round(world_mean(p_.par, mine, "bad_docs") * static_cast<double>(p_.par.dims.dp())));
   }
@@ -328,6 +326,7 @@ bool Trainer::maybe_stop(int64_t step) {
 
 int Trainer::finish() {
   const JobConfig& cfg = p_.cfg;
+  p_.batches.stop();  // no batch is read after the last step
   enter_phase(p_.at, last_step_, "checkpoint finalize");
   p_.checkpoints.finalize();
   if (p_.par.dist) p_.par.dist->world->barrier("end of training");
@@ -346,8 +345,8 @@ int Trainer::finish() {
   spdlog::info(
       "data: dp rank {} read {} bytes of the corpus ({} documents parsed); the process read {} bytes "
       "since main started (rchar), peak RSS {:.0f} MiB",
-      p_.par.dp_rank, p_.loader.bytes_read(), p_.loader.documents_parsed(), process_rchar() - p_.at.rchar_at_start,
-      peak_rss_gib() * 1024);
+      p_.par.dp_rank, p_.batches.loader().bytes_read(), p_.batches.loader().documents_parsed(),
+      process_rchar() - p_.at.rchar_at_start, peak_rss_gib() * 1024);
   spdlog::default_logger()->flush();
   return 0;
 }

@@ -25,6 +25,7 @@
 #include "parallelisms/fsdp.h"
 #include "training/checkpointing.h"
 #include "training/hooks.h"
+#include "training/prefetcher.h"
 #include "training/world.h"
 
 namespace ctitan {
@@ -40,7 +41,7 @@ struct TrainerParts {
   std::vector<torch::Tensor> params;                 // the optimizer's (FSDP's local shards)
   std::function<double(double)> grad_sq_all_reduce;  // empty: this rank's norm is the norm
   LRScheduler& lr;
-  DataLoader& loader;
+  BatchPrefetcher& batches;    // the DataLoader's batches, read ahead by training.prefetch_batches
   double data_setup_s;         // tokenizer and corpus opened (first-batch line)
   const Validator* validator;  // null without [validation]
   CheckpointManager& checkpoints;
@@ -96,7 +97,6 @@ class Trainer {
   // step follows the mean over every token of the global batch.
   const double local_tokens_;
   const int64_t first_step_;
-  torch::Device compute_device_;
   Clock::time_point train_start_, window_start_;
   // The logging window: tokens, data time, activation peak, FSDP's comm wait at its start.
   int64_t window_tokens_ = 0;

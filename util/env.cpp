@@ -25,6 +25,7 @@ RuntimeEnv read_env() {
   e.checkpoint_fault = parse_fault_hook(var("CTITAN_CHECKPOINT_FAULT"));
   e.checkpoint_dump_loaded = var("CTITAN_CHECKPOINT_DUMP_LOADED");
   e.trace_windows = var("CTITAN_TRACE_WINDOWS");
+  e.data_delay_ms = std::atoll(var("CTITAN_DATA_DELAY_MS").c_str());
   return e;
 }
 

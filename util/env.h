@@ -35,6 +35,7 @@ struct RuntimeEnv {
   std::optional<FaultHook> checkpoint_fault;  // CTITAN_CHECKPOINT_FAULT (checkpoint/checkpoint.cpp)
   std::string checkpoint_dump_loaded;         // CTITAN_CHECKPOINT_DUMP_LOADED: folder to re-save a load into
   std::string trace_windows;                  // CTITAN_TRACE_WINDOWS: prefix of per-rank batch traces
+  int64_t data_delay_ms = 0;                  // CTITAN_DATA_DELAY_MS: each DataLoader::next() sleeps this long first
 };
 
 // Read on the first call, then the same object for the life of the process.
