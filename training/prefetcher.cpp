@@ -70,11 +70,7 @@ void BatchPrefetcher::produce() {
   ready_.notify_all();
 }
 
-BatchPrefetcher::Item BatchPrefetcher::take() {
-  std::unique_lock<std::mutex> lock(mu_);
-  ready_.wait(lock, [this] { return !queue_.empty() || producer_done_; });
-  // The thread ends only after queueing a failure (rethrown from then on) or in stop().
-  if (queue_.empty()) throw std::logic_error("[prefetcher] no batch after the reading thread ended");
+BatchPrefetcher::Item BatchPrefetcher::pop_front(std::unique_lock<std::mutex>& lock) {
   Item item = std::move(queue_.front());
   queue_.pop_front();
   lock.unlock();
@@ -82,14 +78,18 @@ BatchPrefetcher::Item BatchPrefetcher::take() {
   return item;
 }
 
+BatchPrefetcher::Item BatchPrefetcher::take() {
+  std::unique_lock<std::mutex> lock(mu_);
+  ready_.wait(lock, [this] { return !queue_.empty() || producer_done_; });
+  // The thread ends only after queueing a failure (rethrown from then on) or in stop().
+  if (queue_.empty()) throw std::logic_error("[prefetcher] no batch after the reading thread ended");
+  return pop_front(lock);
+}
+
 std::optional<BatchPrefetcher::Item> BatchPrefetcher::try_take() {
   std::unique_lock<std::mutex> lock(mu_);
   if (queue_.empty()) return std::nullopt;
-  Item item = std::move(queue_.front());
-  queue_.pop_front();
-  lock.unlock();
-  space_.notify_one();
-  return item;
+  return pop_front(lock);
 }
 
 void BatchPrefetcher::to_device(Item& item) const {

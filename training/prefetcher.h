@@ -96,10 +96,11 @@ class BatchPrefetcher {
     LoaderState after;  // the loader's state after this batch (depth >= 1)
     std::exception_ptr error;
   };
-  Item read_one(bool with_state);  // the loader's next batch as host tensors
-  void produce();                  // the thread
-  Item take();                     // the oldest read batch, waiting for it
-  std::optional<Item> try_take();  // the oldest read batch if there is one
+  Item read_one(bool with_state);                      // the loader's next batch as host tensors
+  void produce();                                      // the thread
+  Item pop_front(std::unique_lock<std::mutex>& lock);  // mu_ held; released, the reader woken
+  Item take();                                         // the oldest read batch, waiting for it
+  std::optional<Item> try_take();                      // the oldest read batch if there is one
   void to_device(Item& item) const;
 
   DataLoader& loader_;
