@@ -1,5 +1,8 @@
 #include "components/optimizer.h"
 
+#include <optional>
+#include <unordered_map>
+
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <torch/torch.h>
@@ -45,16 +48,26 @@ class FusedAdamW : public torch::optim::AdamW {
   using torch::optim::AdamW::AdamW;
 
   torch::Tensor step(LossClosure closure = nullptr) override {
-    RECORD_FUNCTION("ctitan::fused_adamw_step", std::vector<c10::IValue>());
     TORCH_CHECK(closure == nullptr, "[optimizer] FusedAdamW takes no closure");
+    step_unless(torch::Tensor());
+    return {};
+  }
+
+  // The step, skipped when `skip` (a bool 0-d tensor on the parameters' device, or undefined:
+  // never) is true. On the CPU `skip` is host memory, read here; on a GPU torch's fused kernel
+  // takes it as its found_inf and skips on the device, so the host never waits for it.
+  void step_unless(const torch::Tensor& skip) {
+    RECORD_FUNCTION("ctitan::fused_adamw_step", std::vector<c10::IValue>());
     torch::NoGradGuard no_grad;
+    const bool cpu_skip = skip.defined() && !on_gpu(skip) && skip.item<bool>();
     for (auto& group : param_groups_) {
       const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
       TORCH_CHECK(!o.amsgrad(), "[optimizer] FusedAdamW does not implement amsgrad");
       if (!group.params().empty() && on_gpu(group.params().front())) {
-        step_on_gpu(group, o);
+        step_on_gpu(group, o, skip);
         continue;
       }
+      if (cpu_skip) continue;
       for (auto& p : group.params()) {
         if (!p.grad().defined()) continue;
         TORCH_CHECK(p.scalar_type() == torch::kFloat && p.is_contiguous() && p.grad().is_contiguous() &&
@@ -65,28 +78,61 @@ class FusedAdamW : public torch::optim::AdamW {
         update(p, p.grad(), st.exp_avg(), st.exp_avg_sq(), o, st.step());
       }
     }
-    return {};
+  }
+
+  // `n` steps the GPU kernel skipped (found when the caller read the flags back): their host
+  // step counts, raised by step_unless, go back down. CPU steps were skipped on the host.
+  void note_skipped_on_gpu(int64_t n) {
+    for (auto& group : param_groups_)
+      for (auto& p : group.params()) {
+        auto it = gpu_steps_.find(p.unsafeGetTensorImpl());
+        if (!on_gpu(p) || it == gpu_steps_.end()) continue;
+        auto& st = state_for(p);
+        st.step(st.step() - n);
+        it->second.host_step = st.step();
+      }
   }
 
  private:
   // Parameters on a GPU: torch's fused AdamW (one multi-tensor kernel over the group; its
   // formula is the one above), with the same state objects and step counts as on the CPU.
-  void step_on_gpu(torch::optim::OptimizerParamGroup& group, const torch::optim::AdamWOptions& o) {
+  // Each parameter's step count also lives on the device (the kernel's bias correction reads
+  // it there): raised by one before the kernel, lowered by `skip` after it, so a skipped step
+  // does not count, as on the CPU. The host count (what checkpoints store) is raised here and
+  // lowered by note_skipped_on_gpu once the caller knows; a host count that differs from the
+  // device copy's (a checkpoint was loaded) makes the device copy anew.
+  void step_on_gpu(torch::optim::OptimizerParamGroup& group, const torch::optim::AdamWOptions& o,
+                   const torch::Tensor& skip) {
     std::vector<torch::Tensor> ps, gs, ms, vs, steps;
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       auto& st = state_for(p);
+      DeviceStep& d = gpu_steps_[p.unsafeGetTensorImpl()];
+      if (!d.count.defined() || d.host_step != st.step())
+        d.count = torch::full({}, static_cast<double>(st.step()), p.options().dtype(torch::kFloat));
       st.step(st.step() + 1);
+      d.host_step = st.step();
       ps.push_back(p);
       gs.push_back(p.grad());
       ms.push_back(st.exp_avg());
       vs.push_back(st.exp_avg_sq());
-      steps.push_back(torch::full({}, static_cast<double>(st.step()), p.options().dtype(torch::kFloat)));
+      steps.push_back(d.count);
     }
     if (ps.empty()) return;
+    at::_foreach_add_(steps, 1.0);
+    const std::optional<at::Tensor> found_inf =
+        skip.defined() ? std::optional<at::Tensor>(skip.to(torch::kFloat)) : std::nullopt;
     at::_fused_adamw_(ps, gs, ms, vs, {}, steps, o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()),
-                      o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
+                      o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt,
+                      found_inf);
+    if (found_inf) at::_foreach_sub_(steps, std::vector<at::Tensor>(steps.size(), *found_inf));
   }
+
+  struct DeviceStep {
+    torch::Tensor count;    // float32 0-d on the parameter's device
+    int64_t host_step = 0;  // the host count it was last in step with
+  };
+  std::unordered_map<void*, DeviceStep> gpu_steps_;
 
   torch::optim::AdamWParamState& state_for(const torch::Tensor& p) {
     void* const key = p.unsafeGetTensorImpl();  // the key LibTorch files state under
@@ -182,32 +228,62 @@ TrainingStateBytes training_state_bytes(torch::optim::Optimizer& opt) {
   return b;
 }
 
-double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
-                      const std::function<double(double)>& all_reduce_sum) {
+torch::Tensor clip_grad_norm_tensor(const std::vector<torch::Tensor>& params, double max_norm,
+                                    const std::function<double(double)>& all_reduce_sum) {
   RECORD_FUNCTION("ctitan::clip_grad_norm", std::vector<c10::IValue>());
   torch::NoGradGuard no_grad;
   // Sum of squares in fp64 so the norm does not depend on how the sum is split (shards).
   double sq = 0.0;
   // GPU gradients: each tensor's norm where it is (no float64 copy of a gradient on the device),
-  // squared and summed in float64 and read with one synchronisation, not one per tensor.
-  std::vector<torch::Tensor> gpu_norms;
+  // squared and summed in float64 on the device.
+  std::vector<torch::Tensor> gpu_norms, gpu_grads;
   for (const auto& p : params)
     if (p.grad().defined()) {
-      if (on_gpu(p.grad()))
+      if (on_gpu(p.grad())) {
         gpu_norms.push_back(at::linalg_vector_norm(p.grad(), 2));
-      else
+        gpu_grads.push_back(p.grad());
+      } else {
         sq += sum_of_squares(p.grad());
+      }
     }
-  if (!gpu_norms.empty()) sq += at::stack(gpu_norms).to(torch::kFloat64).square().sum().item<double>();
-  if (all_reduce_sum) sq = all_reduce_sum(sq);
-  const double norm = std::sqrt(sq);
-  if (max_norm > 0 && std::isfinite(norm)) {
-    const double coef = max_norm / (norm + 1e-6);
-    if (coef < 1.0)
-      for (const auto& p : params)
-        if (p.grad().defined()) p.grad().mul_(coef);
+  if (gpu_norms.empty()) {  // the CPU: the sum is host memory already
+    if (all_reduce_sum) sq = all_reduce_sum(sq);
+    const double norm = std::sqrt(sq);
+    if (max_norm > 0 && std::isfinite(norm)) {
+      const double coef = max_norm / (norm + 1e-6);
+      if (coef < 1.0)
+        for (const auto& p : params)
+          if (p.grad().defined()) p.grad().mul_(coef);
+    }
+    return torch::tensor(norm, torch::kFloat64);
+  }
+  auto sq_dev = at::stack(gpu_norms).to(torch::kFloat64).square().sum();
+  if (all_reduce_sum)  // through the host (Gloo): the one read of a step with sharded gradients
+    sq_dev = torch::full({}, all_reduce_sum(read_to_host(sq_dev).item<double>() + sq), sq_dev.options());
+  const auto norm = sq_dev.sqrt();
+  if (max_norm > 0) {
+    // coef = max_norm / (norm + 1e-6) when below 1 and the norm is finite, else 1 (no change:
+    // x · 1 = x), decided on the device.
+    const auto coef = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+    at::_foreach_mul_(gpu_grads, at::where(norm.isfinite(), coef, at::ones_like(coef)).to(torch::kFloat));
   }
   return norm;
+}
+
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
+                      const std::function<double(double)>& all_reduce_sum) {
+  return read_to_host(clip_grad_norm_tensor(params, max_norm, all_reduce_sum)).item<double>();
+}
+
+void step_unless(torch::optim::Optimizer& opt, const torch::Tensor& skip) {
+  if (auto* fused = dynamic_cast<FusedAdamW*>(&opt)) return fused->step_unless(skip);
+  // torch::optim's other optimizers decide on the host: one read of the flag.
+  if (skip.defined() && read_to_host(skip).item<bool>()) return;
+  opt.step();
+}
+
+void note_skipped_steps(torch::optim::Optimizer& opt, int64_t n) {
+  if (auto* fused = dynamic_cast<FusedAdamW*>(&opt)) fused->note_skipped_on_gpu(n);
 }
 
 }  // namespace ctitan

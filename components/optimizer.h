@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <torch/optim/optimizer.h>
+#include <torch/types.h>
 
 namespace ctitan {
 
@@ -32,10 +33,23 @@ struct TrainingStateBytes {
 TrainingStateBytes training_state_bytes(torch::optim::Optimizer& opt);
 
 // Global L2 norm of the gradients of `params`, then scales them so the norm is at most
-// max_norm (max_norm <= 0: measure only). Returns the norm before clipping. With sharded
-// parameters, all_reduce_sum adds the local sums of squares of every shard's rank so the
-// norm is the global one.
+// max_norm (max_norm <= 0: measure only). Returns the norm before clipping, a float64 0-d
+// tensor where the gradients are: on a GPU the norm and the clipping stay on the device, and
+// nothing is read back unless all_reduce_sum must add other ranks' sums (one read_to_host).
+// With sharded parameters, all_reduce_sum adds the local sums of squares of every shard's
+// rank so the norm is the global one.
+torch::Tensor clip_grad_norm_tensor(const std::vector<torch::Tensor>& params, double max_norm,
+                                    const std::function<double(double)>& all_reduce_sum = nullptr);
+// The same, the norm read to the host.
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
                       const std::function<double(double)>& all_reduce_sum = nullptr);
+
+// opt.step(), skipped when `skip` (a bool 0-d tensor on the parameters' device; undefined:
+// never) is true, without reading `skip` back from a GPU for the fused AdamW (torch's fused
+// kernel skips on the device). Other optimizers read it (one read_to_host).
+void step_unless(torch::optim::Optimizer& opt, const torch::Tensor& skip);
+// `n` steps that step_unless skipped, learnt by the caller later: the fused AdamW's host step
+// counts of GPU parameters go back down by n (on the CPU a skip is exact at once).
+void note_skipped_steps(torch::optim::Optimizer& opt, int64_t n);
 
 }  // namespace ctitan

@@ -64,6 +64,7 @@ std::string use_deterministic_algorithms(const DeviceChoice& choice) {
 #ifndef CTITAN_WITH_CUDA
 int64_t visible_cuda_devices() { return 0; }
 void use_device(const DeviceChoice&) {}
+void set_sync_errors(bool) {}
 #endif
 
 }  // namespace ctitan

@@ -43,6 +43,9 @@ int64_t visible_cuda_devices();
 
 // Makes the chosen GPU this process's current device (no-op for the CPU).
 void use_device(const DeviceChoice& choice);
+// CUDA's sync debug mode on this process (on: an operation that makes the host wait for the
+// GPU throws, naming it); for the CTITAN_SYNC_CHECK test hook. A no-op in the CPU build.
+void set_sync_errors(bool on);
 
 // debug.deterministic, as torchtitan's set_determinism: ATen's deterministic algorithms (an op
 // without one is an error), cuDNN deterministic and not benchmarking, and on a GPU cuBLAS's

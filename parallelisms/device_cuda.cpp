@@ -12,4 +12,9 @@ void use_device(const DeviceChoice& choice) {
   if (choice.cuda) c10::cuda::set_device(static_cast<c10::DeviceIndex>(choice.index));
 }
 
+void set_sync_errors(bool on) {
+  c10::cuda::warning_state().set_sync_debug_mode(on ? c10::cuda::SyncDebugMode::L_ERROR
+                                                    : c10::cuda::SyncDebugMode::L_DISABLED);
+}
+
 }  // namespace ctitan

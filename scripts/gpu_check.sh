@@ -31,11 +31,15 @@
 #       CTITAN_GPU_LAYERS, default "8 6 4 2") that train 10 steps: ctitan's tokens/s, MFU and
 #       peak memory beside bench/eager_llama.py --device cuda (plain PyTorch eager, the same
 #       shape, the same PyTorch, in this script), and the ratio; bf16 mixed precision for both.
+#   (f) the host-synchronisation rule (issue 33): 12 steps logging every 6th, float32 and bf16,
+#       with CTITAN_SYNC_CHECK=1 (CUDA's sync debug mode as errors in steps 2-5 and 7-11, which
+#       log and save nothing: a synchronising operation fails the run, naming it) and
+#       CTITAN_TRACE_HOST_READS (those steps read nothing back);
 # Each part prints PASS or FAIL with its numbers, a failed run one line naming the part, the
 # run and its last log line; the last line sums up. The runs' folders and logs go to
-# outputs/gpu_check/ (git-ignored). Exit 0 only when (a)-(c) and (e) pass and (d) ran.
+# outputs/gpu_check/ (git-ignored). Exit 0 only when (a)-(c), (e) and (f) pass and (d) ran.
 #   scripts/gpu_check.sh --prepare                # step 1, on the CPU machine
-#   scripts/gpu_check.sh                          # everything (parts a b c e d)
+#   scripts/gpu_check.sh                          # everything (parts a b c e f d)
 #   CTITAN_GPU_PARTS="a b" scripts/gpu_check.sh   # some parts
 #   CTITAN_GPU_CONFIGURE_ONLY=1 scripts/gpu_check.sh  # configure the build and stop (no GPU needed)
 set -uo pipefail
@@ -45,7 +49,7 @@ PY="${PYTHON:-python3}"
 DEPS="${CTITAN_BUILD_DEPS:-$ROOT/build-deps}"
 BUILD="${CTITAN_GPU_BUILD_DIR:-$ROOT/build-gpu}"
 OUT="${CTITAN_GPU_OUT:-$ROOT/outputs/gpu_check}"
-PARTS="${CTITAN_GPU_PARTS:-a b c e d}"
+PARTS="${CTITAN_GPU_PARTS:-a b c e f d}"
 log() { echo "[gpu_check] $*" >&2; }
 die() { log "$*"; exit 1; }
 
@@ -240,6 +244,23 @@ if part e; then
   else
     status=1
   fi
+fi
+
+if part f; then
+  log "(f) no host synchronisation inside a step: CUDA's sync debug mode as errors on steps that log and save nothing"
+  for precision in float32 bfloat16; do
+    if run "f_$precision" CTITAN_SYNC_CHECK=1 CTITAN_TRACE_HOST_READS="$OUT/f_$precision.reads" -- --training.steps 12 \
+      --metrics.log_freq 6 --training.mixed_precision_param "$precision"; then
+      quiet=$(awk '$1 != 1 && $1 % 6 != 0 && $2 != 0' "$OUT/f_$precision.reads.rank0" | wc -l)
+      if ((quiet == 0)); then
+        echo "(f) $precision: PASS: steps 2-5, 7-11 made no GPU synchronisation and read nothing back"
+      else
+        fail_line "(f) $precision FAIL: $quiet quiet steps read values back ($OUT/f_$precision.reads.rank0)"
+      fi
+    else
+      status=1
+    fi
+  done
 fi
 
 if part d; then

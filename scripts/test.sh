@@ -9,7 +9,8 @@ source "$(dirname "$0")/common.sh"
 ctitan_ensure_deps
 # Issue 15's rules, checked before anything is built: every C++ file formatted as
 # .clang-format says; no function in checkpoint/, tools/, train*.cpp or training/ over 80
-# lines; no header in checkpoint/ includes models/, datasets/ or parallelisms/.
+# lines; no header in checkpoint/ includes models/, datasets/ or parallelisms/; the training
+# step reads values back to the host only through read_to_host.
 (
   cd "$CTITAN_ROOT"
   ./scripts/check_format.sh
@@ -17,6 +18,12 @@ ctitan_ensure_deps
     training/*.cpp training/*.h
   if grep -nE '^#include "(models|datasets|parallelisms)/' checkpoint/*.h; then
     echo "test.sh: a header in checkpoint/ includes models/, datasets/ or parallelisms/ (above)" >&2
+    exit 1
+  fi
+  # Issue 33's: the training step reads device values back only through read_to_host
+  # (kernels/device_route.h), which tests count; a bare .item() / .cpu() would bypass the count.
+  if grep -nE '\.item(<[a-z0-9_]+>)?\(|\.cpu\(\)' training/trainer.cpp | grep -v 'read_to_host('; then
+    echo "test.sh: training/trainer.cpp reads a tensor to the host without read_to_host (above)" >&2
     exit 1
   fi
 )

@@ -142,6 +142,53 @@ TEST(Optimizer, FusedAdamWMatchesTorchAdamW) {
   }
 }
 
+// step_unless: a true flag leaves parameters, moments and step counts exactly as they were
+// (what training.on_nonfinite = "skip" saves); a false one is the plain step, bitwise. The
+// same for torch::optim::Adam, which reads the flag on the host. clip_grad_norm_tensor is
+// clip_grad_norm's norm, bitwise, and clips the same.
+TEST(Optimizer, StepUnlessSkipsTheWholeUpdateAndOtherwiseIsTheStep) {
+  for (const char* name : {"AdamW", "Adam"}) {
+    torch::manual_seed(5);
+    auto init = torch::randn({70000});
+    auto a = init.clone().requires_grad_(true), b = init.clone().requires_grad_(true);
+    auto opt_a = build_optimizer({a}, OptimizerSpec{name, 1e-2, 0.9, 0.95, 1e-8, 0.1});
+    auto opt_b = build_optimizer({b}, OptimizerSpec{name, 1e-2, 0.9, 0.95, 1e-8, 0.1});
+    for (int step = 1; step <= 4; ++step) {
+      auto g = torch::randn({70000});
+      a.mutable_grad() = g.clone();
+      b.mutable_grad() = g.clone();
+      const auto before = a.detach().clone();
+      if (step == 2) {
+        step_unless(*opt_a, torch::tensor(true));
+        EXPECT_TRUE(torch::equal(a, before)) << name << ": a skipped step changed the parameter";
+        continue;  // b skips step 2 by not stepping at all
+      }
+      step_unless(*opt_a, torch::tensor(false));
+      opt_b->step();
+      EXPECT_TRUE(torch::equal(a, b)) << name << " step " << step;
+    }
+    auto state = [](torch::optim::Optimizer& o) -> torch::optim::OptimizerParamState& {
+      return *o.state().begin()->second;
+    };
+    if (std::string(name) == "AdamW") {
+      const auto& sa = static_cast<torch::optim::AdamWParamState&>(state(*opt_a));
+      const auto& sb = static_cast<torch::optim::AdamWParamState&>(state(*opt_b));
+      EXPECT_EQ(sa.step(), 3);
+      EXPECT_EQ(sa.step(), sb.step());
+      EXPECT_TRUE(torch::equal(sa.exp_avg(), sb.exp_avg()) && torch::equal(sa.exp_avg_sq(), sb.exp_avg_sq()));
+    } else {
+      EXPECT_EQ(static_cast<torch::optim::AdamParamState&>(state(*opt_a)).step(), 3);
+    }
+  }
+  auto x = torch::randn({3, 5}, torch::requires_grad()), y = torch::randn({3, 5}, torch::requires_grad());
+  x.mutable_grad() = torch::randn({3, 5}) * 4;
+  y.mutable_grad() = x.grad().clone();
+  const auto n = clip_grad_norm_tensor({x}, 1.0);
+  EXPECT_EQ(n.scalar_type(), torch::kFloat64);
+  EXPECT_EQ(n.item<double>(), clip_grad_norm({y}, 1.0));
+  EXPECT_TRUE(torch::equal(x.grad(), y.grad()));
+}
+
 TEST(Metrics, JsonLineHasTheContractFields) {
   StepMetrics m;
   m.step = 3;

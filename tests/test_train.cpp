@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <optional>
 #include <random>
 #include <regex>
@@ -390,6 +391,48 @@ TEST_F(TrainE2E, NonFiniteStepsStopOrSkipOnEveryRank) {
                                                   "previous steps \\([0-9.]+; training.loss_spike_factor = 2\\)")))
       << r.out;
   EXPECT_EQ(r.out.find("loss spike", r.out.find("loss spike") + 1), std::string::npos) << "one warning only";
+}
+
+// The host-synchronisation rule (issue 33): a step reads its results back to the host (on a
+// GPU each read waits for the device) only when the host needs them: its metrics line, a
+// checkpoint save, the end. CTITAN_TRACE_HOST_READS records each step's reads (read_to_host).
+// One process: log steps (1, 4, 8) and save steps (3, 6, 8) read once, the others never.
+// Two ranks: every step also reads the loss for its world mean (one read; the non-finite
+// decision must be the same on every rank). A NaN at step 2 with training.on_nonfinite =
+// "stop" is found at the next read: the run stops naming step 2 before saving step 3.
+std::map<int64_t, int64_t> host_reads_by_step(const std::string& file) {
+  std::map<int64_t, int64_t> by_step;
+  std::ifstream in(file);
+  for (int64_t step, reads; in >> step >> reads;) by_step[step] = reads;
+  return by_step;
+}
+
+TEST_F(TrainE2E, StepsReadResultsBackOnlyWhenTheHostNeedsThem) {
+  const std::string dump = (root_ / "reads").string(), trace = (root_ / "reads_trace").string();
+  const std::string more = " --metrics.log_freq 4 --checkpoint.enable --checkpoint.interval 3";
+  auto r = sh("CTITAN_TRACE_HOST_READS=" + trace + " " + kTrain + args(dump, 8) + more);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::map<int64_t, int64_t> one = host_reads_by_step(trace + ".rank0");
+  const std::map<int64_t, int64_t> want_one = {{1, 1}, {2, 0}, {3, 1}, {4, 1}, {5, 0}, {6, 1}, {7, 0}, {8, 1}};
+  EXPECT_EQ(one, want_one);
+  EXPECT_EQ(jsonl_field(dump + "/metrics.jsonl", "loss").size(), 3u) << "steps 1, 4 and 8 logged";
+
+  fs::remove_all(dump);
+  const std::string trace2 = (root_ / "reads_trace2").string();
+  auto rs = spawn_processes(train_argv(args(dump, 8) + kFp32 + more), 2, {{"CTITAN_TRACE_HOST_READS", trace2}});
+  ASSERT_TRUE(all_ok(rs));
+  for (int rank = 0; rank < 2; ++rank) {
+    const auto two = host_reads_by_step(trace2 + ".rank" + std::to_string(rank));
+    ASSERT_EQ(two.size(), 8u) << rank;
+    for (const auto& [step, reads] : two)
+      EXPECT_EQ(reads, want_one.at(step) + 1) << "rank " << rank << " step " << step;
+  }
+
+  fs::remove_all(dump);
+  r = sh("CTITAN_FAULT=nan:0:2 " + kTrain + args(dump, 8) + more);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("error: step 2: loss is nan; stopping"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(dump + "/checkpoint/step-3")) << "no save after a step the policy stops at";
 }
 
 TEST_F(TrainE2E, TwoRanksThroughTheLauncher) {

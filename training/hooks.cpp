@@ -29,7 +29,7 @@ void enter_phase(RunProgress& at, int64_t step, std::string name) {
   maybe_inject_oom(at);
 }
 
-void maybe_inject_fault(int64_t rank, int64_t step, double& loss, const std::vector<torch::Tensor>& params) {
+void maybe_inject_fault(int64_t rank, int64_t step, torch::Tensor& loss, const std::vector<torch::Tensor>& params) {
   const auto& hook = runtime_env().fault;
   if (!hook || runtime_env().restart_count > 0 || !hook->at(rank, step)) return;
   const std::string& k = hook->kind;
@@ -41,7 +41,10 @@ void maybe_inject_fault(int64_t rank, int64_t step, double& loss, const std::vec
     return;
   }
   if (k == "nan" || k == "inf" || k == "spike") {
-    loss = k == "nan" ? std::nan("") : k == "inf" ? HUGE_VAL : 10 * loss;
+    if (k == "spike")
+      loss.mul_(10);
+    else
+      loss.fill_(k == "nan" ? std::nan("") : HUGE_VAL);
     return;
   }
   if (k == "nangrad") {
@@ -52,6 +55,13 @@ void maybe_inject_fault(int64_t rank, int64_t step, double& loss, const std::vec
       }
   }
   throw RuntimeFailure("injected fault (CTITAN_FAULT=" + hook->spec + ")");
+}
+
+void maybe_trace_host_reads(int64_t rank, int64_t step, int64_t reads) {
+  const std::string& prefix = runtime_env().trace_host_reads;
+  if (prefix.empty()) return;
+  static std::ofstream out(prefix + ".rank" + std::to_string(rank), std::ios::app);
+  out << step << ' ' << reads << std::endl;
 }
 
 void maybe_trace_batch(const Batch& b, int64_t rank, int64_t step) {

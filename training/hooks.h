@@ -39,7 +39,12 @@ void enter_phase(RunProgress& at, int64_t step, std::string name);
 // nan | inf (its loss becomes NaN / inf), nangrad (a gradient element becomes NaN), spike
 // (its reported loss is multiplied by 10). Under torchrun only the first attempt meets it: the
 // workers it restarts (TORCHELASTIC_RESTART_COUNT > 0) inherit the variable but run clean.
-void maybe_inject_fault(int64_t rank, int64_t step, double& loss, const std::vector<torch::Tensor>& params);
+void maybe_inject_fault(int64_t rank, int64_t step, torch::Tensor& loss, const std::vector<torch::Tensor>& params);
+
+// Test hook: CTITAN_TRACE_HOST_READS=<prefix> appends "<step> <reads>" to <prefix>.rank<r>
+// after each step: the values that step (with its metrics, save and stop check) read back
+// from the compute device to the host (read_to_host, kernels/device_route.h).
+void maybe_trace_host_reads(int64_t rank, int64_t step, int64_t reads);
 
 // Test hook: CTITAN_TRACE_WINDOWS=<prefix> appends every window this rank trains on to
 // <prefix>.rank<r>, one line "<step> <token ids...>", so tests can check which data a run saw.

@@ -12,7 +12,9 @@
 #include "components/system.h"
 #include "config/errors.h"
 #include "components/preemption.h"
+#include "kernels/device_route.h"
 #include "kernels/fused_ops.h"
+#include "util/env.h"
 #include "util/strings.h"
 
 namespace fs = std::filesystem;
@@ -47,7 +49,7 @@ void maybe_enable_tensorboard(MetricsLogger& metrics, const JobConfig& cfg, cons
   if (par.dist) {
     auto t = torch::tensor({now}, torch::kInt64);
     par.dist->world->broadcast(t, 0, "tensorboard_folder");
-    now = t.item<int64_t>();
+    now = read_to_host(t).item<int64_t>();
   }
   if (par.env.rank != 0 && !cfg.metrics.save_for_all_ranks) return;
   const std::time_t tt = static_cast<std::time_t>(now);
@@ -104,11 +106,24 @@ int Trainer::train() {
   p_.batches.start();  // from the loaded checkpoint's data position
   for (int64_t step = first_step_; step <= cfg.training.steps; ++step) {
     CommContext::set_step(step);
+    const int64_t reads_before = host_reads();
     std::unique_ptr<torch::autograd::profiler::RecordProfile> profile = maybe_profile(cfg, p_.par.env.rank, step);
-    const StepResult r = train_step(step);
+    // The step's values are read back only where the host needs them (settle): here, before
+    // a save (a checkpoint must not follow a step the non-finite policy stops at), at a stop.
+    const bool last = step == cfg.training.steps;
+    const bool log = step == 1 || step % cfg.metrics.log_freq == 0 || last;
+    const bool reads = log || p_.checkpoints.should_save(step, last);
+    // Test hook: in a step that reads nothing back, any GPU synchronisation is an error.
+    const bool sync_check = runtime_env().sync_check && p_.device.cuda && !reads;
+    if (sync_check) set_sync_errors(true);
+    train_step(step);
+    if (sync_check) set_sync_errors(false);
     if (step == first_step_) after_first_step();
     enter_phase(p_.at, step, "metrics");
-    if (step == 1 || step % cfg.metrics.log_freq == 0 || step == cfg.training.steps) maybe_log_metrics(step, r);
+    if (reads) {
+      const StepResult r = settle();
+      if (log) maybe_log_metrics(step, r);
+    }
     if (profile) {
       profile.reset();  // writes the trace
       spdlog::info("profiler trace of step {} written to {}", step, profile_path(cfg, p_.par.env.rank, step));
@@ -119,7 +134,9 @@ int Trainer::train() {
     maybe_save(p_.checkpoints, step, step == cfg.training.steps, cfg.checkpoint.on_save_failure);
     maybe_validate(step);
     last_step_ = step;
-    if (maybe_stop(step)) break;
+    const bool stop = maybe_stop(step);
+    maybe_trace_host_reads(p_.par.env.rank, step, host_reads() - reads_before);
+    if (stop) break;
   }
   return finish();
 }
@@ -148,7 +165,7 @@ void Trainer::next_batch(int64_t step, int64_t micro, torch::Tensor& inputs, tor
 }
 
 void Trainer::forward_backward_step(int64_t step, int64_t micro, const torch::Tensor& inputs,
-                                    const torch::Tensor& labels, StepResult& r) {
+                                    const torch::Tensor& labels, StepValues& v) {
   const double heap_before = heap_in_use_gib();
   enter_phase(p_.at, step, "forward" + of_micro(micro));
   // Token-sum cross-entropy / local_tokens, on float32 row statistics of the logits in
@@ -160,56 +177,88 @@ void Trainer::forward_backward_step(int64_t step, int64_t micro, const torch::Te
   enter_phase(p_.at, step, "backward" + of_micro(micro));
   loss.backward();
   if (p_.fsdp) p_.fsdp->finish_backward();
-  r.loss_sum += loss.item<double>();
+  // Summed in float64 where the loss is (no read back): the same sums as on the host.
+  if (!v.loss_sum.defined()) v.loss_sum = torch::zeros({}, loss.options().dtype(torch::kFloat64));
+  v.loss_sum.add_(loss.detach());
   if (p_.model.moe()) {  // the objective is CE + coeff · load-balance loss
-    r.loss_sum += p_.model.aux_loss() / static_cast<double>(p_.accum);
-    r.lb_sum += p_.model.load_balance_loss() / static_cast<double>(p_.accum);
+    v.loss_sum.add_(p_.model.aux_loss() / static_cast<double>(p_.accum));
+    v.lb_sum += p_.model.load_balance_loss() / static_cast<double>(p_.accum);
   }
   window_tokens_ += B_ * T_;
 }
 
-StepResult Trainer::train_step(int64_t step) {
+void Trainer::train_step(int64_t step) {
   set_learning_rate(p_.optimizer, p_.lr.current_lr());
   p_.optimizer.zero_grad();
-  StepResult r;
+  StepValues v;
+  v.step = step;
   for (int64_t micro = 0; micro < p_.accum; ++micro) {
     torch::Tensor inputs, labels;
     next_batch(step, micro, inputs, labels);
-    forward_backward_step(step, micro, inputs, labels, r);
+    forward_backward_step(step, micro, inputs, labels, v);
   }
-  maybe_inject_fault(p_.par.env.rank, step, r.loss_sum, p_.params);
+  maybe_inject_fault(p_.par.env.rank, step, v.loss_sum, p_.params);
   // Both values are the same on every rank (a world mean; a norm all-reduced over the
-  // shards, whose replicas hold equal gradients), so every rank takes the same branch.
+  // shards, whose replicas hold equal gradients), so every rank skips or updates alike.
   enter_phase(p_.at, step, "optimizer");
-  r.loss_mean = world_mean(p_.par, r.loss_sum, "loss");
-  r.grad_norm = clip_grad_norm(p_.params, p_.cfg.training.max_norm, p_.grad_sq_all_reduce);
-  r.lr = p_.lr.current_lr();
-  apply_update(step, r);
+  v.loss_mean = p_.par.dist ? torch::full({}, world_mean(p_.par, read_to_host(v.loss_sum).item<double>(), "loss"),
+                                          v.loss_sum.options())
+                            : v.loss_sum;
+  v.grad_norm = clip_grad_norm_tensor(p_.params, p_.cfg.training.max_norm, p_.grad_sq_all_reduce);
+  v.lr = p_.lr.current_lr();
+  apply_update(v);
   p_.lr.step();
   if (p_.model.moe()) {  // expert-bias update and counter reset, from every rank's load
     expert_load_ = p_.model.tokens_per_expert();
     if (p_.par.dist) p_.par.dist->world->all_reduce_sum(expert_load_, "expert_load").wait();
     p_.model.step_load_balance(expert_load_);
   }
-  return r;
+  pending_.push_back(std::move(v));
 }
 
-// The optimizer step, or training.on_nonfinite's policy when the loss or the norm is not finite.
-void Trainer::apply_update(int64_t step, StepResult& r) {
+// The optimizer step, skipped on the device when the loss or the norm is not finite;
+// training.on_nonfinite's policy follows when settle() reads the flag back.
+void Trainer::apply_update(StepValues& v) {
+  v.skipped = (v.loss_mean.isfinite() & v.grad_norm.to(v.loss_mean.device()).isfinite()).logical_not();
+  step_unless(p_.optimizer, v.skipped);
+}
+
+StepResult Trainer::settle() {
+  if (pending_.empty()) return settled_;
+  std::vector<torch::Tensor> rows;
+  for (const StepValues& v : pending_)
+    rows.push_back(
+        torch::stack({v.loss_sum, v.loss_mean, v.grad_norm.to(v.loss_sum.device()), v.skipped.to(torch::kFloat64)}));
+  const auto host = read_to_host(torch::stack(rows));  // [steps, 4]: the one read
+  const auto a = host.accessor<double, 2>();
+  int64_t skipped = 0;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    const int64_t k = static_cast<int64_t>(i);
+    skipped += a[k][3] != 0;
+    settle_one(pending_[i].step, a[k][1], a[k][2], a[k][3] != 0);
+    settled_ = StepResult{a[k][0], pending_[i].lb_sum, a[k][1], a[k][2], pending_[i].lr};
+  }
+  if (skipped) note_skipped_steps(p_.optimizer, skipped);
+  pending_.clear();
+  return settled_;
+}
+
+// training.on_nonfinite for a skipped step ("stop": the run ends naming it; "skip": counted and
+// logged), and the loss-spike warning for an updated one.
+void Trainer::settle_one(int64_t step, double loss_mean, double grad_norm, bool skipped) {
   const JobConfig& cfg = p_.cfg;
-  if (std::isfinite(r.loss_mean) && std::isfinite(r.grad_norm)) {
-    p_.optimizer.step();
+  if (!skipped) {
     double spike_mean = 0;
-    if (p_.par.env.rank == 0 && (spike_mean = spikes_.observe(r.loss_mean)) > 0)
+    if (p_.par.env.rank == 0 && (spike_mean = spikes_.observe(loss_mean)) > 0)
       spdlog::warn(
           "step {}: loss spike: {:.4f} is {:.1f}x the mean of the previous steps ({:.4f}; "
           "training.loss_spike_factor = {})",
-          step, r.loss_mean, r.loss_mean / spike_mean, spike_mean, cfg.training.loss_spike_factor);
+          step, loss_mean, loss_mean / spike_mean, spike_mean, cfg.training.loss_spike_factor);
     return;
   }
   const std::string what = "step " + std::to_string(step) + ": " +
-                           (std::isfinite(r.loss_mean) ? "gradient norm is " + std::to_string(r.grad_norm)
-                                                       : "loss is " + std::to_string(r.loss_mean));
+                           (std::isfinite(loss_mean) ? "gradient norm is " + std::to_string(grad_norm)
+                                                     : "loss is " + std::to_string(loss_mean));
   if (cfg.training.on_nonfinite == "stop")
     throw RuntimeFailure(what +
                          "; stopping (HINT: lower optimizer.lr or training.max_norm, or set "
@@ -298,7 +347,7 @@ void Trainer::add_extra_metrics(StepMetrics& m, const StepResult& r, const std::
     // spread of the last step: max / mean load of the most unbalanced layer.
     m.extra.emplace_back("lb_loss", world_mean(p_.par, r.lb_sum, "lb_loss"));
     const auto spread = std::get<0>(expert_load_.max(1)) / expert_load_.mean(1);
-    m.extra.emplace_back("expert_spread", spread.max().item<double>());
+    m.extra.emplace_back("expert_spread", read_to_host(spread.max()).item<double>());
   }
 }
 
@@ -317,6 +366,7 @@ void Trainer::maybe_validate(int64_t step) {
 bool Trainer::maybe_stop(int64_t step) {
   const JobConfig& cfg = p_.cfg;
   if (step >= cfg.training.steps || !(stop_ = agree_on_stop(p_.par)).signal) return false;
+  settle();  // the non-finite policy before the save
   spdlog::warn("stopping after step {} of {}: {} on rank {}", step, cfg.training.steps, stop_signal_name(stop_.signal),
                stop_.rank);
   stop_saved_ = p_.checkpoints.save_now(step);
@@ -326,6 +376,7 @@ bool Trainer::maybe_stop(int64_t step) {
 
 int Trainer::finish() {
   const JobConfig& cfg = p_.cfg;
+  settle();
   p_.batches.stop();  // no batch is read after the last step
   enter_phase(p_.at, last_step_, "checkpoint finalize");
   p_.checkpoints.finalize();

@@ -54,13 +54,26 @@ struct TrainerParts {
   std::string peak_dtype, peak_reference;
 };
 
-// What one step did, for the metrics.
+// What one step did, for the metrics (host values, read back by Trainer::settle).
 struct StepResult {
   double loss_sum = 0;   // this rank's objective summed over its micro-batches
   double lb_sum = 0;     // MoE: the load-balance loss, mean over the micro-batches
   double loss_mean = 0;  // loss_sum's mean over the ranks
   double grad_norm = 0;  // before clipping
   double lr = 0;         // the step's learning rate
+};
+
+// One step's results where they were computed (float64 0-d tensors on the compute device),
+// kept until the host needs them: on a GPU reading one waits for the step's work, so the
+// step itself reads none (one process; with several, the loss's world mean is read).
+struct StepValues {
+  int64_t step = 0;
+  double lr = 0;
+  double lb_sum = 0;        // MoE: a host value from the model
+  torch::Tensor loss_sum;   // this rank's objective over its micro-batches
+  torch::Tensor loss_mean;  // loss_sum's mean over the ranks
+  torch::Tensor grad_norm;  // before clipping
+  torch::Tensor skipped;    // bool: the loss or the norm not finite, so no optimizer update
 };
 
 class Trainer {
@@ -70,17 +83,23 @@ class Trainer {
   // The loop from the step after the loaded one to training.steps (or an agreed stop), then
   // the checkpoint finalised; returns the exit code (0).
   int train();
-  // One optimizer step: every micro-batch's forward and backward, the non-finite policy, the
-  // optimizer and the LR schedule, the MoE expert-bias update.
-  StepResult train_step(int64_t step);
+  // One optimizer step: every micro-batch's forward and backward, the clipping, the optimizer
+  // (skipped on the device when the loss or the norm is not finite) and the LR schedule, the
+  // MoE expert-bias update. Its values wait in pending_ for settle().
+  void train_step(int64_t step);
   // One micro-batch's forward and backward ([B, T] tokens and labels on the compute device);
-  // adds its share of the objective (and of the MoE load-balance loss) to r.
+  // adds its share of the objective (and of the MoE load-balance loss) to v.
   void forward_backward_step(int64_t step, int64_t micro, const torch::Tensor& inputs, const torch::Tensor& labels,
-                             StepResult& r);
+                             StepValues& v);
+  // Reads the pending steps' values back to the host in one read and applies, step by step,
+  // what needs them: training.on_nonfinite's warning or stop, the loss-spike warning. Called
+  // on log steps, before a save and at the end; returns the last step's values.
+  StepResult settle();
 
  private:
   void next_batch(int64_t step, int64_t micro, torch::Tensor& inputs, torch::Tensor& labels);
-  void apply_update(int64_t step, StepResult& r);
+  void apply_update(StepValues& v);
+  void settle_one(int64_t step, double loss_mean, double grad_norm, bool skipped);
   void after_first_step();
   void maybe_log_metrics(int64_t step, const StepResult& r);
   StepMetrics step_metrics(int64_t step, const StepResult& r);
@@ -105,7 +124,9 @@ class Trainer {
   int peak_remeasures_ = 0;
   torch::Tensor expert_load_;  // [L, E] tokens per expert of the last step, summed over ranks
   LossSpikeDetector spikes_;
-  int64_t skipped_steps_ = 0;  // non-finite steps skipped (training.on_nonfinite = "skip")
+  int64_t skipped_steps_ = 0;        // non-finite steps skipped (training.on_nonfinite = "skip")
+  std::vector<StepValues> pending_;  // steps not read back yet (settle)
+  StepResult settled_;               // the last step read back
   StopRequest stop_;
   bool stop_saved_ = false;
   int64_t last_step_;

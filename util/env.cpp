@@ -25,6 +25,8 @@ RuntimeEnv read_env() {
   e.checkpoint_fault = parse_fault_hook(var("CTITAN_CHECKPOINT_FAULT"));
   e.checkpoint_dump_loaded = var("CTITAN_CHECKPOINT_DUMP_LOADED");
   e.trace_windows = var("CTITAN_TRACE_WINDOWS");
+  e.trace_host_reads = var("CTITAN_TRACE_HOST_READS");
+  e.sync_check = !var("CTITAN_SYNC_CHECK").empty();
   e.data_delay_ms = std::atoll(var("CTITAN_DATA_DELAY_MS").c_str());
   return e;
 }

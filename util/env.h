@@ -35,6 +35,8 @@ struct RuntimeEnv {
   std::optional<FaultHook> checkpoint_fault;  // CTITAN_CHECKPOINT_FAULT (checkpoint/checkpoint.cpp)
   std::string checkpoint_dump_loaded;         // CTITAN_CHECKPOINT_DUMP_LOADED: folder to re-save a load into
   std::string trace_windows;                  // CTITAN_TRACE_WINDOWS: prefix of per-rank batch traces
+  std::string trace_host_reads;               // CTITAN_TRACE_HOST_READS: prefix of per-rank read counts
+  bool sync_check = false;                    // CTITAN_SYNC_CHECK: a GPU sync in a quiet step throws
   int64_t data_delay_ms = 0;                  // CTITAN_DATA_DELAY_MS: each DataLoader::next() sleeps this long first
 };
 
