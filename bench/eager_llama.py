@@ -239,11 +239,11 @@ def main():
         "loss": loss,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
     }
     if args.device == "cuda":
         out["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         out["peak_gpu_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        out["torch"] = torch.__version__
     print(json.dumps(out))
 
 

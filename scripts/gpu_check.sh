@@ -26,11 +26,10 @@
 #   (e) bf16 mixed precision on the GPU (FSDP's machinery over a group of one: bf16 compute,
 #       float32 master weights), debug.deterministic: AC full / op / layer bitwise equal to AC
 #       none, and the losses within 5e-2 relative of (a)'s float32 GPU run;
-#   (d) a benchmark of the Llama-3-8B shape with fewer layers (dim 4096, 32 heads, 8 kv heads,
-#       FFN 14336, vocab 128256, seq 8192; ctitan flavor "8B_<n>L"), the most layers (from
-#       CTITAN_GPU_LAYERS, default "8 6 4 2") that train 10 steps: ctitan's tokens/s, MFU and
-#       peak memory beside bench/eager_llama.py --device cuda (plain PyTorch eager, the same
-#       shape, the same PyTorch, in this script), and the ratio; bf16 mixed precision for both.
+#   (d) bench/gpu_bench.sh (issue 33's table): the Llama-3-8B shape with 8 and 16 layers at seq
+#       8192 and the 150M flavor at seq 2048 × 8 (CTITAN_GPU_BENCH_SHAPES picks), ctitan against
+#       PyTorch eager and torch.compile (bench/eager_llama.py, the same PyTorch), bf16, MFU by
+#       torchtitan's formula, peak memory; a shape that does not fit is a row of dashes;
 #   (f) the host-synchronisation rule (issue 33): 12 steps logging every 6th, float32 and bf16,
 #       with CTITAN_SYNC_CHECK=1 (CUDA's sync debug mode as errors in steps 2-5 and 7-11, which
 #       log and save nothing: a synchronising operation fails the run, naming it) and
@@ -264,39 +263,14 @@ if part f; then
 fi
 
 if part d; then
-  log "(d) Llama-3-8B shape, fewer layers, seq 8192: ctitan against PyTorch eager (same PyTorch)"
-  bench=(--job.config_file train_configs/debug_model.toml --model.flavor PLACEHOLDER
-         --model.tokenizer_path data/tokenizers/moby_dick_8192.model --training.local_batch_size 1
-         --training.seq_len 8192 --training.steps 10 --metrics.log_freq 5 --debug.seed 42
-         --metrics.enable_tensorboard false --activation_checkpoint.mode none)
-  layers=""
-  for n in ${CTITAN_GPU_LAYERS:-8 6 4 2}; do
-    bench[3]="8B_${n}L"
-    rm -rf "$OUT/d_ctitan"
-    if "$TRAIN" "${bench[@]}" --job.dump_folder "$OUT/d_ctitan" >"$OUT/d_ctitan_${n}L.log" 2>&1; then
-      layers=$n; break
-    fi
-    log "(d) $n layers: $(tail -1 "$OUT/d_ctitan_${n}L.log")"
-  done
-  if [[ -z "$layers" ]]; then
-    fail_line "(d) FAIL: no layer count ran"
-  else
-    grep -E "device:|mixed_precision|matmul peak" "$OUT/d_ctitan_${layers}L.log" >&2
-    dtype=fp32
-    grep -q "trains in float32" "$OUT/d_ctitan_${layers}L.log" || dtype=bf16
-    "$PY" bench/eager_llama.py --device cuda --dim 4096 --layers "$layers" --heads 32 --kv-heads 8 --ffn-hidden 14336 \
-      --vocab 128256 --seq 8192 --batch 1 --steps 5 --warmup 2 --dtype "$dtype" >"$OUT/d_eager.json" 2>"$OUT/d_eager.log" ||
-      { fail_line "(d) eager reference failed: $(tail -1 "$OUT/d_eager.log")"; }
-    "$PY" - "$OUT/d_ctitan/metrics.jsonl" "$OUT/d_eager.json" "$layers" "$dtype" <<'EOF' || status=1
-import json, sys
-last = [json.loads(l) for l in open(sys.argv[1]) if '"tps"' in l][-1]
-eager = json.loads(open(sys.argv[2]).read().strip().splitlines()[-1])
-print(f"(d) 8B shape, {sys.argv[3]} layers, seq 8192, {sys.argv[4]}: ctitan {last['tps']:.0f} tokens/s, "
-      f"MFU {last['mfu']:.1f}%, peak reserved {last['memory_gib']:.1f} GiB; PyTorch {eager['torch']} eager "
-      f"{eager['tokens_per_s']:.0f} tokens/s, peak reserved {eager['peak_gpu_reserved_gib']:.1f} GiB; "
-      f"ratio {last['tps'] / eager['tokens_per_s']:.2f}x")
-EOF
-  fi
+  log "(d) bench/gpu_bench.sh: ctitan against PyTorch eager and torch.compile (same PyTorch), bf16"
+  TRAIN="$TRAIN" PY="$PY" CTITAN_BENCH_SHAPES="${CTITAN_GPU_BENCH_SHAPES:-8B_8L 8B_16L 150M}" \
+    bench/gpu_bench.sh "$OUT/d" >"$OUT/d_table.md" 2>"$OUT/d.log"
+  cat "$OUT/d_table.md"
+  grep -E "device:|matmul peak" "$OUT/d/8B_8L.ctitan.log" >&2 2>/dev/null
+  # (d) ran when the first shape has a ctitan number.
+  awk -F'|' 'NR == 3 && $3 !~ /—/ {ok = 1} END {exit !ok}' "$OUT/d_table.md" ||
+    fail_line "(d) FAIL: no ctitan number for the first shape: $(tail -1 "$OUT/d.log")"
 fi
 if ((status == 0)); then
   echo "gpu_check: PASS (parts $PARTS)"

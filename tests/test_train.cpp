@@ -7,6 +7,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -433,6 +434,36 @@ TEST_F(TrainE2E, StepsReadResultsBackOnlyWhenTheHostNeedsThem) {
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("error: step 2: loss is nan; stopping"), std::string::npos) << r.out;
   EXPECT_FALSE(fs::exists(dump + "/checkpoint/step-3")) << "no save after a step the policy stops at";
+}
+
+// bench/gpu_bench.sh's pipeline on the CPU (its tiny shape: the debug model at seq 64, batch 2,
+// against bench/eager_llama.py on the venv's PyTorch): the row's ratio is ctitan's tokens/s over
+// eager's, and MFU follows torchtitan's formula, recomputed here from the debug model's sizes
+// (dim 256, 6 layers, 16 heads of 16, FFN 768, vocabulary 2048, seq 64) against a 1 GFLOP/s peak.
+TEST_F(TrainE2E, GpuBenchTableOnTheCpu) {
+  const std::string out = (root_ / "gpu_bench").string();
+  auto r = sh("TRAIN=" + kTrain + " CTITAN_BENCH_DEVICE=cpu CTITAN_BENCH_SHAPES=tiny CTITAN_BENCH_COMPILE=0 " +
+              "CTITAN_PEAK_TFLOPS=0.001 " + kSrc + "/bench/gpu_bench.sh " + out + " 2>/dev/null");
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m,
+                                std::regex("\\| tiny, seq 64, batch 2 \\| ([0-9,]+) \\| ([0-9,]+) \\| ([0-9.]+)× \\| — "
+                                           "\\| — \\| ([0-9.]+)% / ([0-9.]+)% / — \\|")))
+      << r.out;
+  auto num = [](std::string s) {
+    s.erase(std::remove(s.begin(), s.end(), ','), s.end());
+    return std::stod(s);
+  };
+  const double ctitan = num(m[1]), eager = num(m[2]);
+  ASSERT_GT(ctitan, 0);
+  ASSERT_GT(eager, 0);
+  EXPECT_NEAR(std::stod(m[3]), ctitan / eager, 0.006 + 0.01 * ctitan / eager);  // rounded tok/s, 2 digits
+  const double dim = 256, layers = 6, heads = 16, hd = 16, ffn = 768, vocab = 2048, seq = 64;
+  const double non_embedding = layers * (4 * dim * heads * hd + 3 * dim * ffn + 2 * dim) + dim + dim * vocab;
+  const double flops_per_token = 6 * non_embedding + 12 * layers * heads * hd * seq;
+  // The table rounds tokens/s to integers and MFU to 0.1: 1% relative covers both.
+  for (const auto& [cell, tps] : {std::pair{std::stod(m[4]), ctitan}, std::pair{std::stod(m[5]), eager}})
+    EXPECT_NEAR(cell, 100 * tps * flops_per_token / 1e9, 0.01 * 100 * tps * flops_per_token / 1e9);
 }
 
 TEST_F(TrainE2E, TwoRanksThroughTheLauncher) {
