@@ -3,7 +3,7 @@
 # of the dense debug model at seq_len 1024 with AC none / selective 2 / selective op / full,
 # one process, fp32. "none" is the reference measured in the same run.
 #
-#   bench/ac_memory.sh         # prints a Markdown table (README: "Activation checkpointing")
+#   bench/ac_memory.sh         # prints a Markdown table (docs/performance.md: "Activation checkpointing memory")
 #
 # activation_gib: heap growth from the start of the forward to its end (what autograd keeps
 # for backward, plus the logits), max over the measured steps; step time: mean of steps 2-4.

@@ -12,7 +12,7 @@
 #    cache), run by as many processes at once as there are ranks. Loads read from the disk:
 #    the checkpoint's files are dropped from the page cache first (posix_fadvise DONTNEED).
 #
-#   bench/checkpoint_io.sh       # prints Markdown tables (README: "Checkpoint I/O")
+#   bench/checkpoint_io.sh       # prints Markdown tables (docs/performance.md: "Checkpoint I/O")
 set -euo pipefail
 source "$(dirname "$0")/../scripts/common.sh"
 cd "$CTITAN_ROOT"

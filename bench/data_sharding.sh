@@ -16,7 +16,7 @@
 #    on Moby-Dick (1.2 MB) as the reference for what start-up costs without a large corpus.
 # The corpora live under ${CTITAN_BENCH_DIR:-/tmp} and are deleted afterwards.
 #
-#   bench/data_sharding.sh          # prints Markdown tables (README: "Data sharding")
+#   bench/data_sharding.sh          # prints Markdown tables (docs/performance.md: "Data sharding")
 set -euo pipefail
 source "$(dirname "$0")/../scripts/common.sh"
 cd "$CTITAN_ROOT"

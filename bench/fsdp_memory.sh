@@ -3,7 +3,7 @@
 # where parameters, gradients and AdamW state dominate, and the step time with the
 # all-gather prefetch on and off. N = 1 (no FSDP) is the reference measured in the same run.
 #
-#   bench/fsdp_memory.sh            # prints a Markdown table (README: "FSDP memory")
+#   bench/fsdp_memory.sh            # prints a Markdown table (docs/performance.md: "FSDP memory")
 #
 # Same global batch (4 × 128 tokens) at every N; fp32 parameters so that bytes compare
 # directly; 4 steps each (memory is reached at step 1; time is the mean of steps 2-4).

@@ -3,7 +3,7 @@
 # count and AC mode, trains a few steps and compares each rank's start-up estimate with its
 # measured peak RSS (VmHWM, reset just before the model is built, read after the last step):
 # the line "peak RSS: X GiB on this rank ... (start-up estimate Y GiB ...)" of every rank's
-# log. Prints a Markdown table (README: "Memory estimate").
+# log. Prints a Markdown table (docs/configs.md: "Start-up", the memory estimate).
 #
 #   bench/memory_estimate.sh                  # every cell
 #   CELLS="debugmodel:1:none debugmodel:2:full" bench/memory_estimate.sh

@@ -6,7 +6,7 @@
 # in the same run, and the sides alternate (ctitan, eager, compile, ctitan, eager, compile; the
 # better of the two runs of each is kept).
 #
-#   bench/perf.sh            # everything below, prints Markdown tables (README: "Performance")
+#   bench/perf.sh            # everything below, prints Markdown tables (docs/performance.md)
 #   STEPS=6 bench/perf.sh    # timed steps per run (after 2 untimed warm-up steps)
 #   PARTS="speed fsdp" bench/perf.sh   # some tables only: speed seq fsdp data parity kernels
 #   PARTS=speed PRECS=bf16 MODELS=33M bench/perf.sh   # some cells of the first table only

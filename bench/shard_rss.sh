@@ -7,7 +7,7 @@
 # left 64 MiB behind; without that, the whole file would count in RSS once read. The files are
 # deleted afterwards.
 #
-#   bench/shard_rss.sh        # prints a Markdown table (README: "Data sharding")
+#   bench/shard_rss.sh        # prints a Markdown table (docs/performance.md: "Data sharding")
 set -euo pipefail
 source "$(dirname "$0")/../scripts/common.sh"
 cd "$CTITAN_ROOT"

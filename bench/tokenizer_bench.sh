@@ -4,7 +4,7 @@
 # encode call per document, no encode_batch) on the same documents, with the same ids (the token
 # totals must agree). Tokenizers: those scripts/make_hf_tokenizers.py trains (Llama 3 style,
 # GPT-2 style, NFC). Each side runs twice, alternating; the better run is kept. Prints a
-# Markdown table (README: "Tokenizers").
+# Markdown table (docs/performance.md: "Tokenizer encode speed").
 #
 #   bench/tokenizer_bench.sh               # Moby-Dick and SOTU, 3 passes each
 #   PASSES=5 CORPORA=sotu bench/tokenizer_bench.sh

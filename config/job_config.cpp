@@ -604,12 +604,14 @@ std::string toml_line(const char* key, const std::optional<T>& v) {
 }
 
 // Leaf keys of a table are written under its header before its sub-tables (TOML needs
-// that order); tables without leaf keys (e.g. [quantize.linear]) get no header.
+// that order); tables without leaf keys (e.g. [quantize.linear]) get no header. `skip`
+// names one key path left out of the text.
 class TomlWriter : public PathVisitor<TomlWriter> {
  public:
+  explicit TomlWriter(std::string skip = "") : skip_(std::move(skip)) {}
   template <class T>
   void operator()(T& field, const char* key, const NoDeduceT<T>&, const char*, const KeyRules& = KeyRules()) {
-    frames_.back().leaves += toml_line(key, field);
+    if (path_of(key) != skip_) frames_.back().leaves += toml_line(key, field);
   }
   void enter_table(const std::string& path, const char*) { frames_.push_back({path, "", ""}); }
   void leave_table() {
@@ -625,8 +627,17 @@ class TomlWriter : public PathVisitor<TomlWriter> {
   struct Frame {
     std::string path, leaves, subtables;
   };
+  std::string skip_;
   std::vector<Frame> frames_{Frame{}};
 };
+
+// Every key as TOML, less the one named by `skip` (a key path, "" = none).
+std::string config_text(const JobConfig& cfg, const std::string& skip) {
+  JobConfig copy = cfg;  // visit_keys hands out mutable references
+  TomlWriter writer(skip);
+  copy.visit_keys(writer);
+  return writer.result();
+}
 
 class SupportChecker : public PathVisitor<SupportChecker> {
  public:
@@ -687,16 +698,15 @@ ConfigLoadResult load_job_config(const std::vector<std::string>& args) {
   return result;
 }
 
+// job.print_config is an action, not a setting: written out, the file it tells the user to run
+// again would print itself and exit instead of training.
 std::string job_config_to_toml(const JobConfig& cfg) {
-  JobConfig copy = cfg;  // visit_keys hands out mutable references
-  TomlWriter writer;
-  copy.visit_keys(writer);
   return "# ctitan effective config (torchtitan v0.2.x tables and keys).\n"
          "# Run it again with: train --job.config_file <this file>\n" +
-         writer.result();
+         config_text(cfg, "job.print_config");
 }
 
-bool operator==(const JobConfig& a, const JobConfig& b) { return job_config_to_toml(a) == job_config_to_toml(b); }
+bool operator==(const JobConfig& a, const JobConfig& b) { return config_text(a, "") == config_text(b, ""); }
 
 void check_supported(const JobConfig& cfg) {
   JobConfig copy = cfg;

@@ -858,7 +858,8 @@ JobConfig parse_job_config_toml(std::istream& in, const std::string& filename);
 // Every key: --section.key, type, default, one line of help, choices/range, legacy names.
 std::string job_config_help();
 
-// The effective config as TOML (None values as comments); parsing it gives an equal config.
+// The effective config as TOML (None values as comments); parsing it gives an equal config,
+// except job.print_config, which is not written (so the file runs instead of printing itself).
 std::string job_config_to_toml(const JobConfig& cfg);
 
 // Throws UserError "not supported yet: section.key = value (ctitan supports: ...)" for the

@@ -2,7 +2,7 @@
 # ctitan against the PyTorch releases it claims to build with (issue 32): for each version, the
 # PyTorch wheel from PyPI in a venv of its own, then ctitan's CPU build and/or its CUDA build
 # against that wheel's LibTorch, each in a build folder of its own; one line per build says what
-# happened. Run before each release (not in CI: README, "LibTorch versions", says why and what it
+# happened. Run before each release (not in CI: docs/build_and_tests.md, "LibTorch versions", says why and what it
 # gave last); CI builds the two ends that matter every run: the CPU build on 2.13 (.venv) and
 # the CUDA build on 2.11.0, the GPU machine's (scripts/test_cuda.sh).
 #   scripts/check_libtorch_range.sh                      # 2.15.0 (CPU and CUDA), 2.11.0 (CPU)

@@ -3,7 +3,7 @@
 # scripts/run_train.sh meets, in turn, each fault below; after each, the same command runs
 # again and must resume from the right checkpoint with the losses of an uninterrupted run.
 #
-#   ./scripts/fault_injection.sh          # prints the table (README.md, "Faults")
+#   ./scripts/fault_injection.sh          # prints the table (docs/faults.md)
 #
 #   SIGTERM            the launcher is signalled mid-run (preemption)
 #   SIGKILL rank 1     one rank dies mid-step

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ctitan on one GPU, checked against the CPU (issues 17, 32): first run at eb6f842 on an H200
-# (PyTorch 2.11.0+cu130); the README's "GPUs" section has what each run printed.
+# (PyTorch 2.11.0+cu130); docs/gpus.md has what each run printed.
 #
 # From a fresh clone, two steps:
 #   1. on the CPU machine (Debian 12, network):   scripts/gpu_check.sh --prepare

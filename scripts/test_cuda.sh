@@ -13,7 +13,7 @@
 #      GPU: test_gpu_plan (the device choice, FSDP's stream plan, the pinned staging, the NCCL
 #      group) and end-to-end runs of the CUDA-built `train` (a selection of TrainE2E: one and
 #      two ranks, the launcher, a checkpoint resumed bitwise). The rest of the suite runs with
-#      the CPU build only: CI's time (the README's "GPUs" section says why and what it took).
+#      the CPU build only: CI's time (docs/gpus.md says why and what it took).
 #   scripts/test_cuda.sh              # all of the above
 #   scripts/test_cuda.sh -R DeviceChoice   # extra arguments replace the test selection
 #   scripts/test_cuda.sh --build-only # steps 1-2, the build at nice 19 (scripts/test.sh runs

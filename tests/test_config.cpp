@@ -547,7 +547,7 @@ TEST(ConfigTorchtitan, OlderSpellingsAreReadAsTheCurrentKeys) {
 TEST(ConfigDump, TomlRoundTripGivesAnEqualConfig) {
   JobConfig c;
   c.job.description = "quote \" backslash \\ newline \n tab \t end";
-  c.job.print_config = true;
+  c.job.validate_only = true;
   c.model.converters = {"float8", "mx"};
   c.model.tokenizer_path = "/data/tok.model";
   c.optimizer.lr = 3e-4;
@@ -583,6 +583,25 @@ TEST(ConfigDump, TomlRoundTripGivesAnEqualConfig) {
   EXPECT_NE(text.find("\n[quantize.linear.float8]\n"), std::string::npos);
   EXPECT_NE(text.find("\ndecay_ratio = 0.8\n"), std::string::npos);
   EXPECT_NE(job_config_to_toml(JobConfig()).find("\n# decay_ratio = None (unset)\n"), std::string::npos);
+}
+
+// `train --job.config_file my.toml --job.print_config > printed.toml` prints the effective
+// config; `train --job.config_file printed.toml` must then train, not print it again.
+TEST(ConfigDump, PrintedConfigRunsWithoutPrintingItselfAgain) {
+  const JobConfig asked = load_job_config({"--job.print_config", "--training.steps", "7"}).config;
+  ASSERT_TRUE(asked.job.print_config);
+  const std::string text = job_config_to_toml(asked);
+  EXPECT_EQ(text.find("print_config"), std::string::npos) << text;
+
+  const std::string path = write_temp("printed.toml", text);
+  const JobConfig again = load_job_config({"--job.config_file", path}).config;
+  EXPECT_FALSE(again.job.print_config);
+  EXPECT_EQ(again.training.steps, 7);
+  JobConfig expected = asked;  // everything else as printed
+  expected.job.print_config = false;
+  expected.job.config_file = path;
+  EXPECT_EQ(again, expected);
+  EXPECT_NE(again, asked);  // operator== still compares print_config
 }
 
 TEST(ConfigHelp, MentionsEveryKeyWithTypeDefaultAndChoices) {
