@@ -57,7 +57,6 @@ struct TrainerParts {
 // What one step did, for the metrics.
 struct StepResult {
   double loss_sum = 0;   // this rank's objective summed over its micro-batches
-  double lb_sum = 0;     // MoE: the load-balance loss, mean over the micro-batches
   double loss_mean = 0;  // loss_sum's mean over the ranks
   double grad_norm = 0;  // before clipping
   double lr = 0;         // the step's learning rate
@@ -71,10 +70,10 @@ class Trainer {
   // the checkpoint finalised; returns the exit code (0).
   int train();
   // One optimizer step: every micro-batch's forward and backward, the non-finite policy, the
-  // optimizer and the LR schedule, the MoE expert-bias update.
+  // optimizer and the LR schedule, the family's after-step hook (models/train_model.h).
   StepResult train_step(int64_t step);
   // One micro-batch's forward and backward ([B, T] tokens and labels on the compute device);
-  // adds its share of the objective (and of the MoE load-balance loss) to r.
+  // adds its share of the objective (with the family's extra term) to r.
   void forward_backward_step(int64_t step, int64_t micro, const torch::Tensor& inputs, const torch::Tensor& labels,
                              StepResult& r);
 
@@ -103,7 +102,6 @@ class Trainer {
   double data_s_ = 0, comm_mark_ = 0, state_gib_ = 0, activation_gib_ = 0;
   double peak_flops_ = 0;  // measured at the first metrics line
   int peak_remeasures_ = 0;
-  torch::Tensor expert_load_;  // [L, E] tokens per expert of the last step, summed over ranks
   LossSpikeDetector spikes_;
   int64_t skipped_steps_ = 0;  // non-finite steps skipped (training.on_nonfinite = "skip")
   StopRequest stop_;
