@@ -49,6 +49,7 @@
 #include "train.h"
 #include "training/checkpointing.h"
 #include "training/hooks.h"
+#include "training/parallelize.h"
 #include "training/prefetcher.h"
 #include "training/trainer.h"
 #include "training/world.h"
@@ -136,7 +137,8 @@ DataPipeline build_data(const JobConfig& cfg, int64_t dp_rank, int64_t dp_world)
   d.source = resolve_dataset_path(cfg.training.dataset, cfg.training.dataset_path, data_root);
   d.loader = std::make_unique<DataLoader>(*d.tokenizer, d.source, cfg.training.seq_len, cfg.training.local_batch_size,
                                           dp_rank, dp_world);
-  if (cfg.training.on_bad_document == "skip") d.loader->set_bad_documents(DataLoader::BadDocuments::kSkip);
+  if (cfg.training.on_bad_document == BadDocumentPolicy::Skip)
+    d.loader->set_bad_documents(DataLoader::BadDocuments::kSkip);
   d.setup_s = seconds_since(t0);
   return d;
 }
@@ -355,58 +357,6 @@ bool fsdp_applies(const JobConfig& cfg, int64_t dp, const DeviceChoice& device, 
   return true;
 }
 
-// FSDP's reshard_after_forward as it applies on dp ranks. One process: freeing the bf16
-// copies after forward saves little and costs a second cast in backward, so "default" keeps
-// them (explicit "always" still frees).
-std::string fsdp_reshard_policy(const JobConfig& cfg, int64_t dp) {
-  return dp <= 1 && cfg.parallelism.fsdp_reshard_after_forward == "default"
-             ? "never"
-             : cfg.parallelism.fsdp_reshard_after_forward;
-}
-
-// init_unit: for a model built with ModelInit::Deferred, what fills each unit before FSDP
-// keeps this rank's rows (empty: the shards start as zeros for a checkpoint to fill).
-// On a GPU the shards and the unsharded parameters live there, the units being initialised on
-// the CPU first (the values a CPU run has).
-std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, Parallelism& par, bool sharded,
-                                       const DeviceChoice& device, const std::function<void(size_t)>& init_unit) {
-  if (!sharded) return nullptr;
-  if (par.dims.dp() <= 1) par.shard = par.fsdp_shard = Comm::single("local");
-  const std::string reshard = fsdp_reshard_policy(cfg, par.dims.dp());
-  auto opts = fsdp_options(reshard, cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce);
-  opts.prefetch = cfg.parallelism.fsdp_prefetch;
-  if (device.cuda) opts.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(device.index));
-  auto fsdp = std::make_shared<FSDP>(model.units(), par.fsdp_shard, par.fsdp_replicate, opts, init_unit);
-  if (par.fsdp_reduce_scatter) fsdp->use_reduce_scatter_group(par.fsdp_reduce_scatter);
-  model.set_unit_runner(fsdp->wrapper());
-  if (par.dims.dp() <= 1)
-    spdlog::info(
-        "mixed precision on one process: {} compute, float32 master weights and optimizer state, {} "
-        "gradients",
-        cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce);
-  else
-    spdlog::info("FSDP: {} units sharded over {} ranks (replicate {}), params {}, reduce {}, reshard_after_forward {}",
-                 model.units().size(), par.dims.dp_shard, par.dims.dp_replicate, cfg.training.mixed_precision_param,
-                 cfg.training.mixed_precision_reduce, cfg.parallelism.fsdp_reshard_after_forward);
-  return fsdp;
-}
-
-// Activation checkpointing of the blocks, applied before FSDP as torchtitan does. AC installs
-// a transform and FSDP a runner, each in its own slot of the model (models/unit_runner.h), so
-// the model runs FSDP(AC(block)) in either order: FSDP's runner calls the unit function AC made
-// checkpointed, and a recompute re-uses the parameters FSDP gathered for backward.
-std::shared_ptr<ActivationCheckpoint> maybe_apply_ac(TrainModel& model, const JobConfig& cfg) {
-  const auto& c = cfg.activation_checkpoint;
-  if (c.mode == "none") return nullptr;
-  const std::vector<ModelUnit> units = model.units();
-  auto ac = std::make_shared<ActivationCheckpoint>(ac_options(c), units);
-  model.set_unit_transform([ac](const std::string& u, const UnitFn& fn) { return ac->wrap(u, fn); });
-  spdlog::info("activation checkpointing: {}{} on {} of {} blocks (preserve_rng_state {}, determinism_check {})",
-               c.mode, c.mode == "selective" ? " " + c.selective_ac_option : "", ac->checkpointed_units(units),
-               model.n_layers, c.preserve_rng_state, c.determinism_check);
-  return ac;
-}
-
 std::string format_gib(double gib) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.2f", gib);
@@ -477,9 +427,9 @@ MemoryEstimate check_memory_fits(const JobConfig& cfg, const ModelArgs& margs, c
       break;
     }
   }
-  if (run.ac_mode != "full") {
+  if (run.ac_mode != ACMode::Full) {
     MemoryRun ac = run;
-    ac.ac_mode = "full";
+    ac.ac_mode = ACMode::Full;
     const double t = estimate_memory(mm, ac, base).total();
     if (t <= avail) fits.push_back("activation_checkpoint.mode = \"full\" (" + format_gib(t / G) + " GiB)");
   }
@@ -500,9 +450,10 @@ MemoryEstimate check_memory_fits(const JobConfig& cfg, const ModelArgs& margs, c
     }
   }
   throw UserError("memory: " + cfg.model.name + " " + cfg.model.flavor + " at local_batch_size " +
-                  std::to_string(run.batch) + " × seq_len " + std::to_string(run.seq) + " (AC " + run.ac_mode + ", " +
-                  std::to_string(dp) + " dp rank(s)) needs an estimated " + describe(est) +
-                  " per rank, but a rank can have " + format_gib(avail / G) + " GiB (" + how + "); would fit: " +
+                  std::to_string(run.batch) + " × seq_len " + std::to_string(run.seq) + " (AC " +
+                  key_name(run.ac_mode) + ", " + std::to_string(dp) + " dp rank(s)) needs an estimated " +
+                  describe(est) + " per rank, but a rank can have " + format_gib(avail / G) + " GiB (" + how +
+                  "); would fit: " +
                   (fits.empty() ? std::string("nothing this estimate can find on this machine") : join(fits, ", or ")));
 }
 
@@ -702,12 +653,11 @@ void setup_model(Job& j, const ModelArgs& margs) {
   spdlog::info("model: {} {} — {:.3f}M parameters ({:.3f}M non-embedding), {:.1f} MFLOP/token", cfg.model.name,
                cfg.model.flavor, model.total_params / 1e6, (model.total_params - model.embedding_params) / 1e6,
                model.flops_per_token / 1e6);
-  j.ac = maybe_apply_ac(model, cfg);
   const size_t n_units = model.units().size();
   size_t units_initialised = !sharded && !loads_weights ? n_units : 0;
-  std::function<void(size_t)> init_unit;
+  ParallelizeArgs p{cfg, j.par, j.device, sharded, nullptr, nullptr, nullptr};
   if (!loads_weights)
-    init_unit = [&model, &units_initialised, sharded](size_t i) {
+    p.init_unit = [&model, &units_initialised, sharded](size_t i) {
       // The previous unit's full values are freed by now; the caching CPU allocator would
       // keep them (units differ in size, so the next one is a fresh block): give them back,
       // so at most one unit exists beside the shards.
@@ -716,7 +666,9 @@ void setup_model(Job& j, const ModelArgs& margs) {
       ++units_initialised;
     };
   enter_phase(j.at, 0, sharded ? "sharding and initialisation" : "initialisation");
-  j.fsdp = maybe_apply_fsdp(model, cfg, j.par, sharded, j.device, init_unit);
+  parallelize(*margs.spec, model, p);  // AC, then FSDP (the family's hook or the default)
+  j.ac = p.ac;
+  j.fsdp = p.fsdp;
   spdlog::info("model init: {} of {} units randomly initialised on this rank ({})", units_initialised, n_units,
                loads_weights ? "the weights come from the checkpoint"
                : sharded     ? "one unit at a time, this rank keeping its rows"

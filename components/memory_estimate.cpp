@@ -52,9 +52,9 @@ MemoryEstimate estimate_memory(const MemoryModel& m, const MemoryRun& r, double 
   // block's activations while it is recomputed; selective keeps the matmul outputs of the
   // blocks it covers, about half.
   const double per_layer = BT * eb * (6 * D + 2 * Dkv + 3 * F);
-  if (r.ac_mode == "full")
+  if (r.ac_mode == ACMode::Full)
     e.activations = L * BT * eb * D + per_layer;
-  else if (r.ac_mode == "selective")
+  else if (r.ac_mode == ACMode::Selective)
     e.activations = 0.5 * L * per_layer + per_layer;
   else
     e.activations = L * per_layer;

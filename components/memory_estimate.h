@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <string>
 
+#include "config/job_config.h"
+
 namespace ctitan {
 
 struct MemoryModel {  // the model's sizes
@@ -23,7 +25,7 @@ struct MemoryRun {    // the run's choices
   std::string reshard_after_forward = "default";
   int64_t compute_bytes = 4;  // e
   int64_t batch = 1, seq = 1;
-  std::string ac_mode = "none";   // none | full | selective
+  ACMode ac_mode = ACMode::None;  // none | full | selective
   bool async_checkpoint = false;  // checkpoint.enable with async_mode other than "disabled"
 };
 

@@ -179,6 +179,32 @@ class PathVisitor {
 };
 
 // ---------------------------------------------------------------------------------------
+// Enumerated keys (KeyEnum, job_config.h) are read, checked, shown and written as their
+// spelling: Wire<T> is the type a key's value has in the config's text.
+// ---------------------------------------------------------------------------------------
+
+template <class T>
+using Wire = std::conditional_t<std::is_enum<T>::value, std::string, T>;
+
+template <class T>
+Wire<T> wire(const T& v) {
+  if constexpr (std::is_enum<T>::value)
+    return key_name(v);
+  else
+    return v;
+}
+
+// A value read and checked against the key's rules (an enum's choices are its spellings).
+template <class T>
+void set_from_wire(T& field, Wire<T>&& value) {
+  if constexpr (std::is_enum<T>::value) {
+    if (!key_value(value, field)) throw std::logic_error("[config] enumerated key without its choices: " + value);
+  } else {
+    field = std::move(value);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // Registry: the flat list of keys with their metadata (built once from a default config).
 // ---------------------------------------------------------------------------------------
 
@@ -222,14 +248,14 @@ class Collector : public PathVisitor<Collector> {
     KeyInfo k;
     k.path = path_of(key);
     k.table = table_path();
-    k.type = help_type_name(Tag<T>());
+    k.type = help_type_name(Tag<Wire<T>>());
     k.is_bool = std::is_same<T, bool>::value;
-    k.default_text = render(def);
+    k.default_text = render(wire(def));
     k.help = help;
     k.rules = rules;
     for (const std::string& old : rules.legacy)
       k.legacy_paths.push_back(old.find('.') == std::string::npos ? path_of(old) : old);
-    for (const std::string& s : rules.supported) k.supported_shown.push_back(supported_item(Tag<T>(), s));
+    for (const std::string& s : rules.supported) k.supported_shown.push_back(supported_item(Tag<Wire<T>>(), s));
     reg.keys.push_back(std::move(k));
   }
   void enter_table(const std::string& path, const char* help) {
@@ -461,10 +487,10 @@ class TomlApplier : public PathVisitor<TomlApplier> {
     if (it == leaves_.end()) return;
     const TomlLeaf& leaf = it->second;
     const std::string where = where_in_file(file_, leaf.line);
-    T value{};
+    Wire<T> value{};
     if (!from_toml(*leaf.value, value)) {
       problems_.add(leaf.line, message(where, leaf.spelled + " = " + render_toml(*leaf.value) + " has type " +
-                                                  describe(*leaf.value) + ", expected " + type_name(Tag<T>())));
+                                                  describe(*leaf.value) + ", expected " + type_name(Tag<Wire<T>>())));
       return;
     }
     const std::string bad = violation(value, rules);
@@ -472,7 +498,7 @@ class TomlApplier : public PathVisitor<TomlApplier> {
       problems_.add(leaf.line, message(where, leaf.spelled + " = " + render(value) + " " + bad));
       return;
     }
-    field = std::move(value);
+    set_from_wire(field, std::move(value));
   }
 
  private:
@@ -555,11 +581,11 @@ class CliApplier : public PathVisitor<CliApplier> {
     auto it = values_.find(path_of(key));
     if (it == values_.end()) return;
     const CliValue& c = it->second;
-    T value{};
+    Wire<T> value{};
     // A bare flag only reaches here for bool keys (tokenize() checked).
     if (!parse_text(c.has_value ? c.text : std::string("true"), value)) {
       problems_.add(c.position,
-                    message(kCommandLine, c.spelled + " = " + quote(c.text) + " " + cli_expected(Tag<T>())));
+                    message(kCommandLine, c.spelled + " = " + quote(c.text) + " " + cli_expected(Tag<Wire<T>>())));
       return;
     }
     const std::string bad = violation(value, rules);
@@ -567,7 +593,7 @@ class CliApplier : public PathVisitor<CliApplier> {
       problems_.add(c.position, message(kCommandLine, c.spelled + " = " + render(value) + " " + bad));
       return;
     }
-    field = std::move(value);
+    set_from_wire(field, std::move(value));
   }
 
  private:
@@ -611,7 +637,7 @@ class TomlWriter : public PathVisitor<TomlWriter> {
   explicit TomlWriter(std::string skip = "") : skip_(std::move(skip)) {}
   template <class T>
   void operator()(T& field, const char* key, const NoDeduceT<T>&, const char*, const KeyRules& = KeyRules()) {
-    if (path_of(key) != skip_) frames_.back().leaves += toml_line(key, field);
+    if (path_of(key) != skip_) frames_.back().leaves += toml_line(key, wire(field));
   }
   void enter_table(const std::string& path, const char*) { frames_.push_back({path, "", ""}); }
   void leave_table() {
@@ -644,10 +670,10 @@ class SupportChecker : public PathVisitor<SupportChecker> {
   template <class T>
   void operator()(T& field, const char* key, const NoDeduceT<T>&, const char*, const KeyRules& rules = KeyRules()) {
     const auto& ok = rules.supported;
-    if (ok.empty() || std::find(ok.begin(), ok.end(), plain_text(field)) != ok.end()) return;
+    if (ok.empty() || std::find(ok.begin(), ok.end(), plain_text(wire(field))) != ok.end()) return;
     std::vector<std::string> items;
-    for (const std::string& s : ok) items.push_back(supported_item(Tag<T>(), s));
-    throw UserError("not supported yet: " + path_of(key) + " = " + render(field) +
+    for (const std::string& s : ok) items.push_back(supported_item(Tag<Wire<T>>(), s));
+    throw UserError("not supported yet: " + path_of(key) + " = " + render(wire(field)) +
                     " (ctitan supports: " + join(items, ", ") + ")");
   }
 };

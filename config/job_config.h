@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <iosfwd>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <utility>
@@ -105,6 +106,56 @@ inline KeyRules alias(std::string old_name) { return KeyRules().alias(std::move(
 
 // activation_checkpoint.selective_ac_option: a positive integer (every n-th block) or "op".
 bool is_positive_int_or_op(const std::string& s);
+
+// Enumerated keys: a key whose values are a fixed list is an enum field, parsed once here
+// (TOML or command line, refused with the one-line error of any key outside its choices) and
+// passed around as the enum; the dump, --help and messages spell it as the config does.
+// KeyEnum<E>::names spells E's values in the enum's order.
+template <class E>
+struct KeyEnum;
+
+enum class ACMode { Selective, Full, MemoryBudget, None };  // activation_checkpoint.mode
+template <>
+struct KeyEnum<ACMode> {
+  static constexpr const char* names[] = {"selective", "full", "memory_budget", "none"};
+};
+enum class NonfinitePolicy { Stop, Skip };  // training.on_nonfinite
+template <>
+struct KeyEnum<NonfinitePolicy> {
+  static constexpr const char* names[] = {"stop", "skip"};
+};
+enum class BadDocumentPolicy { Stop, Skip };  // training.on_bad_document
+template <>
+struct KeyEnum<BadDocumentPolicy> {
+  static constexpr const char* names[] = {"stop", "skip"};
+};
+enum class SaveFailurePolicy { Stop, Continue };  // checkpoint.on_save_failure
+template <>
+struct KeyEnum<SaveFailurePolicy> {
+  static constexpr const char* names[] = {"stop", "continue"};
+};
+
+// The config's spelling of v ("selective").
+template <class E>
+const char* key_name(E v) {
+  return KeyEnum<E>::names[static_cast<size_t>(v)];
+}
+// The value spelled s; false when s spells none.
+template <class E>
+bool key_value(const std::string& s, E& out) {
+  const auto& names = KeyEnum<E>::names;
+  for (size_t i = 0; i < std::size(names); ++i)
+    if (s == names[i]) {
+      out = static_cast<E>(i);
+      return true;
+    }
+  return false;
+}
+// The rules of an enumerated key: one of E's spellings.
+template <class E>
+KeyRules one_of() {
+  return one_of(std::vector<std::string>(std::begin(KeyEnum<E>::names), std::end(KeyEnum<E>::names)));
+}
 
 namespace config {
 
@@ -316,10 +367,10 @@ struct Training {
   std::string mixed_precision_reduce;
   int64_t gc_freq;
   bool gc_debug;
-  std::string on_nonfinite;     // ctitan only
-  double loss_spike_factor;     // ctitan only
-  std::string on_bad_document;  // ctitan only
-  int64_t prefetch_batches;     // ctitan only
+  NonfinitePolicy on_nonfinite;       // ctitan only
+  double loss_spike_factor;           // ctitan only
+  BadDocumentPolicy on_bad_document;  // ctitan only
+  int64_t prefetch_batches;           // ctitan only
   DataLoader dataloader;
 
   template <class V>
@@ -346,17 +397,17 @@ struct Training {
       one_of({"float32"}));
     v(gc_freq, "gc_freq", 50, "Python GC interval in torchtitan (no effect in ctitan)", at_least(1));
     v(gc_debug, "gc_debug", false, "Python GC debugging in torchtitan (no effect in ctitan)");
-    v(on_nonfinite, "on_nonfinite", "stop",
+    v(on_nonfinite, "on_nonfinite", NonfinitePolicy::Stop,
       "ctitan: a NaN/inf loss or gradient norm stops the run naming the step, or skips the step "
       "(no optimizer update; counted and logged)",
-      one_of({"stop", "skip"}));
+      one_of<NonfinitePolicy>());
     v(loss_spike_factor, "loss_spike_factor", 3.0,
       "ctitan: warn when a step's loss exceeds this times the mean of the previous 20 steps; 0 = never",
       greater_than(1).or_value(0));
-    v(on_bad_document, "on_bad_document", "stop",
+    v(on_bad_document, "on_bad_document", BadDocumentPolicy::Stop,
       "ctitan: a malformed document (bad JSON, no string \"text\", NUL byte, invalid UTF-8) stops the "
       "run naming file, line and reason (exit 2), or is skipped and counted (bad_documents_skipped)",
-      one_of({"stop", "skip"}));
+      one_of<BadDocumentPolicy>());
     v(prefetch_batches, "prefetch_batches", 2,
       "ctitan: batches a background thread reads ahead of the step that trains on them (into pinned "
       "memory on a GPU, copied there before use); 0 = each batch is read when the step asks for it. "
@@ -462,9 +513,9 @@ struct Checkpoint {
   bool enable_first_step_checkpoint;
   bool create_seed_checkpoint;
   bool load_only;
-  std::string dataloader_reshard;  // ctitan only
-  std::string on_save_failure;     // ctitan only
-  std::string format;              // ctitan only
+  std::string dataloader_reshard;     // ctitan only
+  SaveFailurePolicy on_save_failure;  // ctitan only
+  std::string format;                 // ctitan only
 
   template <class V>
   void visit_keys(V& v) {
@@ -508,16 +559,16 @@ struct Checkpoint {
     v(dataloader_reshard, "dataloader_reshard", "error",
       "ctitan: resuming on another dp degree: error, or redistribute the document stream",
       one_of({"error", "redistribute"}));
-    v(on_save_failure, "on_save_failure", "stop",
+    v(on_save_failure, "on_save_failure", SaveFailurePolicy::Stop,
       "ctitan: a save that fails on any rank (disk full, I/O error) stops the run, or training "
       "continues to the next save (the last save and a stop request's always end the run)",
-      one_of({"stop", "continue"}));
+      one_of<SaveFailurePolicy>());
   }
   CTITAN_CONFIG_DEFAULTS(Checkpoint)
 };
 
 struct ActivationCheckpoint {
-  std::string mode;
+  ACMode mode;
   std::string selective_ac_option;
   std::vector<std::string> per_op_sac_force_recompute_mm_shapes_by_fqns;
   bool early_stop;
@@ -529,8 +580,8 @@ struct ActivationCheckpoint {
 
   template <class V>
   void visit_keys(V& v) {
-    v(mode, "mode", "selective", "Recompute activations in backward: none, selective, full",
-      one_of({"selective", "full", "memory_budget", "none"}).supported_only({"none", "full", "selective"}));
+    v(mode, "mode", ACMode::Selective, "Recompute activations in backward: none, selective, full",
+      one_of<ACMode>().supported_only({"none", "full", "selective"}));
     v(selective_ac_option, "selective_ac_option", "2",
       "Selective AC: a positive integer n (every n-th block) or \"op\" (per-op policy)",
       rules().text(is_positive_int_or_op, "a positive integer or \"op\""));

@@ -11,7 +11,7 @@ DecoderBlockImpl::DecoderBlockImpl(int64_t layer_id_, const DecoderArgs& a, cons
                                    std::shared_ptr<torch::nn::Module> ffn)
     : layer_id(layer_id_), ffn_(std::move(ffn)) {
   // Registration order = named_parameters() order = torchtitan's.
-  attention = register_module("attention", Attention(a.dim, a.n_heads, a.n_kv_heads));
+  attention = register_module("attention", Attention(a.dim, a.n_heads, a.kv_heads()));
   register_module(ffn_name, ffn_);
   attention_norm = register_module("attention_norm", RMSNorm(a.dim, a.norm_eps));
   ffn_norm = register_module("ffn_norm", RMSNorm(a.dim, a.norm_eps));
@@ -99,7 +99,7 @@ torch::Tensor DecoderImpl::forward_cached(const torch::Tensor& tokens, KVCache& 
 KVCache DecoderImpl::new_cache(int64_t batch, int64_t capacity, torch::ScalarType dtype) const {
   TORCH_CHECK(capacity > 0 && capacity <= dargs_.max_seq_len, "[models] KV cache of ", capacity,
               " positions; max_seq_len=", dargs_.max_seq_len);
-  return KVCache::allocate(n_layers(), batch, capacity, dargs_.n_kv_heads, dargs_.head_dim(),
+  return KVCache::allocate(n_layers(), batch, capacity, dargs_.kv_heads(), dargs_.head_dim(),
                            torch::TensorOptions().dtype(dtype).device(output->weight.device()));
 }
 

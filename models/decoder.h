@@ -20,22 +20,11 @@
 
 #include <torch/torch.h>
 
+#include "models/decoder_args.h"
 #include "models/layers.h"
-#include "models/rope_args.h"
 #include "models/unit_runner.h"
 
 namespace ctitan {
-
-// The skeleton's sizes, whatever the family's args hold besides.
-struct DecoderArgs {
-  int64_t dim = 0, n_layers = 0, n_heads = 0, n_kv_heads = 0, vocab_size = 0, max_seq_len = 0;
-  double norm_eps = 1e-5, rope_theta = 10000;
-  std::optional<RoPEScalingArgs> rope_scaling;
-  bool depth_init = true;  // block i's output projections use 0.02/sqrt(2(i+1)), else 0.02/sqrt(2L)
-  std::string family;      // named in the forward's shape checks ("[models] <family> forward …")
-
-  int64_t head_dim() const { return dim / n_heads; }
-};
 
 // One block. A family's block derives from it and supplies the feed-forward: its module
 // (registered under `ffn_name` between attention and the norms), its forward and its init.

@@ -81,4 +81,28 @@ RoPEScalingArgs from_hf(const HFRopeScaling& s) {
   return {s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings};
 }
 
+HFModelConfig decoder_hf_config(const DecoderArgs& a, const std::string& architecture, int64_t intermediate_size,
+                                int64_t vocab_size) {
+  HFModelConfig c;
+  c.architecture = architecture;
+  c.hidden_size = a.dim;
+  c.intermediate_size = intermediate_size;
+  c.num_attention_heads = a.n_heads;
+  c.num_key_value_heads = a.kv_heads();
+  c.num_hidden_layers = a.n_layers;
+  c.max_position_embeddings = a.max_seq_len;
+  c.rms_norm_eps = a.norm_eps;
+  c.rope_theta = a.rope_theta;
+  if (a.rope_scaling) c.rope_scaling = to_hf(*a.rope_scaling);
+  c.vocab_size = vocab_size;
+  return c;
+}
+
+void apply_hf_overrides(DecoderArgs& a, const HFModelConfig* hf) {
+  if (!hf) return;
+  a.norm_eps = hf->rms_norm_eps;
+  a.rope_theta = hf->rope_theta;
+  a.rope_scaling = hf->rope_scaling ? std::optional(from_hf(*hf->rope_scaling)) : std::nullopt;
+}
+
 }  // namespace ctitan

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "checkpoint/hf_config.h"
+#include "models/decoder_args.h"
 #include "models/rope_args.h"
 
 namespace ctitan {
@@ -20,5 +21,13 @@ std::vector<HFPiece> decoder_hf_pieces(const std::string& fqn, const std::vector
 // RoPE scaling between the model's arguments and config.json's.
 HFRopeScaling to_hf(const RoPEScalingArgs& a);
 RoPEScalingArgs from_hf(const HFRopeScaling& s);
+
+// config.json of a decoder: the shared fields from `a` (sizes, norm, RoPE), with this
+// architecture, feed-forward width and vocabulary; the family adds its own (e.g. experts).
+HFModelConfig decoder_hf_config(const DecoderArgs& a, const std::string& architecture, int64_t intermediate_size,
+                                int64_t vocab_size);
+// What a config.json says beyond the structure (hf may be null: nothing): its rms_norm_eps,
+// rope_theta and rope_scaling replace a's.
+void apply_hf_overrides(DecoderArgs& a, const HFModelConfig* hf);
 
 }  // namespace ctitan

@@ -4,7 +4,22 @@
 
 namespace ctitan {
 
-TrainModel decoder_train_model(const std::shared_ptr<DecoderImpl>& model, ModelInit init) {
+ModelSizes decoder_sizes(const DecoderArgs& a, int64_t ffn, int64_t total_params, int64_t embedding_params,
+                         double flops_per_token) {
+  ModelSizes s;
+  s.vocab_size = a.vocab_size;
+  s.dim = a.dim;
+  s.n_layers = a.n_layers;
+  s.head_dim = a.head_dim();
+  s.kv_dim = a.kv_heads() * a.head_dim();
+  s.ffn = ffn;
+  s.total_params = total_params;
+  s.embedding_params = embedding_params;
+  s.flops_per_token = flops_per_token;
+  return s;
+}
+
+TrainModel decoder_train_model(const std::shared_ptr<DecoderImpl>& model, ModelInit init, const ModelSizes& sizes) {
   if (init == ModelInit::Full) model->init_weights();
   model->train();
   TrainModel m;
@@ -14,6 +29,9 @@ TrainModel decoder_train_model(const std::shared_ptr<DecoderImpl>& model, ModelI
   m.units = [model] { return model->units(); };
   m.set_unit_wrapper = [model](UnitWrapper w) { model->set_unit_wrapper(std::move(w)); };
   m.n_layers = model->n_layers();
+  m.total_params = sizes.total_params;
+  m.embedding_params = sizes.embedding_params;
+  m.flops_per_token = sizes.flops_per_token;
   return m;
 }
 

@@ -1,6 +1,6 @@
 // A model family behind one seam (torchtitan's TrainSpec): its flavors, how it is built for
-// training and for inference, its sizes, its MoE hooks (in TrainModel) and its Hugging Face
-// adapter. Code outside models/ looks a family up by model.name (models/registry.h) and never
+// training and for inference, how it is parallelised, its sizes, its step hooks (in
+// TrainModel: StepHooks) and its Hugging Face adapter. Code outside models/ looks a family up by model.name (models/registry.h) and never
 // names one.
 //
 // Adding a family: a folder models/<family>/ with its args, flavors and a
@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 
 #include "checkpoint/hf_config.h"
+#include "models/decoder_args.h"
 #include "models/layers.h"
 #include "models/train_model.h"
 
@@ -39,6 +40,8 @@ struct InferenceNet {
   std::function<KVCache(int64_t batch, int64_t capacity)> new_cache;            // float32
 };
 
+struct ParallelizeArgs;  // training/parallelize.h: the config, process groups, device; what was applied
+
 struct ModelSpec {
   std::string name;                  // model.name
   std::vector<std::string> flavors;  // model.flavor's values, in the order errors list them
@@ -51,6 +54,10 @@ struct ModelSpec {
   std::function<int64_t(const std::string& flavor)> max_seq_len;
   // The training model (torchtitan's order: built, then initialised per `init`).
   std::function<TrainModel(const std::string& flavor, int64_t seq_len, ModelInit init)> build;
+  // How the family is parallelised (torchtitan's parallelize_fn), applied by train.cpp to the
+  // built model; empty: the default all families share today (training/parallelize.h: AC, then
+  // FSDP). Models include no parallelisms/: a family's own hook is defined outside models/.
+  std::function<void(TrainModel&, ParallelizeArgs&)> parallelize;
   // The flavor with this vocabulary and RoPE length; hf (may be null): the config.json the
   // weights come with, whose rms_norm_eps, rope_theta and rope_scaling win over the flavor's.
   std::function<InferenceNet(const std::string& flavor, int64_t vocab_size, int64_t max_seq_len,
@@ -72,10 +79,16 @@ struct ModelSpec {
 [[noreturn]] void throw_unknown_flavor(const std::string& family, const std::string& flavor,
                                        const std::vector<std::string>& valid);
 
-// The TrainModel of a decoder (models/decoder.h), initialised per `init` (Full:
-// init_weights(); Deferred / None: nothing drawn), in train mode. The MoE hooks stay empty.
+// The sizes every decoder shares, from its args (models/decoder_args.h), with the family's
+// feed-forward width and its counts of parameters and FLOPs.
+ModelSizes decoder_sizes(const DecoderArgs& a, int64_t ffn, int64_t total_params, int64_t embedding_params,
+                         double flops_per_token);
+
+// The TrainModel of a decoder (models/decoder.h) with these sizes, initialised per `init`
+// (Full: init_weights(); Deferred / None: nothing drawn), in train mode. The family's step
+// hooks stay empty.
 class DecoderImpl;
-TrainModel decoder_train_model(const std::shared_ptr<DecoderImpl>& model, ModelInit init);
+TrainModel decoder_train_model(const std::shared_ptr<DecoderImpl>& model, ModelInit init, const ModelSizes& sizes);
 // The InferenceNet of a decoder.
 InferenceNet decoder_inference_net(const std::shared_ptr<DecoderImpl>& model);
 

@@ -3,6 +3,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/torch.h>
@@ -11,8 +13,34 @@
 
 namespace ctitan {
 
+// Sums a tensor over every rank in place (nothing on one rank); `tag` names the collective.
+using WorldSumFn = std::function<void(torch::Tensor& t, const char* tag)>;
+// The mean of a value over every rank (each rank calls it, in the same order).
+using WorldMeanFn = std::function<double(double v, const char* tag)>;
+
+// A family's own work in the training step, beside the cross-entropy the trainer computes.
+// Every member may be empty (dense families have none; models/mixtral/spec.cpp fills them).
+// The step's hooks work on tensors and read nothing back to the host; only `metrics`, which
+// runs on log steps, may.
+struct StepHooks {
+  // Once before training: the micro-batches of a step (each one's terms are scaled by 1/n).
+  std::function<void(int64_t micro_batches)> set_micro_batches;
+  // After each micro-batch's backward: the term the family added to the objective in the last
+  // forward beyond the cross-entropy, already scaled by 1/micro_batches and already
+  // differentiated (its gradient flowed in backward); a float64 scalar the trainer adds to the
+  // loss it reports.
+  std::function<torch::Tensor()> extra_loss;
+  // After the optimizer step (also when training.on_nonfinite skipped it), on every rank.
+  std::function<void(const WorldSumFn& world_sum)> after_optimizer_step;
+  // After validation: zero what the forwards counted since the last step, so validation's
+  // forwards leave the next step as it would be without them.
+  std::function<void()> reset_step_counters;
+  // On log steps, after after_optimizer_step: (name, value) pairs for the metrics line.
+  std::function<std::vector<std::pair<std::string, double>>(const WorldMeanFn& world_mean)> metrics;
+};
+
 // The trainer's view of a model, whichever family: the calls FSDP, AC, the checkpoint and
-// the loop make. The MoE-only members are empty for dense models.
+// the loop make.
 struct TrainModel {
   std::shared_ptr<torch::nn::Module> module;                   // parameters, named_parameters
   std::function<torch::Tensor(const torch::Tensor&)> forward;  // tokens [B, T] -> logits [B, T, V]
@@ -22,14 +50,7 @@ struct TrainModel {
   int64_t n_layers = 0;
   int64_t total_params = 0, embedding_params = 0;
   double flops_per_token = 0;
-  // MoE: the load-balancing loss joins the objective inside the blocks' backward; these
-  // report it and keep the routing statistics (models/mixtral/model.h).
-  std::function<void(double)> set_aux_loss_scale;               // 1 / micro-batches
-  std::function<double()> load_balance_loss;                    // Σ layers, last forward, unscaled
-  std::function<double()> aux_loss;                             // coeff · load_balance_loss()
-  std::function<torch::Tensor()> tokens_per_expert;             // [L, E] since the last step
-  std::function<void(const torch::Tensor&)> step_load_balance;  // after the optimizer step
-  bool moe() const { return static_cast<bool>(step_load_balance); }
+  StepHooks step;  // the family's work in the step
 
   // FSDP installs its runner and AC its transform, each in its own slot (models/unit_runner.h):
   // applied in either order, the model runs FSDP(AC(unit)).

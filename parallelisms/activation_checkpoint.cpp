@@ -425,11 +425,11 @@ int64_t block_index(const std::string& unit) {
 ActivationCheckpoint::ActivationCheckpoint(ACOptions options, const std::vector<ModelUnit>& units)
     : opt_(std::move(options)), stats_(std::make_shared<ACStats>()) {
   auto policy = std::make_shared<Policy>();
-  if (opt_.mode == "none") {
+  if (opt_.mode == ACMode::None) {
     every_n_ = 0;
-  } else if (opt_.mode == "full") {
+  } else if (opt_.mode == ACMode::Full) {
     every_n_ = 1;
-  } else if (opt_.mode == "selective") {
+  } else if (opt_.mode == ACMode::Selective) {
     if (opt_.selective_ac_option == "op") {
       every_n_ = 1;
       op_sac_ = true;
@@ -440,7 +440,7 @@ ActivationCheckpoint::ActivationCheckpoint(ACOptions options, const std::vector<
                       "\" is not valid (expected a positive integer or \"op\")");
     }
   } else {
-    throw UserError("not supported yet: activation_checkpoint.mode = \"" + opt_.mode +
+    throw UserError("not supported yet: activation_checkpoint.mode = \"" + std::string(key_name(opt_.mode)) +
                     "\" (ctitan supports: \"none\", \"full\", \"selective\")");
   }
   if (opt_.determinism_check != "default" && opt_.determinism_check != "none")

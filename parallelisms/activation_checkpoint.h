@@ -50,16 +50,13 @@
 #include <string>
 #include <vector>
 
+#include "config/job_config.h"
 #include "models/unit_runner.h"
 
 namespace ctitan {
 
-namespace config {
-struct ActivationCheckpoint;
-}
-
 struct ACOptions {
-  std::string mode = "none";                  // none | full | selective
+  ACMode mode = ACMode::None;                 // none | full | selective
   std::string selective_ac_option = "2";      // a positive integer N, or "op"
   bool preserve_rng_state = true;             // replay the CPU RNG in the recompute
   std::string determinism_check = "default";  // default: compare metadata; none

@@ -42,9 +42,16 @@ const std::vector<Mode> kModes = {{"none", "none", "2"},
                                   {"selective 2", "selective", "2"},
                                   {"selective op", "selective", "op"}};
 
+// activation_checkpoint.mode's value spelled s (config/job_config.h).
+ACMode mode_named(const std::string& s) {
+  ACMode m = ACMode::None;
+  EXPECT_TRUE(key_value(s, m)) << s;
+  return m;
+}
+
 ACOptions options_of(const Mode& m) {
   ACOptions o;
-  o.mode = m.mode;
+  o.mode = mode_named(m.mode);
   o.selective_ac_option = m.option;
   return o;  // preserve_rng_state true, determinism_check "default"
 }

@@ -194,7 +194,7 @@ TEST(ConfigDefaults, MatchTorchtitanAndCtitanChoices) {
   EXPECT_TRUE(c.checkpoint.initial_load_model_only);
   EXPECT_EQ(c.checkpoint.export_dtype, "float32");
   EXPECT_EQ(c.checkpoint.async_mode, "disabled");
-  EXPECT_EQ(c.activation_checkpoint.mode, "selective");
+  EXPECT_EQ(c.activation_checkpoint.mode, ACMode::Selective);
   EXPECT_EQ(c.activation_checkpoint.selective_ac_option, "2");
   EXPECT_FALSE(c.activation_checkpoint.preserve_rng_state);
   EXPECT_EQ(c.activation_checkpoint.determinism_check, "default");
@@ -370,6 +370,37 @@ TEST(ConfigErrors, InvalidChoice) {
             "3");
 }
 
+// Enumerated keys are parsed once into their enum (config/job_config.h: KeyEnum): a bad value
+// is refused with the line of any string key outside its choices, and the dump, --help and
+// check_supported spell the value as the config does.
+TEST(ConfigEnums, ParsedOnceIntoTheEnumAndSpelledAsWritten) {
+  const JobConfig c = load_job_config({"--activation_checkpoint.mode", "full", "--training.on_nonfinite", "skip",
+                                       "--training.on_bad_document=skip", "--checkpoint.on_save_failure", "continue"})
+                          .config;
+  EXPECT_EQ(c.activation_checkpoint.mode, ACMode::Full);
+  EXPECT_EQ(c.training.on_nonfinite, NonfinitePolicy::Skip);
+  EXPECT_EQ(c.training.on_bad_document, BadDocumentPolicy::Skip);
+  EXPECT_EQ(c.checkpoint.on_save_failure, SaveFailurePolicy::Continue);
+  EXPECT_EQ(parse_toml("[activation_checkpoint]\nmode = \"none\"\n").activation_checkpoint.mode, ACMode::None);
+  EXPECT_EQ(cli_error({"--activation_checkpoint.mode", "fast"}),
+            "config error: command line: activation_checkpoint.mode = \"fast\" is not one of: selective, full, "
+            "memory_budget, none");
+  EXPECT_EQ(toml_error("[training]\non_nonfinite = \"retry\"\n"),
+            "config error: cfg.toml:2: training.on_nonfinite = \"retry\" is not one of: stop, skip");
+  EXPECT_EQ(toml_error("[activation_checkpoint]\nmode = 1\n"),
+            "config error: cfg.toml:2: activation_checkpoint.mode = 1 has type integer, expected string");
+  const std::string text = job_config_to_toml(c);
+  EXPECT_NE(text.find("\n[activation_checkpoint]\nmode = \"full\"\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("\non_nonfinite = \"skip\"\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("\non_save_failure = \"continue\"\n"), std::string::npos) << text;
+  EXPECT_EQ(parse_toml(text, "dump.toml"), c);
+  EXPECT_NE(job_config_help().find("--activation_checkpoint.mode  string = \"selective\""), std::string::npos);
+  EXPECT_EQ(key_name(ACMode::MemoryBudget), std::string("memory_budget"));
+  ACMode m = ACMode::None;
+  EXPECT_FALSE(key_value("Full", m));
+  EXPECT_EQ(m, ACMode::None);
+}
+
 TEST(ConfigErrors, OutOfRange) {
   EXPECT_EQ(toml_error("[training]\nsteps = 5\n\n\n\n\nseq_len = 0\n"),
             "config error: cfg.toml:7: training.seq_len = 0 is out of range (must be >= 1)");
@@ -482,7 +513,7 @@ TEST(ConfigTorchtitan, DebugModelTomlOfV02Parses) {
   EXPECT_FALSE(c.checkpoint.last_save_model_only);
   EXPECT_EQ(c.checkpoint.export_dtype, "float32");
   EXPECT_EQ(c.checkpoint.async_mode, "disabled");
-  EXPECT_EQ(c.activation_checkpoint.mode, "selective");
+  EXPECT_EQ(c.activation_checkpoint.mode, ACMode::Selective);
   EXPECT_EQ(c.activation_checkpoint.selective_ac_option, "2");
   EXPECT_FALSE(c.compile.enable);
   EXPECT_EQ(c.compile.components, (std::vector<std::string>{"model", "loss"}));
@@ -672,7 +703,7 @@ TEST(ConfigHelp, MentionsEveryKeyWithTypeDefaultAndChoices) {
 
 TEST(ConfigSupported, FeaturesNotBuiltYetAreRefusedWithTheSupportedValues) {
   JobConfig ok;
-  ok.activation_checkpoint.mode = "none";
+  ok.activation_checkpoint.mode = ACMode::None;
   EXPECT_EQ(supported_error(ok), "no error");
   ok.training.mixed_precision_param = "bfloat16";  // allowed: ignored by the single-process path
   ok.parallelism.data_parallel_shard_degree = 1;
@@ -716,7 +747,7 @@ TEST(ConfigSupported, FeaturesNotBuiltYetAreRefusedWithTheSupportedValues) {
             "not supported yet: training.enable_cpu_offload = true (ctitan supports: false)");
   EXPECT_EQ(refused([](JobConfig& c) { c.optimizer.early_step_in_backward = true; }),
             "not supported yet: optimizer.early_step_in_backward = true (ctitan supports: false)");
-  EXPECT_EQ(refused([](JobConfig& c) { c.activation_checkpoint.mode = "full"; }), "no error");
+  EXPECT_EQ(refused([](JobConfig& c) { c.activation_checkpoint.mode = ACMode::Full; }), "no error");
   EXPECT_EQ(refused([](JobConfig& c) { c.checkpoint.enable = true; }), "no error");
   // HF safetensors export and import are built (checkpoint/hf.h); quantized HF loads are not.
   EXPECT_EQ(refused([](JobConfig& c) { c.checkpoint.last_save_in_hf = true; }), "no error");
@@ -726,7 +757,7 @@ TEST(ConfigSupported, FeaturesNotBuiltYetAreRefusedWithTheSupportedValues) {
   EXPECT_EQ(refused([](JobConfig& c) { c.checkpoint.async_mode = "async_with_pinned_mem"; }),
             "not supported yet: checkpoint.async_mode = \"async_with_pinned_mem\" (ctitan supports: "
             "\"disabled\", \"async\")");
-  EXPECT_EQ(refused([](JobConfig& c) { c.activation_checkpoint.mode = "memory_budget"; }),
+  EXPECT_EQ(refused([](JobConfig& c) { c.activation_checkpoint.mode = ACMode::MemoryBudget; }),
             "not supported yet: activation_checkpoint.mode = \"memory_budget\" (ctitan supports: "
             "\"none\", \"full\", \"selective\")");
   EXPECT_EQ(refused([](JobConfig& c) { c.lr_scheduler.total_steps = 100; }),

@@ -222,9 +222,16 @@ const std::vector<Mode> kModes = {{"none", "none", "2"},
                                   {"selective 2", "selective", "2"},
                                   {"selective op", "selective", "op"}};
 
+// activation_checkpoint.mode's value spelled s (config/job_config.h).
+ACMode mode_named(const std::string& s) {
+  ACMode m = ACMode::None;
+  EXPECT_TRUE(key_value(s, m)) << s;
+  return m;
+}
+
 ACOptions options_of(const Mode& m) {
   ACOptions o;
-  o.mode = m.mode;
+  o.mode = mode_named(m.mode);
   o.selective_ac_option = m.option;
   o.force_recompute_mm_fqns = {"moe.router.gate"};  // torchtitan's default
   return o;
@@ -431,7 +438,7 @@ UlpRun ulp_run(const std::string& mode, const std::string& perturb) {
     (recompute::in_recompute() ? out.recompute_indices : out.forward_indices).push_back(r.indices.clone());
   };
   ACOptions o;
-  o.mode = mode;
+  o.mode = mode_named(mode);
   ActivationCheckpoint ac(o, {});
   auto x = torch::randn({2, 16, D}, torch::requires_grad());
   UnitFn fn = [moe](const at::Tensor& in) mutable { return moe->forward(in); };

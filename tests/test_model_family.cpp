@@ -18,6 +18,8 @@
 #include "checkpoint/hf.h"
 #include "checkpoint/safetensors.h"
 #include "config/errors.h"
+#include "models/llama/args.h"
+#include "models/mixtral/model.h"
 #include "models/registry.h"
 #include "tests/e2e.h"
 #include "tests/multiprocess.h"
@@ -108,13 +110,102 @@ TEST(Llama2Family, DebugModelBuildsWithTheAdaptersNamesAndInitIsSeeded) {
   EXPECT_EQ(a.units().size(), 10u);  // tok_embeddings, 8 layers, output
   EXPECT_EQ(a.n_layers, 8);
   EXPECT_EQ(a.total_params, s.sizes("debugmodel", 32).total_params);
-  EXPECT_FALSE(a.moe());
+  EXPECT_FALSE(a.step.extra_loss);  // a dense family has no step work of its own
   torch::manual_seed(3);
   TrainModel b = s.build("debugmodel", 32, ModelInit::Full);
   const auto pa = a.module->named_parameters(), pb = b.module->named_parameters();
   for (const auto& kv : pa) EXPECT_TRUE(torch::equal(kv.value(), pb[kv.key()])) << kv.key();
   const auto logits = a.forward(torch::randint(0, 2048, {2, 16}, torch::kLong));
   EXPECT_EQ(logits.sizes().vec(), (std::vector<int64_t>{2, 16, 2048}));
+}
+
+// A family's step work goes through TrainModel::step (models/train_model.h), never named by the
+// trainer: dense families have none; mixtral's extra loss is coeff · Σ_layers load-balance loss
+// / micro-batches (a float64 scalar), its after-step hook sums the tokens per expert over the
+// world (tag "expert_load") before the bias update zeroes them, its metrics are lb_loss (the
+// step's mean over micro-batches, through world_mean) and expert_spread (max / mean load of the
+// most unbalanced layer), and reset_step_counters zeroes what later forwards counted.
+TEST(ModelFamilies, StepHooksAreTheFamilysOwn) {
+  for (const std::string& name : model_names()) EXPECT_FALSE(model_spec(name).parallelize) << name;  // the default
+  TrainModel dense = model_spec("llama3").build("debugmodel", 16, ModelInit::Full);
+  EXPECT_FALSE(dense.step.set_micro_batches || dense.step.extra_loss || dense.step.after_optimizer_step ||
+               dense.step.reset_step_counters || dense.step.metrics);
+
+  torch::manual_seed(5);
+  TrainModel m = model_spec("mixtral").build("debugmodel", 16, ModelInit::Full);
+  ASSERT_TRUE(m.step.set_micro_batches && m.step.extra_loss && m.step.after_optimizer_step &&
+              m.step.reset_step_counters && m.step.metrics);
+  auto impl = std::dynamic_pointer_cast<mixtral::TransformerImpl>(m.module);
+  ASSERT_NE(impl, nullptr);
+  m.step.set_micro_batches(2);
+  double lb_mean = 0;
+  for (int micro = 0; micro < 2; ++micro) {
+    m.forward(torch::randint(0, 2048, {2, 16}, torch::kLong)).sum().backward();
+    const torch::Tensor extra = m.step.extra_loss();
+    EXPECT_EQ(extra.scalar_type(), torch::kFloat64);
+    EXPECT_EQ(extra.dim(), 0);
+    EXPECT_EQ(extra.item<double>(), impl->aux_loss() / 2.0);
+    EXPECT_GT(impl->load_balance_loss(), 0);
+    lb_mean += impl->load_balance_loss() / 2.0;
+  }
+  std::vector<std::string> tags;
+  torch::Tensor summed;
+  m.step.after_optimizer_step([&](torch::Tensor& t, const char* tag) {
+    tags.push_back(tag);
+    EXPECT_EQ(t.sizes().vec(), (std::vector<int64_t>{6, 8}));         // [L, E]
+    EXPECT_EQ(t.sum(1).eq(2 * 2 * 16 * 2).all().item<bool>(), true);  // 2 micro-batches of 32 tokens, top 2
+    t.mul_(3);                                                        // as if 3 ranks had routed alike
+    summed = t.clone();
+  });
+  EXPECT_EQ(tags, (std::vector<std::string>{"expert_load"}));
+  EXPECT_EQ(impl->tokens_per_expert().abs().sum().item<double>(), 0.0);  // zeroed by the bias update
+  const auto metrics = m.step.metrics([&](double v, const char* tag) {
+    tags.push_back(tag);
+    return v;
+  });
+  ASSERT_EQ(metrics.size(), 2u);
+  EXPECT_EQ(metrics[0].first, "lb_loss");
+  EXPECT_EQ(metrics[0].second, lb_mean);
+  EXPECT_EQ(metrics[1].first, "expert_spread");
+  const auto spread = std::get<0>(summed.max(1)) / summed.mean(1);
+  EXPECT_EQ(metrics[1].second, spread.max().item<double>());
+  EXPECT_GE(metrics[1].second, 1.0);
+  EXPECT_EQ(tags.back(), "lb_loss");
+  {
+    torch::NoGradGuard no_grad;
+    m.forward(torch::randint(0, 2048, {1, 16}, torch::kLong));
+  }
+  EXPECT_GT(impl->tokens_per_expert().sum().item<double>(), 0.0);
+  m.step.reset_step_counters();
+  EXPECT_EQ(impl->tokens_per_expert().abs().sum().item<double>(), 0.0);
+}
+
+// A family's args derive from the decoder's (models/decoder_args.h): the shared glue reads the
+// decoder's part, and each family keeps its defaults.
+TEST(ModelFamilies, ArgsDeriveFromTheDecoderArgs) {
+  const llama::TransformerModelArgs la;
+  const DecoderArgs& llama = la;
+  EXPECT_EQ(llama.dim, 4096);
+  EXPECT_FALSE(llama.n_kv_heads.has_value());
+  EXPECT_EQ(llama.kv_heads(), 32);
+  EXPECT_TRUE(llama.rope_scaling.has_value());
+  EXPECT_EQ(llama.family, "llama3");
+  const mixtral::TransformerModelArgs mx = mixtral::mixtral_flavor("8x7B");
+  const DecoderArgs& d = mx;
+  EXPECT_EQ(d.kv_heads(), 8);
+  EXPECT_EQ(d.rope_theta, 1e6);
+  EXPECT_FALSE(d.rope_scaling.has_value());
+  EXPECT_EQ(d.max_seq_len, 32768);
+  EXPECT_EQ(d.family, "mixtral");
+  const ModelSizes z = model_spec("mixtral").sizes("debugmodel", 64);
+  EXPECT_EQ(z.kv_dim, 16 * 16);
+  EXPECT_EQ(z.ffn, 2 * 768);  // top-2 experts of width 768
+  const HFModelConfig c = model_spec("mixtral").hf_config("debugmodel", 2048);
+  EXPECT_EQ(c.architecture, "MixtralForCausalLM");
+  EXPECT_EQ(c.num_key_value_heads, 16);
+  EXPECT_EQ(c.intermediate_size, 768);
+  EXPECT_EQ(c.num_local_experts, 8);
+  EXPECT_FALSE(c.rope_scaling.has_value());
 }
 
 // ---- the real executables ----------------------------------------------------------------------

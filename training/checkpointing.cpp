@@ -54,13 +54,13 @@ std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const P
   return c;
 }
 
-void maybe_save(CheckpointManager& manager, int64_t step, bool last_step, const std::string& on_failure) {
+void maybe_save(CheckpointManager& manager, int64_t step, bool last_step, SaveFailurePolicy on_failure) {
   try {
     manager.save(step, last_step);
   } catch (const CollectiveFailure&) {
     throw;
   } catch (const RuntimeFailure& e) {
-    if (on_failure != "continue" || last_step) throw;
+    if (on_failure != SaveFailurePolicy::Continue || last_step) throw;
     spdlog::warn("{}; training continues (checkpoint.on_save_failure = \"continue\")", e.what());
   }
 }

@@ -45,6 +45,6 @@ std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const P
 // previous checkpoint intact (a disk full, an I/O error; a dead rank is a CollectiveFailure,
 // never continued from). checkpoint.on_save_failure = "continue" logs it and goes on to the
 // next save, except after the last step, where nothing would come after it.
-void maybe_save(CheckpointManager& manager, int64_t step, bool last_step, const std::string& on_failure);
+void maybe_save(CheckpointManager& manager, int64_t step, bool last_step, SaveFailurePolicy on_failure);
 
 }  // namespace ctitan

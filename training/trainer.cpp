@@ -64,9 +64,8 @@ void maybe_enable_tensorboard(MetricsLogger& metrics, const JobConfig& cfg, cons
 
 // One validation run in the training setup: evaluation mode (no router jitter), no-grad, FSDP
 // gathering units as in training. Afterwards the model is as the training step left it: every
-// unit resharded, the MoE routing counters (tokens_per_expert buffers, zeroed by the step's
-// load-balance update just before) zeroed again, so the next step is the same with or without
-// validation.
+// unit resharded, the family's step counters (reset by the step's hooks just before) reset
+// again, so the next step is the same with or without validation.
 ValidationMetrics run_validation(const Validator& validator, TrainModel& model, FSDP* fsdp, const Parallelism& par,
                                  int64_t step) {
   model.module->eval();
@@ -74,9 +73,7 @@ ValidationMetrics run_validation(const Validator& validator, TrainModel& model, 
       validator.validate(step, model.forward, [&par](std::vector<double>& x) { world_sum(par, x, "validation"); });
   model.module->train();
   if (fsdp) fsdp->reshard_all();
-  torch::NoGradGuard no_grad;
-  for (auto& b : model.module->named_buffers())
-    if (b.key().size() >= 17 && b.key().compare(b.key().size() - 17, 17, "tokens_per_expert") == 0) b.value().zero_();
+  if (model.step.reset_step_counters) model.step.reset_step_counters();
   return v;
 }
 
@@ -94,8 +91,7 @@ Trainer::Trainer(TrainerParts parts)
   maybe_enable_tensorboard(metrics_, p_.cfg, p_.par);
   train_start_ = Clock::now();
   window_start_ = Clock::now();
-  // MoE: each micro-batch's load-balance gradient is scaled like its cross-entropy.
-  if (p_.model.moe()) p_.model.set_aux_loss_scale(1.0 / static_cast<double>(p_.accum));
+  if (p_.model.step.set_micro_batches) p_.model.step.set_micro_batches(p_.accum);
   const int64_t dp_world = p_.par.dims.dp();
   spdlog::info("training {} steps: global batch {} × {} tokens ({} ranks × {} micro-batches of {})",
                p_.cfg.training.steps, B_ * dp_world * p_.accum, T_, dp_world, p_.accum, B_);
@@ -180,10 +176,7 @@ void Trainer::forward_backward_step(int64_t step, int64_t micro, const torch::Te
   // Summed in float64 where the loss is (no read back): the same sums as on the host.
   if (!v.loss_sum.defined()) v.loss_sum = torch::zeros({}, loss.options().dtype(torch::kFloat64));
   v.loss_sum.add_(loss.detach());
-  if (p_.model.moe()) {  // the objective is CE + coeff · load-balance loss
-    v.loss_sum.add_(p_.model.aux_loss() / static_cast<double>(p_.accum));
-    v.lb_sum += p_.model.load_balance_loss() / static_cast<double>(p_.accum);
-  }
+  if (p_.model.step.extra_loss) v.loss_sum.add_(p_.model.step.extra_loss());  // the family's term
   window_tokens_ += B_ * T_;
 }
 
@@ -208,11 +201,10 @@ void Trainer::train_step(int64_t step) {
   v.lr = p_.lr.current_lr();
   apply_update(v);
   p_.lr.step();
-  if (p_.model.moe()) {  // expert-bias update and counter reset, from every rank's load
-    expert_load_ = p_.model.tokens_per_expert();
-    if (p_.par.dist) p_.par.dist->world->all_reduce_sum(expert_load_, "expert_load").wait();
-    p_.model.step_load_balance(expert_load_);
-  }
+  if (p_.model.step.after_optimizer_step)
+    p_.model.step.after_optimizer_step([this](torch::Tensor& t, const char* tag) {
+      if (p_.par.dist) p_.par.dist->world->all_reduce_sum(t, tag).wait();
+    });
   pending_.push_back(std::move(v));
 }
 
@@ -236,7 +228,7 @@ StepResult Trainer::settle() {
     const int64_t k = static_cast<int64_t>(i);
     skipped += a[k][3] != 0;
     settle_one(pending_[i].step, a[k][1], a[k][2], a[k][3] != 0);
-    settled_ = StepResult{a[k][0], pending_[i].lb_sum, a[k][1], a[k][2], pending_[i].lr};
+    settled_ = StepResult{a[k][0], a[k][1], a[k][2], pending_[i].lr};
   }
   if (skipped) note_skipped_steps(p_.optimizer, skipped);
   pending_.clear();
@@ -259,7 +251,7 @@ void Trainer::settle_one(int64_t step, double loss_mean, double grad_norm, bool 
   const std::string what = "step " + std::to_string(step) + ": " +
                            (std::isfinite(loss_mean) ? "gradient norm is " + std::to_string(grad_norm)
                                                      : "loss is " + std::to_string(loss_mean));
-  if (cfg.training.on_nonfinite == "stop")
+  if (cfg.training.on_nonfinite == NonfinitePolicy::Stop)
     throw RuntimeFailure(what +
                          "; stopping (HINT: lower optimizer.lr or training.max_norm, or set "
                          "training.on_nonfinite = \"skip\")");
@@ -295,7 +287,7 @@ StepMetrics Trainer::step_metrics(int64_t step, const StepResult& r) {
   const GpuMemory gpu_mem = device.cuda ? gpu_memory(device.index) : GpuMemory{};
   const auto maxes = world_max(
       p_.par, {device.cuda ? gpu_mem.peak_reserved_gib : peak_rss_gib(), comm_s, data_s_, activation_gib_, r.loss_sum});
-  const double flops_per_tok = p_.model.flops_per_token;  // MoE: active experts only
+  const double flops_per_tok = p_.model.flops_per_token;  // the family's count per token
   // The MFU reference, measured here the first time: after this window's time was taken and
   // before the next one starts, so neither the start-up nor a step pays for it.
   if (peak_flops_ <= 0) {
@@ -335,20 +327,17 @@ void Trainer::add_extra_metrics(StepMetrics& m, const StepResult& r, const std::
   if (p_.device.cuda) m.extra.emplace_back("gpu_peak_allocated_gib", gpu_alloc);
   m.extra.emplace_back("activation_gib", maxes[3]);
   if (skipped_steps_) m.extra.emplace_back("skipped_steps", static_cast<double>(skipped_steps_));
-  if (p_.cfg.training.on_bad_document == "skip") {
+  if (p_.cfg.training.on_bad_document == BadDocumentPolicy::Skip) {
     // Over the dp ranks and the whole run (the count is in the loader's checkpointed state);
     // ranks of one dp rank (TP/PP peers) share a loader: mean over all ranks × dp.
     const double mine = static_cast<double>(p_.batches.skipped_documents());
     m.extra.emplace_back("bad_documents_skipped",
                          std::round(world_mean(p_.par, mine, "bad_docs") * static_cast<double>(p_.par.dims.dp())));
   }
-  if (p_.model.moe()) {
-    // Load-balance loss (1 = balanced; mean over ranks) and the tokens-per-expert
-    // spread of the last step: max / mean load of the most unbalanced layer.
-    m.extra.emplace_back("lb_loss", world_mean(p_.par, r.lb_sum, "lb_loss"));
-    const auto spread = std::get<0>(expert_load_.max(1)) / expert_load_.mean(1);
-    m.extra.emplace_back("expert_spread", read_to_host(spread.max()).item<double>());
-  }
+  if (p_.model.step.metrics)
+    for (auto& [name, value] :
+         p_.model.step.metrics([this](double v, const char*tag) { return world_mean(p_.par, v, tag); }))
+      m.extra.emplace_back(std::move(name), value);
 }
 
 void Trainer::maybe_validate(int64_t step) {

@@ -57,7 +57,6 @@ struct TrainerParts {
 // What one step did, for the metrics (host values, read back by Trainer::settle).
 struct StepResult {
   double loss_sum = 0;   // this rank's objective summed over its micro-batches
-  double lb_sum = 0;     // MoE: the load-balance loss, mean over the micro-batches
   double loss_mean = 0;  // loss_sum's mean over the ranks
   double grad_norm = 0;  // before clipping
   double lr = 0;         // the step's learning rate
@@ -69,7 +68,6 @@ struct StepResult {
 struct StepValues {
   int64_t step = 0;
   double lr = 0;
-  double lb_sum = 0;        // MoE: a host value from the model
   torch::Tensor loss_sum;   // this rank's objective over its micro-batches
   torch::Tensor loss_mean;  // loss_sum's mean over the ranks
   torch::Tensor grad_norm;  // before clipping
@@ -85,10 +83,10 @@ class Trainer {
   int train();
   // One optimizer step: every micro-batch's forward and backward, the clipping, the optimizer
   // (skipped on the device when the loss or the norm is not finite) and the LR schedule, the
-  // MoE expert-bias update. Its values wait in pending_ for settle().
+  // family's after-step hook (models/train_model.h). Its values wait in pending_ for settle().
   void train_step(int64_t step);
   // One micro-batch's forward and backward ([B, T] tokens and labels on the compute device);
-  // adds its share of the objective (and of the MoE load-balance loss) to v.
+  // adds its share of the objective (with the family's extra term) to v.
   void forward_backward_step(int64_t step, int64_t micro, const torch::Tensor& inputs, const torch::Tensor& labels,
                              StepValues& v);
   // Reads the pending steps' values back to the host in one read and applies, step by step,
@@ -122,7 +120,6 @@ class Trainer {
   double data_s_ = 0, comm_mark_ = 0, state_gib_ = 0, activation_gib_ = 0;
   double peak_flops_ = 0;  // measured at the first metrics line
   int peak_remeasures_ = 0;
-  torch::Tensor expert_load_;  // [L, E] tokens per expert of the last step, summed over ranks
   LossSpikeDetector spikes_;
   int64_t skipped_steps_ = 0;        // non-finite steps skipped (training.on_nonfinite = "skip")
   std::vector<StepValues> pending_;  // steps not read back yet (settle)

@@ -10,32 +10,28 @@
 #include <string>
 #include <vector>
 
-#include "models/rope_args.h"
+#include "models/decoder_args.h"
 
 namespace ctitan::llama {
 
-struct TransformerModelArgs {
-  int64_t dim = 4096;
-  int64_t n_layers = 32;
-  int64_t n_heads = 32;
-  std::optional<int64_t> n_kv_heads;  // unset: n_heads (plain multi-head attention)
-  // torchtitan's default (the Llama 3 tiktoken vocabulary); the 8B/70B/405B flavors rely on
-  // it, debugmodel sets 2048. A tokenizer with another vocabulary overrides it.
-  int64_t vocab_size = 128256;
+// The decoder's sizes (models/decoder_args.h) with torchtitan's llama3 defaults, and the
+// SwiGLU width rules.
+struct TransformerModelArgs : DecoderArgs {
   int64_t multiple_of = 256;  // SwiGLU hidden size is rounded up to a multiple of this
   std::optional<double> ffn_dim_multiplier;
-  double norm_eps = 1e-5;
-  double rope_theta = 10000;
-  // Llama 3.1 frequency scaling; torchtitan v0.2.x enables it for all llama3 flavors.
-  std::optional<RoPEScalingArgs> rope_scaling = RoPEScalingArgs{};
-  // Length of the RoPE table; torchtitan sets it to training.seq_len (update_from_config).
-  int64_t max_seq_len = 131072;
-  // true: block i inits its output projections with std 0.02/sqrt(2(i+1));
-  // false: every block uses 0.02/sqrt(2L).
-  bool depth_init = true;
 
-  int64_t kv_heads() const { return n_kv_heads ? *n_kv_heads : n_heads; }
-  int64_t head_dim() const { return dim / n_heads; }
+  TransformerModelArgs() {
+    dim = 4096;
+    n_layers = 32;
+    n_heads = 32;  // n_kv_heads unset: n_heads
+    // torchtitan's default (the Llama 3 tiktoken vocabulary); the 8B/70B/405B flavors rely on
+    // it, debugmodel sets 2048. A tokenizer with another vocabulary overrides it.
+    vocab_size = 128256;
+    // Llama 3.1 frequency scaling; torchtitan v0.2.x enables it for all llama3 flavors.
+    rope_scaling = RoPEScalingArgs{};
+    max_seq_len = 131072;  // torchtitan sets it to training.seq_len (update_from_config)
+    family = "llama3";
+  }
 };
 
 // Flavors exactly as torchtitan v0.2.x: debugmodel, 8B, 70B, 405B; plus ctitan's CPU-sized

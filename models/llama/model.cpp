@@ -3,17 +3,7 @@
 namespace ctitan::llama {
 
 DecoderArgs decoder_args(const TransformerModelArgs& a, const std::string& family) {
-  DecoderArgs d;
-  d.dim = a.dim;
-  d.n_layers = a.n_layers;
-  d.n_heads = a.n_heads;
-  d.n_kv_heads = a.kv_heads();
-  d.vocab_size = a.vocab_size;
-  d.max_seq_len = a.max_seq_len;
-  d.norm_eps = a.norm_eps;
-  d.rope_theta = a.rope_theta;
-  d.rope_scaling = a.rope_scaling;
-  d.depth_init = a.depth_init;
+  DecoderArgs d = a;  // the decoder's part of the args
   d.family = family;
   return d;
 }

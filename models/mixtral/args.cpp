@@ -37,8 +37,8 @@ void validate(const TransformerModelArgs& a) {
          ", max_seq_len=" + s(a.max_seq_len) + ")");
   if (a.dim % a.n_heads != 0) fail("dim=" + s(a.dim) + " is not divisible by n_heads=" + s(a.n_heads));
   if (a.head_dim() % 2 != 0) fail("head_dim=dim/n_heads=" + s(a.head_dim()) + " must be even for rotary embeddings");
-  if (a.n_kv_heads <= 0 || a.n_heads % a.n_kv_heads != 0)
-    fail("n_heads=" + s(a.n_heads) + " is not a multiple of n_kv_heads=" + s(a.n_kv_heads));
+  if (a.kv_heads() <= 0 || a.n_heads % a.kv_heads() != 0)
+    fail("n_heads=" + s(a.n_heads) + " is not a multiple of n_kv_heads=" + s(a.kv_heads()));
   const auto& m = a.moe;
   if (m.num_experts <= 0 || m.hidden_dim <= 0)
     fail("num_experts=" + s(m.num_experts) + " and moe hidden_dim=" + s(m.hidden_dim) + " must be positive");
@@ -55,7 +55,7 @@ void validate(const TransformerModelArgs& a) {
 }
 
 ParamCounts count_params(const TransformerModelArgs& a) {
-  const int64_t D = a.dim, hd = a.head_dim(), H = a.n_heads, KV = a.n_kv_heads, V = a.vocab_size;
+  const int64_t D = a.dim, hd = a.head_dim(), H = a.n_heads, KV = a.kv_heads(), V = a.vocab_size;
   const int64_t E = a.moe.num_experts, k = a.moe.top_k, F = a.moe.hidden_dim;
   const int64_t attention = D * (H * hd) + 2 * D * (KV * hd) + (H * hd) * D;  // wq, wk+wv, wo
   const int64_t expert = 3 * D * F;                                           // w1, w2, w3

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "models/decoder_args.h"
+
 namespace ctitan::mixtral {
 
 // The MoE feed-forward of every block (torchtitan's MoEArgs, Mixtral's choices).
@@ -30,19 +32,20 @@ struct MoEArgs {
   std::optional<double> expert_bias_update_rate;
 };
 
-struct TransformerModelArgs {
-  int64_t dim = 4096;
-  int64_t n_layers = 32;
-  int64_t n_heads = 32;
-  int64_t n_kv_heads = 8;
-  int64_t vocab_size = 32000;
-  double norm_eps = 1e-5;
-  double rope_theta = 1e6;
-  int64_t max_seq_len = 32768;  // RoPE table length; training sets it to training.seq_len
-  bool depth_init = true;       // as llama: block i's output projections use 0.02/sqrt(2(i+1))
+// The decoder's sizes (models/decoder_args.h) with Mixtral-8x7B's defaults, and the MoE.
+struct TransformerModelArgs : DecoderArgs {
   MoEArgs moe;
 
-  int64_t head_dim() const { return dim / n_heads; }
+  TransformerModelArgs() {
+    dim = 4096;
+    n_layers = 32;
+    n_heads = 32;
+    n_kv_heads = 8;
+    vocab_size = 32000;
+    rope_theta = 1e6;
+    max_seq_len = 32768;
+    family = "mixtral";
+  }
 };
 
 // "debugmodel": dim 256, 6 layers, 16 heads, 8 experts (F 768), top-2, vocab 2048.

@@ -155,18 +155,7 @@ namespace {
 
 DecoderArgs decoder_args(const TransformerModelArgs& a) {
   validate(a);  // before anything is allocated
-  DecoderArgs d;
-  d.dim = a.dim;
-  d.n_layers = a.n_layers;
-  d.n_heads = a.n_heads;
-  d.n_kv_heads = a.n_kv_heads;
-  d.vocab_size = a.vocab_size;
-  d.max_seq_len = a.max_seq_len;
-  d.norm_eps = a.norm_eps;
-  d.rope_theta = a.rope_theta;
-  d.depth_init = a.depth_init;
-  d.family = "mixtral";
-  return d;
+  return a;     // the decoder's part of the args (family "mixtral")
 }
 
 }  // namespace
@@ -214,6 +203,11 @@ void TransformerImpl::step_load_balance(const torch::Tensor& load) {
 
 void TransformerImpl::set_aux_loss_scale(double s) {
   for (int64_t i = 0; i < n_layers(); ++i) block(i)->moe->aux_loss_scale = s;
+}
+
+void TransformerImpl::zero_tokens_per_expert() {
+  torch::NoGradGuard no_grad;
+  for (int64_t i = 0; i < n_layers(); ++i) block(i)->moe->tokens_per_expert.zero_();
 }
 
 }  // namespace ctitan::mixtral

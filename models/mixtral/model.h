@@ -118,7 +118,7 @@ class TransformerBlockImpl : public DecoderBlockImpl {
 TORCH_MODULE(TransformerBlock);
 
 // The shared decoder (forward, forward_cached, units, init) with MoE blocks, and the
-// MoE bookkeeping the trainer calls.
+// MoE bookkeeping the trainer's step hooks call (models/mixtral/spec.cpp).
 class TransformerImpl : public DecoderImpl {
  public:
   explicit TransformerImpl(const TransformerModelArgs& args);  // UserError on bad args
@@ -138,6 +138,8 @@ class TransformerImpl : public DecoderImpl {
   void step_load_balance(const torch::Tensor& load);
   // Scale of the aux gradient (1 / gradient-accumulation steps).
   void set_aux_loss_scale(double s);
+  // Zeroes every block's tokens_per_expert (after forwards that are not training's).
+  void zero_tokens_per_expert();
 
  private:
   TransformerModelArgs args_;

@@ -15,33 +15,55 @@ TransformerModelArgs training_args(const std::string& flavor, int64_t seq_len) {
 }
 
 ModelSizes sizes_of(const TransformerModelArgs& a, int64_t seq_len) {
-  ModelSizes s;
-  s.vocab_size = a.vocab_size;
-  s.dim = a.dim;
-  s.n_layers = a.n_layers;
-  s.head_dim = a.head_dim();
-  s.kv_dim = a.n_kv_heads * a.head_dim();
-  s.ffn = a.moe.hidden_dim * a.moe.top_k;
   const ParamCounts c = count_params(a);
-  s.total_params = c.total;
-  s.embedding_params = c.embedding;
-  s.flops_per_token = flops_per_token(a, seq_len);
-  return s;
+  return decoder_sizes(a, a.moe.hidden_dim * a.moe.top_k, c.total, c.embedding, flops_per_token(a, seq_len));
+}
+
+// The step's MoE work (models/train_model.h: StepHooks), over the state the hooks share.
+struct MoEStep {
+  Transformer model;
+  double micro_batches = 1;
+  double lb_sum = 0;   // load-balance loss of the step being trained, mean over its micro-batches
+  double lb_last = 0;  // ... of the last finished step
+  torch::Tensor load;  // [L, E] tokens per expert of the last finished step, summed over ranks
+};
+
+StepHooks moe_step_hooks(const Transformer& model) {
+  auto st = std::make_shared<MoEStep>(MoEStep{model});
+  StepHooks h;
+  h.set_micro_batches = [st](int64_t n) {
+    st->micro_batches = static_cast<double>(n);
+    st->model->set_aux_loss_scale(1.0 / st->micro_batches);  // scaled like the cross-entropy
+  };
+  h.extra_loss = [st] {  // the objective is CE + coeff · load-balance loss
+    st->lb_sum += st->model->load_balance_loss() / st->micro_batches;
+    return torch::tensor(st->model->aux_loss() / st->micro_batches, torch::kFloat64);
+  };
+  h.after_optimizer_step = [st](const WorldSumFn& world_sum) {  // expert bias from every rank's load
+    st->load = st->model->tokens_per_expert();
+    world_sum(st->load, "expert_load");
+    st->model->step_load_balance(st->load);
+    st->lb_last = st->lb_sum;
+    st->lb_sum = 0;
+  };
+  h.reset_step_counters = [st] { st->model->zero_tokens_per_expert(); };
+  h.metrics = [st](const WorldMeanFn& world_mean) {
+    // The load-balance loss (Σ over layers; mean over ranks) and the tokens-per-expert spread
+    // of the last step: max / mean load of the most unbalanced layer.
+    std::vector<std::pair<std::string, double>> m;
+    m.emplace_back("lb_loss", world_mean(st->lb_last, "lb_loss"));
+    const auto spread = std::get<0>(st->load.max(1)) / st->load.mean(1);
+    m.emplace_back("expert_spread", spread.max().item<double>());
+    return m;
+  };
+  return h;
 }
 
 TrainModel build(const std::string& flavor, int64_t seq_len, ModelInit init) {
   const TransformerModelArgs a = training_args(flavor, seq_len);
   Transformer model(a);
-  TrainModel m = decoder_train_model(model.ptr(), init);
-  const ModelSizes z = sizes_of(a, seq_len);
-  m.total_params = z.total_params;
-  m.embedding_params = z.embedding_params;
-  m.flops_per_token = z.flops_per_token;
-  m.set_aux_loss_scale = [model](double s) mutable { model->set_aux_loss_scale(s); };
-  m.load_balance_loss = [model] { return model->load_balance_loss(); };
-  m.aux_loss = [model] { return model->aux_loss(); };
-  m.tokens_per_expert = [model] { return model->tokens_per_expert(); };
-  m.step_load_balance = [model](const torch::Tensor& load) mutable { model->step_load_balance(load); };
+  TrainModel m = decoder_train_model(model.ptr(), init, sizes_of(a, seq_len));
+  m.step = moe_step_hooks(model);
   return m;
 }
 
@@ -53,29 +75,16 @@ InferenceNet build_inference(const std::string& flavor, int64_t vocab_size, int6
   TransformerModelArgs a = mixtral_flavor(flavor);
   a.vocab_size = vocab_size;
   a.max_seq_len = max_seq_len;
-  if (hf) {  // what config.json says beyond the structure
-    a.norm_eps = hf->rms_norm_eps;
-    a.rope_theta = hf->rope_theta;
-  }
+  apply_hf_overrides(a, hf);  // no rope_scaling (refused above)
   return decoder_inference_net(Transformer(a).ptr());
 }
 
 HFModelConfig hf_config(const std::string& flavor, int64_t vocab_size) {
   const TransformerModelArgs a = mixtral_flavor(flavor);
-  HFModelConfig c;
-  c.architecture = "MixtralForCausalLM";
-  c.hidden_size = a.dim;
-  c.intermediate_size = a.moe.hidden_dim;
-  c.num_attention_heads = a.n_heads;
-  c.num_key_value_heads = a.n_kv_heads;
-  c.num_hidden_layers = a.n_layers;
-  c.max_position_embeddings = a.max_seq_len;
-  c.rms_norm_eps = a.norm_eps;
-  c.rope_theta = a.rope_theta;
+  HFModelConfig c = decoder_hf_config(a, "MixtralForCausalLM", a.moe.hidden_dim, vocab_size);
   c.num_local_experts = a.moe.num_experts;
   c.num_experts_per_tok = a.moe.top_k;
   c.router_aux_loss_coef = a.moe.load_balance_loss_coeff;
-  c.vocab_size = vocab_size;
   return c;
 }
 

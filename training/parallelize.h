@@ -1,0 +1,46 @@
+// How a model is parallelised (torchtitan's parallelize_fn): a family's
+// ModelSpec::parallelize (models/model_spec.h), or, when the family leaves it empty,
+// default_parallelize, which every family shares today: activation checkpointing, then FSDP
+// (torchtitan's order). Tensor parallelism will be applied here too, from the same arguments.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "config/job_config.h"
+#include "models/model_spec.h"
+#include "models/train_model.h"
+#include "parallelisms/activation_checkpoint.h"
+#include "parallelisms/device.h"
+#include "parallelisms/fsdp.h"
+#include "training/world.h"
+
+namespace ctitan {
+
+// What a parallelize hook is given, and what it leaves applied.
+struct ParallelizeArgs {
+  const JobConfig& cfg;
+  Parallelism& par;  // ParallelDims and the process groups (FSDP's group of one is set on one rank)
+  const DeviceChoice& device;
+  bool sharded = false;  // FSDP applies (train.cpp's fsdp_applies)
+  // For a model built with ModelInit::Deferred: fills unit i before FSDP keeps this rank's rows
+  // (empty: the shards start as zeros for a checkpoint to fill).
+  std::function<void(size_t)> init_unit;
+
+  // Applied (null: not applied).
+  std::shared_ptr<ActivationCheckpoint> ac;
+  std::shared_ptr<FSDP> fsdp;
+};
+
+// spec.parallelize, or default_parallelize when the family has none.
+void parallelize(const ModelSpec& spec, TrainModel& model, ParallelizeArgs& p);
+// Activation checkpointing of the blocks (activation_checkpoint.mode), then FSDP when
+// p.sharded.
+void default_parallelize(TrainModel& model, ParallelizeArgs& p);
+
+// FSDP's reshard_after_forward as it applies with dp data-parallel ranks.
+std::string fsdp_reshard_policy(const JobConfig& cfg, int64_t dp);
+
+}  // namespace ctitan
