@@ -248,7 +248,7 @@ void reshard_roundtrip(int from, int to, bool dcp = false) {
   const auto dir = temp_dir("reshard_" + std::to_string(from) + "_" + std::to_string(to) + (dcp ? "_dcp" : ""));
   const auto globals = global_params();
   auto o = options_for(dir);
-  o.dcp = dcp;
+  o.format = dcp ? "dcp" : "ctitan";
   std::vector<std::map<std::string, torch::Tensor>> saved_param(from), saved_avg(from);
   std::vector<std::vector<std::pair<int64_t, int64_t>>> rows(from);
   auto errs = run_ranks(from, [&](int r, CheckpointComm c) {
@@ -556,7 +556,7 @@ TEST(CheckpointFaults, ARankRaisingDuringSaveFailsEveryRankAndKeepsThePrevious) 
 TEST(CheckpointFaults, DcpSavesAreCompleteOnlyWithTheirMarker) {
   const auto dir = temp_dir("dcp_atomic");
   auto o = options_for(dir);
-  o.dcp = true;
+  o.format = "dcp";
   const auto globals = global_params();
   setenv("CTITAN_CHECKPOINT_FAULT", "raise:1:2", 1);
   reload_runtime_env();
@@ -672,7 +672,7 @@ TEST(CheckpointConfig, UnknownExcludeNamesListTheValidOnes) {
   JobConfig cfg;
   cfg.checkpoint.exclude_from_loading = {"dataloader", "optimizers"};
   try {
-    check_checkpoint_config(cfg);
+    checkpoint_options(cfg);
     FAIL();
   } catch (const UserError& e) {
     EXPECT_EQ(std::string(e.what()),

@@ -432,10 +432,10 @@ TEST(HFConfig, LastSaveInHFNeedsAModelOnlyLastSave) {
   JobConfig c;
   c.checkpoint.enable = true;
   c.checkpoint.last_save_in_hf = true;
-  EXPECT_NO_THROW(check_checkpoint_config(c));
+  EXPECT_NO_THROW(checkpoint_options(c));
   c.checkpoint.last_save_model_only = false;
   try {
-    check_checkpoint_config(c);
+    checkpoint_options(c);
     ADD_FAILURE() << "accepted";
   } catch (const UserError& e) {
     EXPECT_EQ(std::string(e.what()),
@@ -954,7 +954,7 @@ TEST(Generate, GreedyEqualsFullForwardArgmaxAndBadInputExitsTwo) {
     ModelState ms(params, true);
     CheckpointOptions o;
     o.enable = true;
-    o.dcp = true;
+    o.format = "dcp";
     o.folder = (dir / "dcp").string();
     CheckpointManager mgr(o, CheckpointComm::single_process());
     mgr.add("model", &ms);

@@ -16,6 +16,7 @@
 
 #include "checkpoint/dcp.h"
 #include "checkpoint/format.h"
+#include "checkpoint/options.h"
 #include "config/cli.h"
 #include "config/errors.h"
 #include "config/job_config.h"
@@ -302,7 +303,7 @@ Inputs resolve_inputs(const GenerateArgs& g) {
   if (!g.config_file.empty()) {
     if (!fs::exists(g.config_file)) throw UserError("generate: --config " + g.config_file + " does not exist");
     const JobConfig cfg = load_job_config({"--job.config_file", g.config_file}).config;
-    if (source.empty()) source = (fs::path(cfg.job.dump_folder) / cfg.checkpoint.folder).string();
+    if (source.empty()) source = checkpoint_options(cfg).folder;
     if (g.tokenizer_arg.empty() && g.have_prompt)
       tok_path = resolve_tokenizer_path(cfg.model.tokenizer_path, cfg.model.hf_assets_path);
     max_seq = cfg.training.seq_len;
