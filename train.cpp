@@ -38,6 +38,7 @@
 #include "datasets/tokenizer.h"
 #include "models/init.h"
 #include "kernels/gemm.h"
+#include "models/hf_adapter.h"
 #include "models/registry.h"
 #include "models/train_model.h"
 #include "parallelisms/activation_checkpoint.h"
@@ -749,8 +750,8 @@ void setup_optimizer(Job& j) {
 bool setup_checkpointing(Job& j) {
   const JobConfig& cfg = j.cfg;
   enter_phase(j.at, 0, "checkpoint load");
-  j.ckpt = build_checkpointing(j.checkpoint, j.par, j.model, j.fsdp.get(), *j.optimizer, *j.lr, *j.data.batches,
-                               j.train_state, j.seed);
+  j.ckpt = build_checkpointing(j.checkpoint, hf_adapter(), j.par, j.model, j.fsdp.get(), *j.optimizer, *j.lr,
+                               *j.data.batches, j.train_state, j.seed);
   if (j.checkpoint.create_seed_checkpoint) {  // one process: check_start made sure
     j.ckpt->manager->save_to(j.ckpt->manager->options().folder, 0, /*model_only=*/true);
     return false;

@@ -122,6 +122,11 @@ std::vector<std::string> CheckpointManager::agree(const std::string& status, con
   return all;
 }
 
+const HFAdapter& CheckpointManager::families() const {
+  TORCH_CHECK(families_, "[checkpoint] an HF folder needs the model families' HF adapter (set_hf_adapter)");
+  return *families_;
+}
+
 bool CheckpointManager::should_save(int64_t step, bool last_step) const {
   if (!opt_.enable || opt_.load_only || step == last_saved_step_) return false;
   if (step == 1 && opt_.enable_first_step_checkpoint) return true;
@@ -184,6 +189,7 @@ void CheckpointManager::begin_save(const std::string& folder, int64_t step, bool
   p.info.dp_shard = comm_.dp_shard;
   p.info.model_name = opt_.model_name;
   p.info.model_flavor = opt_.model_flavor;
+  p.info.families = families_ ? &*families_ : nullptr;
   p.writer = &writer;
   p.t0 = t0;
   p.bytes = bytes;

@@ -28,6 +28,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -40,6 +41,7 @@
 #include "checkpoint/staging.h"
 #include "checkpoint/state_dict.h"
 #include "checkpoint/stateful.h"
+#include "hf_types/hf_adapter.h"
 
 namespace ctitan {
 
@@ -102,6 +104,10 @@ class CheckpointManager {
   // LambdaLR's lr_scheduler.*), so torchtitan's flattened load finds every key it asks for.
   void set_dcp_extras(std::function<void(StateDict&)> f) { dcp_extras_ = std::move(f); }
 
+  // The model families' HF adapter (models/hf_adapter.h, handed in by the caller): needed to
+  // load an HF folder (initial_load_in_hf) and to write the final save as one (last_save_in_hf).
+  void set_hf_adapter(HFAdapter families) { families_ = std::move(families); }
+
   const CheckpointOptions& options() const { return opt_; }
 
  private:
@@ -145,6 +151,8 @@ class CheckpointManager {
   ckpt::StagingBuffer pinned_;
   at::Tensor pinned_buffer_;
   std::function<void(StateDict&)> dcp_extras_;
+  std::optional<HFAdapter> families_;
+  const HFAdapter& families() const;  // families_, or an internal error when none was handed in
   int64_t last_saved_step_ = -1;
 };
 

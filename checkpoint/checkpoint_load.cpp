@@ -275,8 +275,8 @@ LoadResult CheckpointManager::load_hf(const std::string& path) {
   std::unique_ptr<HFCheckpoint> hf;
   agreed("checkpoint_load:check", [&] {
     if (!ms) throw UserError("checkpoint: this job registered no model to load HF weights into");
-    hf = std::make_unique<HFCheckpoint>(path);
-    const HFModelConfig want = hf_config_for(opt_.model_name, opt_.model_flavor, ms->vocab_size());
+    hf = std::make_unique<HFCheckpoint>(path, families());
+    const HFModelConfig want = families().config_for(opt_.model_name, opt_.model_flavor, ms->vocab_size());
     const std::string diff = structure_difference(hf->config(), want);
     if (!diff.empty())
       throw UserError("HF checkpoint " + path + " (config.json) describes another model than this run's " +
@@ -285,7 +285,7 @@ LoadResult CheckpointManager::load_hf(const std::string& path) {
   });
   if (comm_.rank == 0) {
     const HFModelConfig& c = hf->config();
-    const HFModelConfig want = hf_config_for(opt_.model_name, opt_.model_flavor, ms->vocab_size());
+    const HFModelConfig want = families().config_for(opt_.model_name, opt_.model_flavor, ms->vocab_size());
     if (c.rope_theta != want.rope_theta || c.rms_norm_eps != want.rms_norm_eps ||
         c.rope_scaling.has_value() != want.rope_scaling.has_value())
       spdlog::warn(
@@ -293,7 +293,7 @@ LoadResult CheckpointManager::load_hf(const std::string& path) {
           "uses {}, {}, {} (the weights load, the outputs will differ from the HF model's)",
           c.rope_theta, c.rms_norm_eps, c.rope_scaling ? kHfRopeScalingType : "none", want.rope_theta,
           want.rms_norm_eps, want.rope_scaling ? kHfRopeScalingType : "none");
-    const auto unused = hf->unused_keys(ctitan_params(c));
+    const auto unused = hf->unused_keys(families().params(c));
     if (!unused.empty())
       spdlog::warn("checkpoint: {} tensors of {} have no ctitan parameter and are ignored (first: {})", unused.size(),
                    path, unused.front());

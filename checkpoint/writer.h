@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "checkpoint/state_dict.h"
+#include "hf_types/hf_adapter.h"
 
 namespace ctitan {
 
@@ -25,6 +26,7 @@ struct SaveInfo {
   bool model_only = false;
   int64_t world_size = 1, dp_replicate = 1, dp_shard = 1;
   std::string model_name, model_flavor;
+  const HFAdapter* families = nullptr;  // the model families' HF adapter, when handed in
 };
 
 class CheckpointWriter {

@@ -8,6 +8,7 @@
 #include "checkpoint/hf.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/writer.h"
+#include "config/errors.h"
 
 namespace ctitan {
 namespace {
@@ -19,8 +20,9 @@ class HfWriter : public CheckpointWriter {
   }
   void commit(const SaveInfo& info, const std::vector<std::string>& fragments) const override {
     namespace fs = std::filesystem;
+    TORCH_CHECK(info.families, "[checkpoint] an HF save needs the model families' HF adapter (set_hf_adapter)");
     checkpoint_writer("ctitan").commit(info, fragments);
-    const std::string index = write_hf_from_checkpoint(CheckpointReader(info.stage), info.stage, "");
+    const std::string index = write_hf_from_checkpoint(CheckpointReader(info.stage), info.stage, "", *info.families);
     for (const auto& de : fs::directory_iterator(info.stage)) {
       const std::string n = de.path().filename().string();
       if (n.rfind("rank", 0) == 0 || n == "metadata") fs::remove(de.path());

@@ -20,6 +20,7 @@
 #include "util/env.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/format.h"
+#include "models/hf_adapter.h"
 #include "checkpoint/convert.h"
 #include "config/errors.h"
 #include "config/job_config.h"
@@ -703,7 +704,7 @@ TEST(CheckpointTool, InspectVerifyAndConsolidatedExport) {
   EXPECT_NE(inspect_checkpoint(o.folder, false).find("step-1  complete"), std::string::npos);
   // Consolidated export: a pickled {fqn: tensor} dict of the model only (torch.load's format).
   const std::string out = (dir / "model.pt").string();
-  export_consolidated(step, out, "bfloat16");
+  export_consolidated(step, out, "bfloat16", hf_adapter());
   const std::string bytes = ckpt::read_whole_file(out);
   auto dict = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toGenericDict();
   CheckpointReader r(step);

@@ -22,6 +22,7 @@
 #include "checkpoint/safetensors.h"
 #include "config/errors.h"
 #include "config/job_config.h"
+#include "models/hf_adapter.h"
 #include "models/llama/model.h"
 #include "models/mixtral/model.h"
 #include "tests/e2e.h"
@@ -366,11 +367,11 @@ TEST(HFNames, ParamListMatchesTheModelsAndEveryParameterHasAnHFName) {
     llama::Transformer model(a);
     ParamList real;
     for (const auto& kv : model->named_parameters()) real.push_back({kv.key(), kv.value().sizes().vec()});
-    const ParamList derived = ctitan_params(hf_config_for("llama3", "debugmodel", 300));
+    const ParamList derived = hf_adapter().params(hf_adapter().config_for("llama3", "debugmodel", 300));
     EXPECT_EQ(derived, real);
     std::set<std::string> keys;
     for (const auto& [fqn, shape] : derived) {
-      const auto pieces = hf_pieces(fqn, shape, hf_config_for("llama3", "debugmodel", 300));
+      const auto pieces = hf_adapter().pieces(fqn, shape, hf_adapter().config_for("llama3", "debugmodel", 300));
       ASSERT_EQ(pieces.size(), 1u);
       EXPECT_EQ(pieces[0].key, hf_name(fqn)) << fqn;
       keys.insert(pieces[0].key);
@@ -384,9 +385,11 @@ TEST(HFNames, ParamListMatchesTheModelsAndEveryParameterHasAnHFName) {
     mixtral::Transformer model(a);
     ParamList real;
     for (const auto& kv : model->named_parameters()) real.push_back({kv.key(), kv.value().sizes().vec()});
-    EXPECT_EQ(ctitan_params(hf_config_for("mixtral", "debugmodel", 300)), real);
+    EXPECT_EQ(hf_adapter().params(hf_adapter().config_for("mixtral", "debugmodel", 300)), real);
   }
-  EXPECT_THROW(hf_pieces("layers.0.something.weight", {3}, hf_config_for("llama3", "debugmodel", 300)), UserError);
+  EXPECT_THROW(
+      hf_adapter().pieces("layers.0.something.weight", {3}, hf_adapter().config_for("llama3", "debugmodel", 300)),
+      UserError);
 }
 
 // Mixtral: grouped experts become HF's per-expert tensors; sharded -> HF -> sharded is exact.

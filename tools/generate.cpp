@@ -21,6 +21,7 @@
 #include "config/errors.h"
 #include "config/job_config.h"
 #include "datasets/tokenizer.h"
+#include "models/hf_adapter.h"
 #include "models/registry.h"
 #include "util/strings.h"
 
@@ -315,7 +316,7 @@ Inputs resolve_inputs(const GenerateArgs& g) {
     tok_path = fs::is_directory(g.tokenizer_arg, ec) ? resolve_tokenizer_path("", g.tokenizer_arg)
                                                      : resolve_tokenizer_path(g.tokenizer_arg, "");
   }
-  ModelTensors m = open_model(source, g.model_arg, g.flavor_arg);
+  ModelTensors m = open_model(source, g.model_arg, g.flavor_arg, hf_adapter());
   if (tok_path.empty() && g.have_prompt) {
     if (m.form == "hf" &&
         (fs::exists(fs::path(source) / "tokenizer.json") || fs::exists(fs::path(source) / "vocab.json") ||

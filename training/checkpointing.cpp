@@ -21,15 +21,16 @@ std::unique_ptr<DataLoaderState> dataloader_state(const CheckpointOptions& optio
 
 }  // namespace
 
-std::unique_ptr<Checkpointing> build_checkpointing(const CheckpointOptions& options, const Parallelism& par,
-                                                   TrainModel& model, FSDP* fsdp, torch::optim::Optimizer& opt,
-                                                   LRScheduler& lr, BatchPrefetcher& batches, TrainState& ts,
-                                                   uint64_t seed) {
+std::unique_ptr<Checkpointing> build_checkpointing(const CheckpointOptions& options, const HFAdapter& families,
+                                                   const Parallelism& par, TrainModel& model, FSDP* fsdp,
+                                                   torch::optim::Optimizer& opt, LRScheduler& lr,
+                                                   BatchPrefetcher& batches, TrainState& ts, uint64_t seed) {
   auto c = std::make_unique<Checkpointing>();
   CheckpointComm comm = par.dist ? checkpoint_comm(par.dist->world, par.dist->store) : CheckpointComm::single_process();
   comm.dp_replicate = par.dims.dp_replicate;
   comm.dp_shard = par.dims.dp_shard;
   c->manager = std::make_unique<CheckpointManager>(options, std::move(comm));
+  c->manager->set_hf_adapter(families);
   // HSDP replicas hold the same rows: the first replica stores them.
   const bool first_replica = par.dims.replicate_index(par.env.rank) == 0;
   const std::vector<ShardedParam> sp = sharded_params(*model.module, fsdp);
