@@ -38,6 +38,7 @@
 #include "datasets/tokenizer.h"
 #include "models/init.h"
 #include "kernels/gemm.h"
+#include "models/hf_adapter.h"
 #include "models/registry.h"
 #include "models/train_model.h"
 #include "parallelisms/activation_checkpoint.h"
@@ -467,13 +468,12 @@ void check_seed_checkpoint_launch(const JobConfig& cfg, int64_t world_size) {
 // The folders the run will write into, each named by its key: the dump folder, and under it
 // those of the enabled outputs. One that cannot be a folder this process writes into (a file
 // is in the way, no permission) is refused now, not when the first save or trace comes.
-void check_output_folders(const JobConfig& cfg) {
+void check_output_folders(const JobConfig& cfg, const CheckpointOptions& checkpoint) {
   const fs::path dump(cfg.job.dump_folder);
   const auto setting = [](const std::string& key, const std::string& value) { return key + " = \"" + value + "\""; };
   std::vector<std::pair<std::string, std::string>> folders = {
       {setting("job.dump_folder", cfg.job.dump_folder), cfg.job.dump_folder}};
-  if (cfg.checkpoint.enable)
-    folders.emplace_back(setting("checkpoint.folder", cfg.checkpoint.folder), checkpoint_options(cfg).folder);
+  if (checkpoint.enable) folders.emplace_back(setting("checkpoint.folder", cfg.checkpoint.folder), checkpoint.folder);
   if (cfg.metrics.enable_tensorboard)
     folders.emplace_back(setting("metrics.save_tb_folder", cfg.metrics.save_tb_folder),
                          (dump / cfg.metrics.save_tb_folder).string());
@@ -491,10 +491,10 @@ void check_output_folders(const JobConfig& cfg) {
 // config's own: a seed checkpoint on one process, the output folders, the memory estimate.
 // The run makes them before it writes anything and job.validate_only makes the same calls,
 // so both refuse with the same line (exit 2). Returns the estimate.
-MemoryEstimate check_start(const JobConfig& cfg, const ModelArgs& margs, const LaunchEnv& launch, int64_t dp,
-                           bool sharded, const DeviceChoice& device) {
+MemoryEstimate check_start(const JobConfig& cfg, const CheckpointOptions& checkpoint, const ModelArgs& margs,
+                           const LaunchEnv& launch, int64_t dp, bool sharded, const DeviceChoice& device) {
   check_seed_checkpoint_launch(cfg, launch.world_size);
-  check_output_folders(cfg);
+  check_output_folders(cfg, checkpoint);
   return check_memory_fits(cfg, margs, launch, dp, sharded, device);
 }
 
@@ -504,7 +504,7 @@ MemoryEstimate check_start(const JobConfig& cfg, const ModelArgs& margs, const L
 // (found), then check_start's (a seed checkpoint's one process, the output folders, the
 // memory estimate) — then one line on `out` and exit 0. No communication between ranks,
 // nothing written.
-int validate_only(const JobConfig& cfg, std::ostream& out) {
+int validate_only(const JobConfig& cfg, const CheckpointOptions& checkpoint, std::ostream& out) {
   const LaunchEnv env = detect_launch_env(environment_map());
   const DeviceChoice device = choose_device(device_facts(env.local_rank, env.local_world_size));
   const ParallelDims dims = build_parallel_dims(cfg, env.world_size);
@@ -514,7 +514,7 @@ int validate_only(const JobConfig& cfg, std::ostream& out) {
   const ModelArgs margs = build_model_args(cfg, *data.tokenizer);
   const int64_t model_vocab = margs.sizes.vocab_size;
   maybe_build_validator(cfg, *data.tokenizer, dp_rank, dims.dp());
-  check_start(cfg, margs, env, dims.dp(), fsdp_applies(cfg, dims.dp(), device, /*say=*/false), device);
+  check_start(cfg, checkpoint, margs, env, dims.dp(), fsdp_applies(cfg, dims.dp(), device, /*say=*/false), device);
   out << "config ok: " << (cfg.job.config_file.empty() ? "defaults" : cfg.job.config_file) << "; " << cfg.model.name
       << " " << cfg.model.flavor << "; " << env.world_size << " rank(s), dp " << dims.dp() << " x " << accum
       << " micro-batch(es); tokenizer " << data.tokenizer->model_path() << " (" << data.tokenizer->kind() << ", "
@@ -525,8 +525,9 @@ int validate_only(const JobConfig& cfg, std::ostream& out) {
 
 // Everything a run builds, in the order it builds it; the Trainer (training/trainer.h) runs on it.
 struct Job {
-  Job(const JobConfig& c, RunProgress& a) : cfg(c), at(a) {}
+  Job(const JobConfig& c, CheckpointOptions o, RunProgress& a) : cfg(c), checkpoint(std::move(o)), at(a) {}
   const JobConfig& cfg;
+  const CheckpointOptions checkpoint;  // checkpoint_options(cfg), made once
   RunProgress& at;
   LaunchEnv launch;
   DeviceChoice device;
@@ -585,7 +586,7 @@ ModelArgs setup_data(Job& j) {
   ModelArgs margs = build_model_args(cfg, *j.data.tokenizer);
   j.validator = maybe_build_validator(cfg, *j.data.tokenizer, j.par.dp_rank, j.par.dims.dp());
   j.sharded = fsdp_applies(cfg, j.par.dims.dp(), j.device, /*say=*/true);
-  j.mem_estimate = check_start(cfg, margs, j.launch, j.par.dims.dp(), j.sharded, j.device);
+  j.mem_estimate = check_start(cfg, j.checkpoint, margs, j.launch, j.par.dims.dp(), j.sharded, j.device);
   j.at.estimate_bytes = j.mem_estimate.total();
   return margs;
 }
@@ -640,7 +641,7 @@ void setup_model(Job& j, const ModelArgs& margs) {
   const JobConfig& cfg = j.cfg;
   const bool sharded = j.sharded;
   spdlog::info("memory estimate: {} per rank", describe(j.mem_estimate));
-  const bool loads_weights = !cfg.checkpoint.create_seed_checkpoint && will_load_model(checkpoint_options(cfg));
+  const bool loads_weights = will_load_model(j.checkpoint);
   reset_peak_rss();
   j.rss_before_model = current_rss_gib();
   torch::manual_seed(j.seed);
@@ -701,9 +702,9 @@ void setup_optimizer(Job& j) {
 bool setup_checkpointing(Job& j) {
   const JobConfig& cfg = j.cfg;
   enter_phase(j.at, 0, "checkpoint load");
-  j.ckpt = build_checkpointing(cfg, j.par, j.model, j.fsdp.get(), *j.optimizer, *j.lr, *j.data.batches, j.train_state,
-                               j.seed);
-  if (cfg.checkpoint.create_seed_checkpoint) {  // one process: check_start made sure
+  j.ckpt = build_checkpointing(j.checkpoint, hf_adapter(), j.par, j.model, j.fsdp.get(), *j.optimizer, *j.lr,
+                               *j.data.batches, j.train_state, j.seed);
+  if (j.checkpoint.create_seed_checkpoint) {  // one process: check_start made sure
     j.ckpt->manager->save_to(j.ckpt->manager->options().folder, 0, /*model_only=*/true);
     return false;
   }
@@ -780,15 +781,15 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
     return 0;
   }
   check_supported(cfg);
-  check_checkpoint_config(cfg);
+  const CheckpointOptions checkpoint = checkpoint_options(cfg);  // checkpoint.*'s checks and translation
   check_validation_config(cfg);
   const gemm::Backend matmuls = gemm_backend_checked();
   build_model_args_check(cfg);
-  if (cfg.job.validate_only) return validate_only(cfg, out);
+  if (cfg.job.validate_only) return validate_only(cfg, checkpoint, out);
   // Before any thread exists: SIGTERM / SIGINT / SIGUSR1 become a stop request.
   install_stop_signal_watcher();
 
-  Job j(cfg, at);
+  Job j(cfg, checkpoint, at);
   setup_environment(j);                   // process groups, device, seed
   const ModelArgs margs = setup_data(j);  // tokenizer, data, model size, memory estimate
   announce_run(j, margs, matmuls);        // the run's outputs begin

@@ -20,7 +20,6 @@
 #include "checkpoint/torch_save.h"
 #include "config/cli.h"
 #include "config/errors.h"
-#include "models/registry.h"
 #include "util/strings.h"
 
 namespace fs = std::filesystem;
@@ -167,54 +166,56 @@ c10::IValue load_pt(const std::string& path) {
 
 // Whether the parameters of `name`'s flavor f have exactly these shapes.
 bool flavor_matches(const std::string& name, const std::string& f,
-                    const std::map<std::string, std::vector<int64_t>>& shapes) {
-  const ParamList want = ctitan_params(hf_config_for(name, f, shapes.at("tok_embeddings.weight").at(0)));
+                    const std::map<std::string, std::vector<int64_t>>& shapes, const HFAdapter& families) {
+  const ParamList want = families.params(families.config_for(name, f, shapes.at("tok_embeddings.weight").at(0)));
   return std::map<std::string, std::vector<int64_t>>(want.begin(), want.end()) == shapes;
 }
 
 // The flavor of `name` whose parameters have exactly these shapes.
 std::string flavor_from_shapes(const std::string& name, const std::map<std::string, std::vector<int64_t>>& shapes,
-                               const std::string& what) {
+                               const std::string& what, const HFAdapter& families) {
   if (!shapes.count("tok_embeddings.weight"))
     throw UserError("checkpoint tool: " + what + " has no tok_embeddings.weight");
-  for (const auto& f : model_spec(name).flavors)
-    if (flavor_matches(name, f, shapes)) return f;
+  for (const auto& f : families.flavors(name))
+    if (flavor_matches(name, f, shapes, families)) return f;
   throw UserError("checkpoint tool: the tensors of " + what + " match no " + name + " flavor; pass --flavor");
 }
 
 // The family of tensors that do not record one (a DCP folder, a .pt): name_arg when given;
 // else, without --flavor, the first registered family with a flavor of exactly these shapes;
-// else the first registered family of their kind (MoE when a parameter is under ".moe.").
+// else the first registered family whose blocks these parameters belong to (the adapter's
+// answer, HFAdapter::family_of_params).
 std::string family_from_shapes(const std::map<std::string, std::vector<int64_t>>& shapes, const std::string& name_arg,
-                               const std::string& flavor_arg) {
+                               const std::string& flavor_arg, const HFAdapter& families) {
   if (!name_arg.empty()) return name_arg;
   if (flavor_arg.empty() && shapes.count("tok_embeddings.weight"))
-    for (const auto& name : model_names())
-      for (const auto& f : model_spec(name).flavors)
-        if (flavor_matches(name, f, shapes)) return name;
-  bool moe = false;
-  for (const auto& kv : shapes) moe = moe || kv.first.find(".moe.") != std::string::npos;
-  for (const auto& name : model_names())
-    if (model_spec(name).moe == moe) return name;
-  throw UserError("checkpoint tool: no registered model family has " + std::string(moe ? "MoE" : "dense") + " blocks");
+    for (const auto& name : families.families)
+      for (const auto& f : families.flavors(name))
+        if (flavor_matches(name, f, shapes, families)) return name;
+  std::vector<std::string> fqns;
+  for (const auto& kv : shapes) fqns.push_back(kv.first);
+  return families.family_of_params(fqns);
 }
 
 // The family an HF folder is loaded as: --model when given (it must load the folder's
 // architecture); else the one ctitan's export recorded ("ctitan.model" = "<name> <flavor>")
 // when registered with that architecture; else the architecture's default family
-// (find_model_spec_for_hf, models/registry.h).
+// (HFAdapter::family_of).
 std::string hf_family(const HFModelConfig& c, const std::map<std::string, std::string>& metadata,
-                      const std::string& name_arg) {
+                      const std::string& name_arg, const HFAdapter& families) {
   std::string name = name_arg;
   if (name.empty())
     if (auto it = metadata.find("ctitan.model"); it != metadata.end()) {
-      const ModelSpec* s = find_model_spec(it->second.substr(0, it->second.find(' ')));
-      if (s && s->hf_architecture == c.architecture) name = s->name;
+      const std::string recorded = it->second.substr(0, it->second.find(' '));
+      const auto& known = families.families;
+      if (std::find(known.begin(), known.end(), recorded) != known.end() &&
+          families.architecture_of(recorded) == c.architecture)
+        name = recorded;
     }
-  if (name.empty()) return c.model_name();
-  const ModelSpec& spec = model_spec(name);
-  if (spec.hf_architecture != c.architecture)
-    throw UserError("checkpoint tool: --model " + name + " is a " + spec.hf_architecture + ", the HF folder holds a " +
+  if (name.empty()) return families.family_of(c.architecture);
+  const std::string architecture = families.architecture_of(name);
+  if (architecture != c.architecture)
+    throw UserError("checkpoint tool: --model " + name + " is a " + architecture + ", the HF folder holds a " +
                     c.architecture);
   return name;
 }
@@ -243,7 +244,7 @@ void write_consolidated(const ModelTensors& m, const std::string& out_file, cons
 }
 
 // Writes into <out>.partial, then renames: <out> appears complete or not at all.
-void write_hf(const ModelTensors& m, const std::string& out, const std::string& dtype) {
+void write_hf(const ModelTensors& m, const std::string& out, const std::string& dtype, const HFAdapter& families) {
   std::error_code ec;
   if (fs::exists(out, ec) && !fs::is_empty(out, ec))
     throw UserError("checkpoint tool: " + out + " exists and is not empty; choose a new folder");
@@ -252,9 +253,9 @@ void write_hf(const ModelTensors& m, const std::string& out, const std::string& 
   fs::create_directories(stage);
   const int64_t vocab =
       std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end()).at("tok_embeddings.weight").at(0);
-  const HFModelConfig c = m.hf_config ? *m.hf_config : hf_config_for(m.model_name, m.flavor, vocab);
+  const HFModelConfig c = m.hf_config ? *m.hf_config : families.config_for(m.model_name, m.flavor, vocab);
   write_hf_files(stage, c, m.params, dtype.empty() ? m.dtype : dtype, m.read,
-                 {{"ctitan.model", m.model_name + " " + m.flavor}, {"ctitan.step", std::to_string(m.step)}});
+                 {{"ctitan.model", m.model_name + " " + m.flavor}, {"ctitan.step", std::to_string(m.step)}}, families);
   fs::remove(out, ec);
   fs::rename(stage, out);
   ckpt::fsync_dir(fs::absolute(out).parent_path().string());
@@ -296,7 +297,8 @@ int64_t ModelTensors::vocab_size() const {
 namespace {
 
 // A ctitan or DCP step folder.
-ModelTensors open_sharded(const std::string& path, const std::string& name_arg, const std::string& flavor_arg) {
+ModelTensors open_sharded(const std::string& path, const std::string& name_arg, const std::string& flavor_arg,
+                          const HFAdapter& families) {
   ModelTensors m;
   auto r = std::make_shared<CheckpointReader>(path);
   m.form = "sharded";
@@ -308,14 +310,14 @@ ModelTensors open_sharded(const std::string& path, const std::string& name_arg, 
   if (!r->has("tok_embeddings.weight")) throw UserError("checkpoint tool: " + path + " holds no model tensors");
   if (m.model_name.empty()) {  // a DCP folder records no model: --model / --flavor, else the shapes
     const std::map<std::string, std::vector<int64_t>> shapes(m.params.begin(), m.params.end());
-    m.model_name = family_from_shapes(shapes, name_arg, flavor_arg);
-    m.flavor = flavor_arg.empty() ? flavor_from_shapes(m.model_name, shapes, path) : flavor_arg;
+    m.model_name = family_from_shapes(shapes, name_arg, flavor_arg, families);
+    m.flavor = flavor_arg.empty() ? flavor_from_shapes(m.model_name, shapes, path, families) : flavor_arg;
   }
   // The metadata lists entries by name; a known model's own parameter order (its
   // state_dict's, as the HF and .pt forms give it) when it holds exactly those tensors.
   try {
     ParamList model_order =
-        ctitan_params(hf_config_for(m.model_name, m.flavor, r->entry("tok_embeddings.weight").shape.at(0)));
+        families.params(families.config_for(m.model_name, m.flavor, r->entry("tok_embeddings.weight").shape.at(0)));
     if (std::is_permutation(model_order.begin(), model_order.end(), m.params.begin(), m.params.end()))
       m.params = std::move(model_order);
   } catch (const std::exception&) {
@@ -328,43 +330,46 @@ ModelTensors open_sharded(const std::string& path, const std::string& name_arg, 
 }
 
 // A folder of safetensors files with a config.json.
-ModelTensors open_hf(const std::string& path, const std::string& name_arg, const std::string& flavor_arg) {
+ModelTensors open_hf(const std::string& path, const std::string& name_arg, const std::string& flavor_arg,
+                     const HFAdapter& families) {
   ModelTensors m;
-  auto hf = std::make_shared<HFCheckpoint>(path);
+  auto hf = std::make_shared<HFCheckpoint>(path, families);
   m.form = "hf";
   m.hf_config = hf->config();
-  m.model_name = hf_family(hf->config(), hf->metadata(), name_arg);
+  m.model_name = hf_family(hf->config(), hf->metadata(), name_arg, families);
   if (auto it = hf->metadata().find("ctitan.model");
       it != hf->metadata().end() && it->second.find(' ') != std::string::npos)
     m.flavor = it->second.substr(it->second.find(' ') + 1);
   if (auto it = hf->metadata().find("ctitan.step"); it != hf->metadata().end()) m.step = std::atoll(it->second.c_str());
-  if (m.flavor.empty()) m.flavor = find_flavor(hf->config(), m.model_name);
+  if (m.flavor.empty()) m.flavor = find_flavor(hf->config(), families, m.model_name);
   if (m.flavor.empty() && flavor_arg.empty() && name_arg.empty())  // another family of the architecture?
-    for (const auto& name : model_names())
-      if (model_spec(name).hf_architecture == hf->config().architecture && m.flavor.empty()) {
-        m.flavor = find_flavor(hf->config(), name);
+    for (const auto& name : families.families)
+      if (families.architecture_of(name) == hf->config().architecture && m.flavor.empty()) {
+        m.flavor = find_flavor(hf->config(), families, name);
         if (!m.flavor.empty()) m.model_name = name;
       }
   if (!flavor_arg.empty()) m.flavor = flavor_arg;
   if (m.flavor.empty())
     throw UserError("checkpoint tool: " + path + "/config.json matches no " + m.model_name + " flavor; pass --flavor");
-  m.params = ctitan_params(hf->config());
+  m.params = families.params(hf->config());
   for (const auto& [fqn, shape] : m.params) hf->check_param(fqn, shape);
   const std::string st =
-      hf->info(hf_pieces(m.params.front().first, m.params.front().second, hf->config())[0].key).dtype;
+      hf->info(families.pieces(m.params.front().first, m.params.front().second, hf->config())[0].key).dtype;
   m.dtype = st == "BF16" ? "bfloat16" : st == "F16" ? "float16" : "float32";  // F64 is exported as float32
   m.read = [hf, shapes = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())](
                const std::string& fqn) { return hf->read_param(fqn, shapes.at(fqn)); };
-  m.dtype_of = [hf, shapes = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())](
+  m.dtype_of = [hf, pieces = families.pieces,
+                shapes = std::map<std::string, std::vector<int64_t>>(m.params.begin(), m.params.end())](
                    const std::string& fqn) {  // read_param's dtype: the first piece's
-    const std::string st = hf->info(hf_pieces(fqn, shapes.at(fqn), hf->config())[0].key).dtype;
+    const std::string st = hf->info(pieces(fqn, shapes.at(fqn), hf->config())[0].key).dtype;
     return st == "BF16" ? "bfloat16" : st == "F16" ? "float16" : st == "F64" ? "float64" : "float32";
   };
   return m;
 }
 
 // A consolidated .pt (a dict of tensors).
-ModelTensors open_consolidated(const std::string& path, const std::string& name_arg, const std::string& flavor_arg) {
+ModelTensors open_consolidated(const std::string& path, const std::string& name_arg, const std::string& flavor_arg,
+                               const HFAdapter& families) {
   ModelTensors m;
   const c10::IValue v = load_pt(path);
   if (!v.isGenericDict()) throw UserError("checkpoint tool: " + path + " does not hold a dict of tensors");
@@ -378,9 +383,10 @@ ModelTensors open_consolidated(const std::string& path, const std::string& name_
     shapes[k] = kv.value().toTensor().sizes().vec();
   }
   m.form = "consolidated";
-  m.model_name = family_from_shapes(shapes, name_arg, flavor_arg);
-  m.flavor = flavor_arg.empty() ? flavor_from_shapes(m.model_name, shapes, path) : flavor_arg;
-  const ParamList want = ctitan_params(hf_config_for(m.model_name, m.flavor, shapes["tok_embeddings.weight"].at(0)));
+  m.model_name = family_from_shapes(shapes, name_arg, flavor_arg, families);
+  m.flavor = flavor_arg.empty() ? flavor_from_shapes(m.model_name, shapes, path, families) : flavor_arg;
+  const ParamList want =
+      families.params(families.config_for(m.model_name, m.flavor, shapes["tok_embeddings.weight"].at(0)));
   for (const auto& [fqn, shape] : want) {
     if (!dict->count(fqn)) throw UserError("checkpoint tool: " + path + " has no " + fqn);
     m.params.push_back({fqn, shapes[fqn]});
@@ -396,24 +402,26 @@ ModelTensors open_consolidated(const std::string& path, const std::string& name_
 
 }  // namespace
 
-ModelTensors open_model(const std::string& path, const std::string& name_arg, const std::string& flavor_arg) {
+ModelTensors open_model(const std::string& path, const std::string& name_arg, const std::string& flavor_arg,
+                        const HFAdapter& families) {
   std::error_code ec;
   if (!fs::exists(path, ec)) throw UserError("checkpoint tool: " + path + " does not exist");
   if (fs::is_directory(path, ec) && (fs::exists(fs::path(path) / "metadata", ec) || dcp::is_dcp_folder(path)))
-    return open_sharded(path, name_arg, flavor_arg);
-  if (is_hf_folder(path)) return open_hf(path, name_arg, flavor_arg);
-  if (fs::is_regular_file(path, ec)) return open_consolidated(path, name_arg, flavor_arg);
+    return open_sharded(path, name_arg, flavor_arg, families);
+  if (is_hf_folder(path)) return open_hf(path, name_arg, flavor_arg, families);
+  if (fs::is_regular_file(path, ec)) return open_consolidated(path, name_arg, flavor_arg, families);
   throw UserError("checkpoint tool: " + path +
                   " is neither a checkpoint step folder, an HF safetensors folder nor a consolidated .pt file");
 }
 
-void export_consolidated(const std::string& step_path, const std::string& out_file, const std::string& dtype) {
+void export_consolidated(const std::string& step_path, const std::string& out_file, const std::string& dtype,
+                         const HFAdapter& families) {
   CheckpointReader check(step_path);  // a missing or incomplete step folder is reported as such
-  write_consolidated(open_model(step_path, "", ""), out_file, dtype);
+  write_consolidated(open_model(step_path, "", "", families), out_file, dtype);
 }
 
 std::string convert_checkpoint(const std::string& src, const std::string& dst, std::string to, const std::string& dtype,
-                               const std::string& model, const std::string& flavor) {
+                               const std::string& model, const std::string& flavor, const HFAdapter& families) {
   if (!dtype.empty()) export_dtype(dtype);  // validates
   if (to.empty()) {
     if (fs::path(dst).extension() == ".pt")
@@ -423,11 +431,11 @@ std::string convert_checkpoint(const std::string& src, const std::string& dst, s
     else
       to = "hf";
   }
-  const ModelTensors m = open_model(src, model, flavor);
+  const ModelTensors m = open_model(src, model, flavor, families);
   if (to == "consolidated")
     write_consolidated(m, dst, dtype);
   else if (to == "hf")
-    write_hf(m, dst, dtype);
+    write_hf(m, dst, dtype, families);
   else if (to == "sharded")
     write_sharded(m, dst, dtype);
   else
@@ -437,21 +445,21 @@ std::string convert_checkpoint(const std::string& src, const std::string& dst, s
          (to == "consolidated" ? std::string(" (") + kPtLoadNote + ")" : "");
 }
 
-std::string inspect_hf(const std::string& path, bool verify) {
-  HFCheckpoint hf(path);
+std::string inspect_hf(const std::string& path, bool verify, const HFAdapter& families) {
+  HFCheckpoint hf(path, families);
   const HFModelConfig& c = hf.config();
   std::ostringstream out;
   out << "HF safetensors checkpoint " << path << "\n"
       << "  " << c.architecture << ": hidden " << c.hidden_size << ", layers " << c.num_hidden_layers << ", heads "
       << c.num_attention_heads << " (kv " << c.num_key_value_heads << "), intermediate " << c.intermediate_size
       << ", vocab " << c.vocab_size;
-  if (c.moe()) out << ", experts " << c.num_local_experts << " (top " << c.num_experts_per_tok << ")";
+  out << families.describe(c);
   const std::string scaling = c.rope_scaling ? std::string(" (") + kHfRopeScalingType + " scaling)" : "";
   out << "\n  rope_theta " << c.rope_theta << scaling << ", rms_norm_eps " << c.rms_norm_eps << ", torch_dtype "
       << c.torch_dtype << "\n";
   for (const auto& [k, v] : hf.metadata()) out << "  metadata " << k << " = " << v << "\n";
-  const std::string family = hf_family(c, hf.metadata(), "");
-  const std::string flavor = find_flavor(c, family);
+  const std::string family = hf_family(c, hf.metadata(), "", families);
+  const std::string flavor = find_flavor(c, families, family);
   out << "  ctitan model: " << family << " " << (flavor.empty() ? "(no matching flavor)" : flavor) << "\n";
   const auto keys = hf.keys();
   uint64_t bytes = 0;
@@ -468,7 +476,7 @@ std::string inspect_hf(const std::string& path, bool verify) {
     out << "  COMPLETE marker: " << (why.empty() ? "valid" : "INVALID: " + why) << "\n";
   }
   if (verify) {
-    for (const auto& [fqn, shape] : ctitan_params(c)) hf.check_param(fqn, shape);
+    for (const auto& [fqn, shape] : families.params(c)) hf.check_param(fqn, shape);
     for (const auto& k : keys) hf.read(k);
     out << "  verified: every file's header is valid, every tensor readable, every ctitan parameter present\n";
   }

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "hf_types/hf_adapter.h"
+
 namespace ctitan {
 
 // Step, saved world size and dp degrees, model, completeness, files, and every key with its
@@ -26,18 +28,19 @@ std::string inspect_checkpoint(const std::string& path, bool verify);
 // rng.) as full tensors, in `dtype` ("" = as saved), as a dict {fqn: tensor}, in model order, in
 // torch.save's format (checkpoint/torch_save.h): Python reads it with torch.load(path), its
 // default weights_only=True included. Written durably, one tensor in memory at a time.
-void export_consolidated(const std::string& step_path, const std::string& out_file, const std::string& dtype);
+void export_consolidated(const std::string& step_path, const std::string& out_file, const std::string& dtype,
+                         const HFAdapter& families);
 
 // The model of `src` (step folder, HF folder or .pt file) written to `dst` in form `to`
 // ("" = from dst's name: *.pt consolidated, step-<N> sharded, else HF), in `dtype` ("" = as
-// stored). model / flavor: for sources that do not record them ("" = inferred from shapes).
-// Returns a one-line summary.
+// stored). model / flavor: for sources that do not record them ("" = inferred from shapes, by
+// the registered families of `families`). Returns a one-line summary.
 std::string convert_checkpoint(const std::string& src, const std::string& dst, std::string to, const std::string& dtype,
-                               const std::string& model, const std::string& flavor);
+                               const std::string& model, const std::string& flavor, const HFAdapter& families);
 
 // Config, metadata and every tensor (name, dtype, shape, file) of an HF folder; verify: also
 // reads every tensor and checks every ctitan parameter is present.
-std::string inspect_hf(const std::string& path, bool verify);
+std::string inspect_hf(const std::string& path, bool verify, const HFAdapter& families);
 
 // What the tools say about the .pt files they write: what was checked, with which PyTorch.
 extern const char* const kPtLoadNote;

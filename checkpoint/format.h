@@ -46,6 +46,8 @@ namespace ctitan::ckpt {
 constexpr int64_t kFormatVersion = 1;
 
 std::string hex32(uint32_t v);
+// s with its line breaks as spaces and no trailing space: an error text as one status line.
+std::string one_line(std::string s);
 
 // ---- durable files -----------------------------------------------------------------------
 // fsync of a folder, so a rename or create inside it survives a crash.

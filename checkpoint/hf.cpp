@@ -14,29 +14,12 @@
 #include "checkpoint/format.h"
 #include "config/errors.h"
 #include "util/json.h"
-#include "models/registry.h"
 #include "util/strings.h"
 
 namespace fs = std::filesystem;
 
 namespace ctitan {
 namespace {
-
-// The shortest decimal that reads back as exactly v (JSON has no float type of its own).
-std::string num(double v) {
-  char buf[40];
-  if (v == std::floor(v) && std::fabs(v) < 1e15) {
-    std::snprintf(buf, sizeof buf, "%.1f", v);  // 500000.0, as HF writes integral floats
-    return buf;
-  }
-  for (int p = 1; p <= 17; ++p) {
-    std::snprintf(buf, sizeof buf, "%.*g", p, v);
-    if (std::strtod(buf, nullptr) == v) break;
-  }
-  std::string s = buf;
-  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";  // a float, as HF writes it
-  return s;
-}
 
 at::ScalarType scalar_type_of(const std::string& st_dtype, const std::string& where) {
   if (st_dtype == "F32") return at::kFloat;
@@ -69,11 +52,11 @@ int64_t row_numel(const std::vector<int64_t>& shape) {
 
 // ---- config.json -------------------------------------------------------------------------------
 
-std::string hf_config_json(const HFModelConfig& c) {
+std::string hf_config_json(const HFModelConfig& c, const HFAdapter& families) {
   std::string s = "{\n";
   auto field = [&](const std::string& k, const std::string& v) { s += "  \"" + k + "\": " + v + ",\n"; };
   field("architectures", "[\"" + c.architecture + "\"]");
-  field("model_type", "\"" + c.model_type() + "\"");
+  field("model_type", "\"" + families.model_type_of(c.architecture) + "\"");
   field("hidden_size", std::to_string(c.hidden_size));
   field("intermediate_size", std::to_string(c.intermediate_size));
   field("num_attention_heads", std::to_string(c.num_attention_heads));
@@ -82,26 +65,18 @@ std::string hf_config_json(const HFModelConfig& c) {
   field("num_hidden_layers", std::to_string(c.num_hidden_layers));
   field("vocab_size", std::to_string(c.vocab_size));
   field("max_position_embeddings", std::to_string(c.max_position_embeddings));
-  field("rms_norm_eps", num(c.rms_norm_eps));
-  field("rope_theta", num(c.rope_theta));
+  field("rms_norm_eps", hf_json_number(c.rms_norm_eps));
+  field("rope_theta", hf_json_number(c.rope_theta));
   if (c.rope_scaling)
-    field("rope_scaling",
-          "{\"rope_type\": \"" + std::string(kHfRopeScalingType) + "\", \"factor\": " + num(c.rope_scaling->factor) +
-              ", \"low_freq_factor\": " + num(c.rope_scaling->low_freq_factor) + ", \"high_freq_factor\": " +
-              num(c.rope_scaling->high_freq_factor) + ", \"original_max_position_embeddings\": " +
-              std::to_string(c.rope_scaling->original_max_position_embeddings) + "}");
+    field("rope_scaling", "{\"rope_type\": \"" + std::string(kHfRopeScalingType) +
+                              "\", \"factor\": " + hf_json_number(c.rope_scaling->factor) +
+                              ", \"low_freq_factor\": " + hf_json_number(c.rope_scaling->low_freq_factor) +
+                              ", \"high_freq_factor\": " + hf_json_number(c.rope_scaling->high_freq_factor) +
+                              ", \"original_max_position_embeddings\": " +
+                              std::to_string(c.rope_scaling->original_max_position_embeddings) + "}");
   else
     field("rope_scaling", "null");
-  if (c.moe()) {
-    field("num_local_experts", std::to_string(c.num_local_experts));
-    field("num_experts_per_tok", std::to_string(c.num_experts_per_tok));
-    field("router_aux_loss_coef", num(c.router_aux_loss_coef));
-    field("output_router_logits", "false");
-    field("sliding_window", "null");
-  } else {
-    field("attention_bias", "false");
-    field("mlp_bias", "false");
-  }
+  for (const auto& [key, value] : families.family_json(c)) field(key, value);
   field("hidden_act", "\"silu\"");
   field("attention_dropout", "0.0");
   field("initializer_range", "0.02");
@@ -137,7 +112,7 @@ struct JsonFields {
 
 // "architectures"[0], else the architecture of "model_type"; UserError unless a registered
 // family loads it.
-std::string parse_architecture(const json::Value& root, const std::string& where) {
+std::string parse_architecture(const json::Value& root, const std::string& where, const HFAdapter& families) {
   auto get = [](const json::Value& obj, const char* k) -> const json::Value* { return obj.find(k); };
   std::string architecture;
   const json::Value* arch = get(root, "architectures");
@@ -147,11 +122,11 @@ std::string parse_architecture(const json::Value& root, const std::string& where
   if (architecture.empty()) {
     const json::Value* mt = get(root, "model_type");
     const std::string t = mt && mt->type == json::Value::Type::String ? mt->text : "";
-    architecture = t.empty() ? "" : hf_architecture_of_model_type(t);
+    architecture = t.empty() ? "" : families.architecture_of_type(t);
   }
-  if (!find_model_spec_for_hf(architecture)) {
+  if (families.family_of(architecture).empty()) {
     std::string known;
-    for (const auto& a : hf_architectures()) known += (known.empty() ? "" : ", ") + a;
+    for (const auto& a : families.architectures) known += (known.empty() ? "" : ", ") + a;
     throw UserError(where + ": architecture \"" + architecture + "\" is not one ctitan loads (" + known + ")");
   }
   return architecture;
@@ -195,7 +170,7 @@ void parse_rope(const json::Value& root, const JsonFields& f, HFModelConfig& c) 
 
 }  // namespace
 
-HFModelConfig parse_hf_config(const std::string& text, const std::string& where) {
+HFModelConfig parse_hf_config(const std::string& text, const std::string& where, const HFAdapter& families) {
   json::Value root;
   std::string err;
   if (!json::parse(text, &root, &err) || root.type != json::Value::Type::Object)
@@ -207,7 +182,7 @@ HFModelConfig parse_hf_config(const std::string& text, const std::string& where)
   };
   auto real = [&f](const json::Value& obj, const char* k, double dflt) { return f.real(obj, k, dflt); };
   HFModelConfig c;
-  c.architecture = parse_architecture(root, where);
+  c.architecture = parse_architecture(root, where, families);
   c.hidden_size = integer(root, "hidden_size", true, 0);
   c.intermediate_size = integer(root, "intermediate_size", true, 0);
   c.num_attention_heads = integer(root, "num_attention_heads", true, 0);
@@ -226,11 +201,9 @@ HFModelConfig parse_hf_config(const std::string& text, const std::string& where)
   }
   c.rms_norm_eps = real(root, "rms_norm_eps", 1e-6);
   parse_rope(root, f, c);
-  if (c.moe()) {
-    c.num_local_experts = integer(root, "num_local_experts", true, 0);
-    c.num_experts_per_tok = integer(root, "num_experts_per_tok", true, 0);
-    c.router_aux_loss_coef = real(root, "router_aux_loss_coef", 0);
-  }
+  families.read_family_json(
+      c, HFFieldReader{[&](const char* k, bool required, int64_t dflt) { return integer(root, k, required, dflt); },
+                       [&](const char* k, double dflt) { return real(root, k, dflt); }});
   if (const json::Value* t = get(root, "tie_word_embeddings"); t && t->type == json::Value::Type::Bool)
     c.tie_word_embeddings = t->boolean;
   if (const json::Value* t = get(root, "torch_dtype"); t && t->type == json::Value::Type::String)
@@ -238,54 +211,14 @@ HFModelConfig parse_hf_config(const std::string& text, const std::string& where)
   return c;
 }
 
-HFModelConfig hf_config_for(const std::string& model_name, const std::string& flavor, int64_t vocab_size) {
-  const ModelSpec* spec = find_model_spec(model_name);
-  if (!spec) {
-    std::string known;
-    for (const auto& n : model_names()) known += (known.empty() ? "" : ", ") + n;
-    throw UserError("HF interop: model \"" + model_name + "\" is not one of: " + known);
-  }
-  return spec->hf_config(flavor, vocab_size);
-}
-
-std::string structure_difference(const HFModelConfig& a, const HFModelConfig& b) {
-  auto d = [](const char* k, int64_t x, int64_t y) {
-    return x == y ? std::string() : std::string(k) + ": " + std::to_string(x) + " vs " + std::to_string(y);
-  };
-  if (a.architecture != b.architecture) return "architecture: " + a.architecture + " vs " + b.architecture;
-  for (const std::string& s :
-       {d("hidden_size", a.hidden_size, b.hidden_size),
-        d("intermediate_size", a.intermediate_size, b.intermediate_size),
-        d("num_attention_heads", a.num_attention_heads, b.num_attention_heads),
-        d("num_key_value_heads", a.num_key_value_heads, b.num_key_value_heads),
-        d("num_hidden_layers", a.num_hidden_layers, b.num_hidden_layers), d("vocab_size", a.vocab_size, b.vocab_size),
-        d("num_local_experts", a.num_local_experts, b.num_local_experts),
-        d("num_experts_per_tok", a.num_experts_per_tok, b.num_experts_per_tok)})
-    if (!s.empty()) return s;
+std::string find_flavor(const HFModelConfig& c, const HFAdapter& families, const std::string& model_name) {
+  const std::string family = model_name.empty() ? families.family_of(c.architecture) : model_name;
+  if (family.empty() ||
+      std::find(families.families.begin(), families.families.end(), family) == families.families.end())
+    return "";
+  for (const auto& f : families.flavors(family))
+    if (structure_difference(families.config_for(family, f, c.vocab_size), c).empty()) return f;
   return "";
-}
-
-std::string find_flavor(const HFModelConfig& c, const std::string& model_name) {
-  const ModelSpec* spec = model_name.empty() ? find_model_spec_for_hf(c.architecture) : find_model_spec(model_name);
-  if (!spec) return "";
-  for (const auto& f : spec->flavors)
-    if (structure_difference(spec->hf_config(f, c.vocab_size), c).empty()) return f;
-  return "";
-}
-
-namespace {
-// The family whose names c's architecture uses (the first registered with it).
-const ModelSpec& names_of(const HFModelConfig& c) {
-  const ModelSpec* spec = find_model_spec_for_hf(c.architecture);
-  if (!spec) throw UserError("HF interop: architecture \"" + c.architecture + "\" is not one ctitan loads");
-  return *spec;
-}
-}  // namespace
-
-ParamList ctitan_params(const HFModelConfig& c) { return names_of(c).hf_params(c); }
-
-std::vector<HFPiece> hf_pieces(const std::string& fqn, const std::vector<int64_t>& shape, const HFModelConfig& c) {
-  return names_of(c).hf_pieces(fqn, shape, c);
 }
 
 at::Tensor rope_rows_to_hf(const at::Tensor& w, int64_t heads) {
@@ -304,9 +237,9 @@ at::Tensor rope_rows_from_hf(const at::Tensor& w, int64_t heads) {
 
 std::string write_hf_files(const std::string& dir, HFModelConfig c, const ParamList& params, const std::string& dtype,
                            const std::function<at::Tensor(const std::string&)>& read_full,
-                           const std::map<std::string, std::string>& metadata) {
+                           const std::map<std::string, std::string>& metadata, const HFAdapter& families) {
   const std::string st_dtype = st_dtype_of(dtype);
-  const ParamList want = ctitan_params(c);
+  const ParamList want = families.params(c);
   std::map<std::string, std::vector<int64_t>> have(params.begin(), params.end());
   for (const auto& [fqn, shape] : want) {
     auto it = have.find(fqn);
@@ -323,7 +256,7 @@ std::string write_hf_files(const std::string& dir, HFModelConfig c, const ParamL
   std::vector<safetensors::TensorSpec> specs;
   uint64_t total = 0;
   for (const auto& [fqn, shape] : want)
-    for (const auto& piece : hf_pieces(fqn, shape, c)) {
+    for (const auto& piece : families.pieces(fqn, shape, c)) {
       specs.push_back({piece.key, st_dtype, piece.shape});
       uint64_t n = safetensors::dtype_size(st_dtype);
       for (int64_t d : piece.shape) n *= static_cast<uint64_t>(d);
@@ -339,7 +272,7 @@ std::string write_hf_files(const std::string& dir, HFModelConfig c, const ParamL
     at::Tensor t = read_full(fqn).to(at::kCPU, torch_dtype_of(dtype)).contiguous();
     TORCH_CHECK(t.sizes().vec() == shape, "[hf] read ", fqn, " with shape ", t.sizes(), ", expected ",
                 shape_str(shape));
-    for (const auto& piece : hf_pieces(fqn, shape, c)) {
+    for (const auto& piece : families.pieces(fqn, shape, c)) {
       at::Tensor part = piece.rope_heads ? rope_rows_to_hf(t, piece.rope_heads)
                                          : t.narrow(0, piece.row_begin, piece.row_end - piece.row_begin).contiguous();
       w.write(piece.key, part.data_ptr(), static_cast<size_t>(part.numel()) * part.element_size());
@@ -356,22 +289,24 @@ std::string write_hf_files(const std::string& dir, HFModelConfig c, const ParamL
   index += "  }\n}\n";
   ckpt::write_file_durable((fs::path(dir) / "model.safetensors.index.json").string(), index);
   c.torch_dtype = dtype;
-  ckpt::write_file_durable((fs::path(dir) / "config.json").string(), hf_config_json(c));
+  ckpt::write_file_durable((fs::path(dir) / "config.json").string(), hf_config_json(c, families));
   return index;
 }
 
-std::string write_hf_from_checkpoint(const CheckpointReader& r, const std::string& dir, const std::string& dtype) {
+std::string write_hf_from_checkpoint(const CheckpointReader& r, const std::string& dir, const std::string& dtype,
+                                     const HFAdapter& families) {
   const auto& m = r.meta();
   if (!r.has("tok_embeddings.weight"))
     throw UserError("checkpoint " + r.path() + " has no tok_embeddings.weight: not a model ctitan exports to HF");
-  const HFModelConfig c = hf_config_for(m.model_name, m.model_flavor, r.entry("tok_embeddings.weight").shape.at(0));
+  const HFModelConfig c =
+      families.config_for(m.model_name, m.model_flavor, r.entry("tok_embeddings.weight").shape.at(0));
   ParamList params;
   for (const auto& [key, e] : m.entries)
     if (!e.is_bytes && is_model_key(key)) params.push_back({key, e.shape});
   const std::string d = dtype.empty() ? r.entry("tok_embeddings.weight").dtype : dtype;
   return write_hf_files(
       dir, c, params, d, [&r](const std::string& fqn) { return r.read_tensor(fqn); },
-      {{"ctitan.model", m.model_name + " " + m.model_flavor}, {"ctitan.step", std::to_string(m.step)}});
+      {{"ctitan.model", m.model_name + " " + m.model_flavor}, {"ctitan.step", std::to_string(m.step)}}, families);
 }
 
 // ---- import -------------------------------------------------------------------------------------
@@ -384,12 +319,12 @@ bool is_hf_folder(const std::string& path) {
   return false;
 }
 
-HFCheckpoint::HFCheckpoint(std::string dir) : dir_(std::move(dir)) {
+HFCheckpoint::HFCheckpoint(std::string dir, HFAdapter families) : dir_(std::move(dir)), families_(std::move(families)) {
   std::error_code ec;
   if (!fs::is_directory(dir_, ec)) throw UserError("HF checkpoint " + dir_ + " is not a folder");
   const fs::path cfg = fs::path(dir_) / "config.json";
   if (!fs::exists(cfg, ec)) throw UserError("HF checkpoint " + dir_ + " has no config.json");
-  config_ = parse_hf_config(ckpt::read_whole_file(cfg.string()), cfg.string());
+  config_ = parse_hf_config(ckpt::read_whole_file(cfg.string()), cfg.string(), families_);
   std::vector<std::string> names;
   for (const auto& de : fs::directory_iterator(dir_, ec))
     if (de.path().extension() == ".safetensors") names.push_back(de.path().filename().string());
@@ -462,7 +397,7 @@ at::Tensor HFCheckpoint::read(const std::string& key) const {
 }
 
 void HFCheckpoint::check_param(const std::string& fqn, const std::vector<int64_t>& shape) const {
-  for (const auto& piece : hf_pieces(fqn, shape, config_)) {
+  for (const auto& piece : families_.pieces(fqn, shape, config_)) {
     auto it = where_.find(resolve(piece.key));
     if (it == where_.end())
       throw UserError("HF checkpoint " + dir_ + " has no tensor " + piece.key + " (ctitan's " + fqn + ")");
@@ -483,7 +418,7 @@ void HFCheckpoint::read_param_rows(const std::string& fqn, const std::vector<int
   TORCH_CHECK(dest.is_contiguous(), "[hf] destination of ", fqn, " must be contiguous");
   at::Tensor d2 = dest.dim() == 0 ? dest.view({1, 1}) : dest.view({dest.size(0), -1});
   TORCH_CHECK(d2.size(0) >= end - begin && d2.size(1) == rn, "[hf] destination of ", fqn, " has the wrong shape");
-  for (const auto& piece : hf_pieces(fqn, shape, config_)) {
+  for (const auto& piece : families_.pieces(fqn, shape, config_)) {
     const int64_t s = std::max(begin, piece.row_begin), t = std::min(end, piece.row_end);
     if (s >= t) continue;
     const auto& info_ = info(piece.key);
@@ -505,7 +440,7 @@ void HFCheckpoint::read_param_rows(const std::string& fqn, const std::vector<int
 }
 
 at::Tensor HFCheckpoint::read_param(const std::string& fqn, const std::vector<int64_t>& shape) const {
-  const auto pieces = hf_pieces(fqn, shape, config_);
+  const auto pieces = families_.pieces(fqn, shape, config_);
   const auto& first = info(pieces.at(0).key);
   auto out =
       torch::empty(shape, torch::TensorOptions().dtype(scalar_type_of(first.dtype, dir_ + " tensor " + first.name)));
@@ -516,7 +451,7 @@ at::Tensor HFCheckpoint::read_param(const std::string& fqn, const std::vector<in
 std::vector<std::string> HFCheckpoint::unused_keys(const ParamList& params) const {
   std::set<std::string> used;
   for (const auto& [fqn, shape] : params)
-    for (const auto& p : hf_pieces(fqn, shape, config_)) used.insert(resolve(p.key));
+    for (const auto& p : families_.pieces(fqn, shape, config_)) used.insert(resolve(p.key));
   std::vector<std::string> out;
   for (const auto& kv : where_)
     if (!used.count(kv.first)) out.push_back(kv.first);

@@ -9,9 +9,9 @@
 // Reading accepts any folder of *.safetensors files with a config.json (the index is
 // checked when present), so checkpoints from HF's hub load too.
 //
-// Names: each family's ModelSpec (models/model_spec.h) gives its parameters' HF tensors
-// (the shared decoder's in models/hf_names.cpp, described in models/<family>/model.h); the
-// rotary row order of q_proj / k_proj is described in checkpoint/hf_config.h.
+// Names, config.json's family fields and the families' flavors come from the HFAdapter the
+// caller hands in (hf_types/hf_adapter.h, filled by models/hf_adapter.h); the rotary row order
+// of q_proj / k_proj is described in hf_types/hf_config.h.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -24,7 +24,7 @@
 #include <ATen/Tensor.h>
 
 #include "checkpoint/safetensors.h"
-#include "checkpoint/hf_config.h"
+#include "hf_types/hf_adapter.h"
 
 namespace ctitan {
 
@@ -32,26 +32,13 @@ class CheckpointReader;
 
 // config.json's text for c, and c read back from a config.json's text (UserError
 // "<where>: ..." when a needed field is missing or malformed, or no registered family loads
-// the architecture). The MoE fields are written and read when c.moe().
-std::string hf_config_json(const HFModelConfig& c);
-HFModelConfig parse_hf_config(const std::string& text, const std::string& where);
+// the architecture). The fields of c's family beyond the shared decoder's come from `families`.
+std::string hf_config_json(const HFModelConfig& c, const HFAdapter& families);
+HFModelConfig parse_hf_config(const std::string& text, const std::string& where, const HFAdapter& families);
 
-// The config of ctitan's model `name` (a registered family, models/registry.h) of `flavor`,
-// with the vocabulary the run's tokenizer gave it. UserError for an unknown name or flavor.
-HFModelConfig hf_config_for(const std::string& model_name, const std::string& flavor, int64_t vocab_size);
-// The flavor of `model_name` ("" = the family that loads c's architecture, c.model_name())
-// whose structure (sizes, heads, layers, experts) the config describes, or "" when none does.
-std::string find_flavor(const HFModelConfig& c, const std::string& model_name = "");
-// "" when a and b describe the same structure (sizes, heads, layers, experts, vocabulary),
-// else the first difference: "num_hidden_layers: 6 vs 4".
-std::string structure_difference(const HFModelConfig& a, const HFModelConfig& b);
-
-// ctitan's parameters of the model the config describes (names and shapes), in the order
-// of named_parameters(); ParamList and HFPiece: checkpoint/hf_config.h.
-ParamList ctitan_params(const HFModelConfig& c);
-
-// UserError when `fqn` has no HF name.
-std::vector<HFPiece> hf_pieces(const std::string& fqn, const std::vector<int64_t>& shape, const HFModelConfig& c);
+// The flavor of `model_name` ("" = the family that loads c's architecture) whose structure
+// (structure_difference, hf_types/hf_config.h) the config describes, or "" when none does.
+std::string find_flavor(const HFModelConfig& c, const HFAdapter& families, const std::string& model_name = "");
 
 // w [H·hd, D] in ctitan's rotary order -> HF's, and back (torchtitan's _permute /
 // _reverse_permute). New tensors.
@@ -59,18 +46,19 @@ at::Tensor rope_rows_to_hf(const at::Tensor& w, int64_t heads);
 at::Tensor rope_rows_from_hf(const at::Tensor& w, int64_t heads);
 
 // Writes model.safetensors, model.safetensors.index.json and config.json (durably) into
-// the existing folder `dir`. params must be exactly ctitan_params(c) (UserError naming the
+// the existing folder `dir`. params must be exactly families.params(c) (UserError naming the
 // first difference otherwise); read_full(fqn) returns a parameter's full tensor. Tensors
 // are written in `dtype` (float32 | bfloat16 | float16); metadata goes to __metadata__
 // next to "format": "pt". Returns the index file's text (for the COMPLETE marker).
 std::string write_hf_files(const std::string& dir, HFModelConfig c, const ParamList& params, const std::string& dtype,
                            const std::function<at::Tensor(const std::string&)>& read_full,
-                           const std::map<std::string, std::string>& metadata);
+                           const std::map<std::string, std::string>& metadata, const HFAdapter& families);
 
 // The model of a ctitan checkpoint (any saved sharding) as HF files in the existing folder
 // `dir`, in `dtype` ("" = as saved). __metadata__ records "ctitan.model" = "<name> <flavor>"
 // and "ctitan.step". Returns the index text.
-std::string write_hf_from_checkpoint(const CheckpointReader& r, const std::string& dir, const std::string& dtype);
+std::string write_hf_from_checkpoint(const CheckpointReader& r, const std::string& dir, const std::string& dtype,
+                                     const HFAdapter& families);
 
 // True when `path` is a folder holding a *.safetensors file.
 bool is_hf_folder(const std::string& path);
@@ -81,7 +69,7 @@ class HFCheckpoint {
  public:
   // UserError when the folder or config.json is missing or holds no *.safetensors; a
   // RuntimeFailure naming the file for any malformed safetensors file or index.
-  explicit HFCheckpoint(std::string dir);
+  HFCheckpoint(std::string dir, HFAdapter families);
   const std::string& path() const { return dir_; }
   const HFModelConfig& config() const { return config_; }
   // __metadata__ of the first file (ctitan writes "ctitan.model" = "<name> <flavor>",
@@ -107,6 +95,7 @@ class HFCheckpoint {
  private:
   std::string resolve(const std::string& key) const;  // lm_head.weight -> embed_tokens when tied
   std::string dir_;
+  HFAdapter families_;
   HFModelConfig config_;
   std::vector<safetensors::Header> files_;
   std::map<std::string, std::pair<size_t, size_t>> where_;  // key -> (file, tensor index)

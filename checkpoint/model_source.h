@@ -27,7 +27,8 @@ struct ModelTensors {
 };
 
 // Opens `path` in whichever form it is. name / flavor: for sources that do not record them
-// ("" = inferred from the tensor shapes). UserError for a missing path or an unknown form.
-ModelTensors open_model(const std::string& path, const std::string& name, const std::string& flavor);
+// ("" = inferred from the tensor shapes, by the registered families of `families`). UserError for a missing path or an unknown form.
+ModelTensors open_model(const std::string& path, const std::string& name, const std::string& flavor,
+                        const HFAdapter& families);
 
 }  // namespace ctitan

@@ -1,11 +1,11 @@
 // ctitan <-> Hugging Face names of the shared decoder (models/decoder.h), which each family's
-// ModelSpec uses for its HF adapter; the format's types are checkpoint/hf_config.h's.
+// ModelSpec uses for its HF adapter; the format's types are hf_types/hf_config.h's.
 #pragma once
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "checkpoint/hf_config.h"
+#include "hf_types/hf_config.h"
 #include "models/decoder_args.h"
 #include "models/rope_args.h"
 

@@ -14,7 +14,7 @@
 
 #include <torch/torch.h>
 
-#include "checkpoint/hf_config.h"
+#include "hf_types/hf_config.h"
 #include "models/decoder_args.h"
 #include "models/layers.h"
 #include "models/train_model.h"

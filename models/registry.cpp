@@ -60,22 +60,6 @@ std::vector<std::string> hf_architectures() {
   return out;
 }
 
-// HFModelConfig's family facts come from the registry.
-bool HFModelConfig::moe() const {
-  const ModelSpec* s = find_model_spec_for_hf(architecture);
-  return s && s->moe;
-}
-
-std::string HFModelConfig::model_name() const {
-  const ModelSpec* s = find_model_spec_for_hf(architecture);
-  return s ? s->name : "";
-}
-
-std::string HFModelConfig::model_type() const {
-  const ModelSpec* s = find_model_spec_for_hf(architecture);
-  return s ? s->hf_model_type : "";
-}
-
 [[noreturn]] void throw_unknown_flavor(const std::string& family, const std::string& flavor,
                                        const std::vector<std::string>& valid) {
   throw UserError("unknown model.flavor \"" + flavor + "\" for " + family + "; valid: " + join(valid, ", "));

@@ -9,8 +9,9 @@ source "$(dirname "$0")/common.sh"
 ctitan_ensure_deps
 # Issue 15's rules, checked before anything is built: every C++ file formatted as
 # .clang-format says; no function in checkpoint/, tools/, train*.cpp or training/ over 80
-# lines; no header in checkpoint/ includes models/, datasets/ or parallelisms/; the training
-# step reads values back to the host only through read_to_host.
+# lines; no header in checkpoint/ includes models/, datasets/ or parallelisms/; models/ and
+# checkpoint/ include nothing of each other (hf_types/ below both carries what they share); the
+# training step reads values back to the host only through read_to_host.
 (
   cd "$CTITAN_ROOT"
   ./scripts/check_format.sh
@@ -18,6 +19,10 @@ ctitan_ensure_deps
     training/*.cpp training/*.h
   if grep -nE '^#include "(models|datasets|parallelisms)/' checkpoint/*.h; then
     echo "test.sh: a header in checkpoint/ includes models/, datasets/ or parallelisms/ (above)" >&2
+    exit 1
+  fi
+  if grep -rnE '^#include "models/' checkpoint/ || grep -rnE '^#include "checkpoint/' models/; then
+    echo "test.sh: checkpoint/ and models/ include each other (above; hf_types/ holds what they share)" >&2
     exit 1
   fi
   # Issue 33's: the training step reads device values back only through read_to_host

@@ -20,6 +20,7 @@
 #include "util/env.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/format.h"
+#include "models/hf_adapter.h"
 #include "checkpoint/convert.h"
 #include "config/errors.h"
 #include "config/job_config.h"
@@ -248,7 +249,7 @@ void reshard_roundtrip(int from, int to, bool dcp = false) {
   const auto dir = temp_dir("reshard_" + std::to_string(from) + "_" + std::to_string(to) + (dcp ? "_dcp" : ""));
   const auto globals = global_params();
   auto o = options_for(dir);
-  o.dcp = dcp;
+  o.format = dcp ? "dcp" : "ctitan";
   std::vector<std::map<std::string, torch::Tensor>> saved_param(from), saved_avg(from);
   std::vector<std::vector<std::pair<int64_t, int64_t>>> rows(from);
   auto errs = run_ranks(from, [&](int r, CheckpointComm c) {
@@ -556,7 +557,7 @@ TEST(CheckpointFaults, ARankRaisingDuringSaveFailsEveryRankAndKeepsThePrevious) 
 TEST(CheckpointFaults, DcpSavesAreCompleteOnlyWithTheirMarker) {
   const auto dir = temp_dir("dcp_atomic");
   auto o = options_for(dir);
-  o.dcp = true;
+  o.format = "dcp";
   const auto globals = global_params();
   setenv("CTITAN_CHECKPOINT_FAULT", "raise:1:2", 1);
   reload_runtime_env();
@@ -672,7 +673,7 @@ TEST(CheckpointConfig, UnknownExcludeNamesListTheValidOnes) {
   JobConfig cfg;
   cfg.checkpoint.exclude_from_loading = {"dataloader", "optimizers"};
   try {
-    check_checkpoint_config(cfg);
+    checkpoint_options(cfg);
     FAIL();
   } catch (const UserError& e) {
     EXPECT_EQ(std::string(e.what()),
@@ -703,7 +704,7 @@ TEST(CheckpointTool, InspectVerifyAndConsolidatedExport) {
   EXPECT_NE(inspect_checkpoint(o.folder, false).find("step-1  complete"), std::string::npos);
   // Consolidated export: a pickled {fqn: tensor} dict of the model only (torch.load's format).
   const std::string out = (dir / "model.pt").string();
-  export_consolidated(step, out, "bfloat16");
+  export_consolidated(step, out, "bfloat16", hf_adapter());
   const std::string bytes = ckpt::read_whole_file(out);
   auto dict = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toGenericDict();
   CheckpointReader r(step);

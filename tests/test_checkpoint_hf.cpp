@@ -22,6 +22,7 @@
 #include "checkpoint/safetensors.h"
 #include "config/errors.h"
 #include "config/job_config.h"
+#include "models/hf_adapter.h"
 #include "models/llama/model.h"
 #include "models/mixtral/model.h"
 #include "tests/e2e.h"
@@ -366,11 +367,11 @@ TEST(HFNames, ParamListMatchesTheModelsAndEveryParameterHasAnHFName) {
     llama::Transformer model(a);
     ParamList real;
     for (const auto& kv : model->named_parameters()) real.push_back({kv.key(), kv.value().sizes().vec()});
-    const ParamList derived = ctitan_params(hf_config_for("llama3", "debugmodel", 300));
+    const ParamList derived = hf_adapter().params(hf_adapter().config_for("llama3", "debugmodel", 300));
     EXPECT_EQ(derived, real);
     std::set<std::string> keys;
     for (const auto& [fqn, shape] : derived) {
-      const auto pieces = hf_pieces(fqn, shape, hf_config_for("llama3", "debugmodel", 300));
+      const auto pieces = hf_adapter().pieces(fqn, shape, hf_adapter().config_for("llama3", "debugmodel", 300));
       ASSERT_EQ(pieces.size(), 1u);
       EXPECT_EQ(pieces[0].key, hf_name(fqn)) << fqn;
       keys.insert(pieces[0].key);
@@ -384,9 +385,11 @@ TEST(HFNames, ParamListMatchesTheModelsAndEveryParameterHasAnHFName) {
     mixtral::Transformer model(a);
     ParamList real;
     for (const auto& kv : model->named_parameters()) real.push_back({kv.key(), kv.value().sizes().vec()});
-    EXPECT_EQ(ctitan_params(hf_config_for("mixtral", "debugmodel", 300)), real);
+    EXPECT_EQ(hf_adapter().params(hf_adapter().config_for("mixtral", "debugmodel", 300)), real);
   }
-  EXPECT_THROW(hf_pieces("layers.0.something.weight", {3}, hf_config_for("llama3", "debugmodel", 300)), UserError);
+  EXPECT_THROW(
+      hf_adapter().pieces("layers.0.something.weight", {3}, hf_adapter().config_for("llama3", "debugmodel", 300)),
+      UserError);
 }
 
 // Mixtral: grouped experts become HF's per-expert tensors; sharded -> HF -> sharded is exact.
@@ -432,10 +435,10 @@ TEST(HFConfig, LastSaveInHFNeedsAModelOnlyLastSave) {
   JobConfig c;
   c.checkpoint.enable = true;
   c.checkpoint.last_save_in_hf = true;
-  EXPECT_NO_THROW(check_checkpoint_config(c));
+  EXPECT_NO_THROW(checkpoint_options(c));
   c.checkpoint.last_save_model_only = false;
   try {
-    check_checkpoint_config(c);
+    checkpoint_options(c);
     ADD_FAILURE() << "accepted";
   } catch (const UserError& e) {
     EXPECT_EQ(std::string(e.what()),
@@ -954,7 +957,7 @@ TEST(Generate, GreedyEqualsFullForwardArgmaxAndBadInputExitsTwo) {
     ModelState ms(params, true);
     CheckpointOptions o;
     o.enable = true;
-    o.dcp = true;
+    o.format = "dcp";
     o.folder = (dir / "dcp").string();
     CheckpointManager mgr(o, CheckpointComm::single_process());
     mgr.add("model", &ms);
@@ -962,7 +965,7 @@ TEST(Generate, GreedyEqualsFullForwardArgmaxAndBadInputExitsTwo) {
   }
   ASSERT_TRUE(fs::exists(dir / "dcp" / "step-5" / ".metadata"));
   // The checkpoint folder (newest complete step), the step folder itself and the DCP folder;
-  // one thread (a token's matmuls are too small to share, see README).
+  // one thread (a token's matmuls are too small to share, see docs/checkpoints.md).
   const std::string err = (dir / "stderr.txt").string();
   for (const std::string& src : {(dir / "ckpt").string(), step, (dir / "dcp" / "step-5").string()}) {
     const auto r = ctitan::testing::sh("(" + generate_bin() + " " + src + " --threads 1 --prompt-ids " + ids +

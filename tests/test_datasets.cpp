@@ -216,7 +216,7 @@ std::vector<Doc> corpus_docs(const std::string& source) {
   return out;
 }
 
-// The sharding rule as the README states it, re-stated here: files >= ranks: rank r takes
+// The sharding rule as docs/data.md states it, re-stated here: files >= ranks: rank r takes
 // files f with f % W == r; else the ranks r with r % F == f share file f, the j-th (j = r / F)
 // of k taking the documents starting in [size·j/k, size·(j+1)/k) (.gz: every k-th document
 // from the j-th; .ctok: document ranges).

@@ -18,6 +18,7 @@
 #include "checkpoint/hf.h"
 #include "checkpoint/safetensors.h"
 #include "config/errors.h"
+#include "models/hf_adapter.h"
 #include "models/llama/args.h"
 #include "models/mixtral/model.h"
 #include "models/registry.h"
@@ -49,7 +50,7 @@ TEST(ModelRegistry, NamesLookupsAndTheUnknownNameError) {
   EXPECT_EQ(user_error([] { model_spec("gpt2"); }), "model.name = \"gpt2\" is not one of: llama3, mixtral, llama2");
   EXPECT_EQ(user_error([] { model_spec("llama2").sizes("9B", 128); }),
             "unknown model.flavor \"9B\" for llama2; valid: debugmodel, 7B, 13B, 70B");
-  EXPECT_EQ(user_error([] { hf_config_for("gpt2", "debugmodel", 10); }),
+  EXPECT_EQ(user_error([] { hf_adapter().config_for("gpt2", "debugmodel", 10); }),
             "HF interop: model \"gpt2\" is not one of: llama3, mixtral, llama2");
 }
 
@@ -63,14 +64,16 @@ TEST(ModelRegistry, HuggingFaceArchitecturesPickAFamilyDeterministically) {
   EXPECT_EQ(hf_architecture_of_model_type("llama"), "LlamaForCausalLM");
   EXPECT_EQ(hf_architecture_of_model_type("mixtral"), "MixtralForCausalLM");
   EXPECT_EQ(hf_architectures(), (std::vector<std::string>{"LlamaForCausalLM", "MixtralForCausalLM"}));
-  HFModelConfig c = hf_config_for("llama2", "debugmodel", 2048);
-  EXPECT_EQ(c.model_name(), "llama3");
-  EXPECT_EQ(c.model_type(), "llama");
-  EXPECT_FALSE(c.moe());
-  EXPECT_EQ(find_flavor(c, "llama2"), "debugmodel");
-  EXPECT_EQ(find_flavor(c), "");  // llama3's debugmodel has 6 layers, llama2's 8
+  const HFAdapter& families = hf_adapter();
+  HFModelConfig c = families.config_for("llama2", "debugmodel", 2048);
+  EXPECT_EQ(families.family_of(c.architecture), "llama3");
+  EXPECT_EQ(families.model_type_of(c.architecture), "llama");
+  const std::vector<std::pair<std::string, std::string>> dense = {{"attention_bias", "false"}, {"mlp_bias", "false"}};
+  EXPECT_EQ(families.family_json(c), dense);  // a dense feed-forward's fields
+  EXPECT_EQ(find_flavor(c, families, "llama2"), "debugmodel");
+  EXPECT_EQ(find_flavor(c, families), "");  // llama3's debugmodel has 6 layers, llama2's 8
   // The config.json text round-trips.
-  const HFModelConfig back = parse_hf_config(hf_config_json(c), "config.json");
+  const HFModelConfig back = parse_hf_config(hf_config_json(c, families), "config.json", families);
   EXPECT_EQ(structure_difference(back, c), "");
   EXPECT_EQ(back.rope_theta, 10000);
   EXPECT_FALSE(back.rope_scaling.has_value());
@@ -106,7 +109,7 @@ TEST(Llama2Family, DebugModelBuildsWithTheAdaptersNamesAndInitIsSeeded) {
   TrainModel a = s.build("debugmodel", 32, ModelInit::Full);
   ParamList got;
   for (const auto& kv : a.module->named_parameters()) got.push_back({kv.key(), kv.value().sizes().vec()});
-  EXPECT_EQ(got, ctitan_params(hf_config_for("llama2", "debugmodel", 2048)));
+  EXPECT_EQ(got, hf_adapter().params(hf_adapter().config_for("llama2", "debugmodel", 2048)));
   EXPECT_EQ(a.units().size(), 10u);  // tok_embeddings, 8 layers, output
   EXPECT_EQ(a.n_layers, 8);
   EXPECT_EQ(a.total_params, s.sizes("debugmodel", 32).total_params);
@@ -309,7 +312,8 @@ TEST_F(Llama2E2E, TrainsResumesExportsToHuggingFaceAndLoadsBack) {
   auto imp = train(2, args(dump, 1, load + hf), {{"CTITAN_CHECKPOINT_DUMP_LOADED", loaded}});
   ASSERT_TRUE(ctitan::testing::all_ok(imp));
   CheckpointReader back(loaded + "/step-6");
-  EXPECT_EQ(back.meta().entries.size(), ctitan_params(hf_config_for("llama2", "debugmodel", 2048)).size());
+  EXPECT_EQ(back.meta().entries.size(),
+            hf_adapter().params(hf_adapter().config_for("llama2", "debugmodel", 2048)).size());
   for (const auto& [fqn, e] : back.meta().entries)
     EXPECT_TRUE(torch::equal(back.read_tensor(fqn), saved.read_tensor(fqn))) << fqn;
 }

@@ -9,6 +9,7 @@
 #include "checkpoint/convert.h"
 #include "checkpoint/hf.h"
 #include "checkpoint/safetensors.h"
+#include "models/hf_adapter.h"
 #include "config/cli.h"
 #include "config/errors.h"
 #include "tools/inference_model.h"
@@ -25,7 +26,7 @@ void dump_logits(const std::string& src, const std::vector<std::vector<int64_t>>
     if (static_cast<int64_t>(seq.size()) != T)
       throw UserError("checkpoint tool: the sequences of a logits batch must have the same length (" +
                       std::to_string(T) + " and " + std::to_string(seq.size()) + " tokens)");
-  const ModelTensors m = open_model(src, "", "");
+  const ModelTensors m = open_model(src, "", "", hf_adapter());
   const int64_t vocab = m.vocab_size();
   std::vector<int64_t> flat;
   for (const auto& seq : batch)
@@ -95,13 +96,13 @@ int checkpoint_tool_main(const std::vector<std::string>& args) {
       const bool verify = args.size() == 3;
       std::error_code ec;
       if (is_hf_folder(args[1]) && !fs::exists(fs::path(args[1]) / "metadata", ec))
-        std::cout << inspect_hf(args[1], verify);
+        std::cout << inspect_hf(args[1], verify, hf_adapter());
       else
         std::cout << inspect_checkpoint(args[1], verify);
       return 0;
     }
     if (args.size() >= 3 && args[0] == "export" && (args.size() == 3 || (args.size() == 5 && args[3] == "--dtype"))) {
-      export_consolidated(args[1], args[2], args.size() == 5 ? args[4] : "");
+      export_consolidated(args[1], args[2], args.size() == 5 ? args[4] : "", hf_adapter());
       std::cout << "wrote " << args[2] << ": a dict of model tensors in " << kPtLoadNote << "\n";
       return 0;
     }
@@ -115,8 +116,8 @@ int checkpoint_tool_main(const std::vector<std::string>& args) {
         opt[args[i]] = args[i + 1];
       }
       // Converted first: nothing on stdout before an error line, or before the save's log line.
-      const std::string done =
-          convert_checkpoint(args[1], args[2], opt["--to"], opt["--dtype"], opt["--model"], opt["--flavor"]);
+      const std::string done = convert_checkpoint(args[1], args[2], opt["--to"], opt["--dtype"], opt["--model"],
+                                                  opt["--flavor"], hf_adapter());
       std::cout << "converted " << done << "\n";
       return 0;
     }

@@ -16,10 +16,12 @@
 
 #include "checkpoint/dcp.h"
 #include "checkpoint/format.h"
+#include "checkpoint/options.h"
 #include "config/cli.h"
 #include "config/errors.h"
 #include "config/job_config.h"
 #include "datasets/tokenizer.h"
+#include "models/hf_adapter.h"
 #include "models/registry.h"
 #include "util/strings.h"
 
@@ -114,7 +116,8 @@ const char* const kUsage =
     "  --ids-out FILE     also write {\"prompt_ids\", \"generated_ids\", \"stop\", \"tokens_per_s\"} as JSON\n"
     "  --model M, --flavor F  for checkpoints that record neither (DCP, .pt)\n"
     "  --threads N        intra-op threads (default: LibTorch's, one per core); a small model's per-token\n"
-    "                     matmuls are too short to share (README: 1 thread was faster for the debug model)\n"
+    "                     matmuls are too short to share (docs/checkpoints.md: 1 thread was faster for the debug "
+    "model)\n"
     "stdout: the prompt and the continuation as it is generated; stderr: the tokens/s line.\n"
     "exit status: 0 done; 2 bad input (missing checkpoint, unknown option, prompt too long); 1 a failure\n";
 
@@ -302,7 +305,7 @@ Inputs resolve_inputs(const GenerateArgs& g) {
   if (!g.config_file.empty()) {
     if (!fs::exists(g.config_file)) throw UserError("generate: --config " + g.config_file + " does not exist");
     const JobConfig cfg = load_job_config({"--job.config_file", g.config_file}).config;
-    if (source.empty()) source = (fs::path(cfg.job.dump_folder) / cfg.checkpoint.folder).string();
+    if (source.empty()) source = checkpoint_options(cfg).folder;
     if (g.tokenizer_arg.empty() && g.have_prompt)
       tok_path = resolve_tokenizer_path(cfg.model.tokenizer_path, cfg.model.hf_assets_path);
     max_seq = cfg.training.seq_len;
@@ -314,7 +317,7 @@ Inputs resolve_inputs(const GenerateArgs& g) {
     tok_path = fs::is_directory(g.tokenizer_arg, ec) ? resolve_tokenizer_path("", g.tokenizer_arg)
                                                      : resolve_tokenizer_path(g.tokenizer_arg, "");
   }
-  ModelTensors m = open_model(source, g.model_arg, g.flavor_arg);
+  ModelTensors m = open_model(source, g.model_arg, g.flavor_arg, hf_adapter());
   if (tok_path.empty() && g.have_prompt) {
     if (m.form == "hf" &&
         (fs::exists(fs::path(source) / "tokenizer.json") || fs::exists(fs::path(source) / "vocab.json") ||

@@ -10,26 +10,27 @@ namespace {
 
 // The loader's own state string (datasets/sharding.h owns its format and redistribution), as
 // of the batches trained on.
-std::unique_ptr<DataLoaderState> dataloader_state(const JobConfig& cfg, const Parallelism& par,
+std::unique_ptr<DataLoaderState> dataloader_state(const CheckpointOptions& options, const Parallelism& par,
                                                   BatchPrefetcher& batches) {
   BatchPrefetcher* l = &batches;
   return std::make_unique<DataLoaderState>(
       [l] { return l->state_dict(); }, [l](const std::string& s) { l->load_state_dict(s); }, par.dp_rank, par.dims.dp(),
-      cfg.checkpoint.dataloader_reshard,
+      options.dataloader_reshard,
       [l](const std::vector<std::string>& saved, int64_t, int64_t) { return l->redistributed_state(saved); });
 }
 
 }  // namespace
 
-std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const Parallelism& par, TrainModel& model,
-                                                   FSDP* fsdp, torch::optim::Optimizer& opt, LRScheduler& lr,
+std::unique_ptr<Checkpointing> build_checkpointing(const CheckpointOptions& options, const HFAdapter& families,
+                                                   const Parallelism& par, TrainModel& model, FSDP* fsdp,
+                                                   torch::optim::Optimizer& opt, LRScheduler& lr,
                                                    BatchPrefetcher& batches, TrainState& ts, uint64_t seed) {
   auto c = std::make_unique<Checkpointing>();
-  CheckpointOptions o = checkpoint_options(cfg);
-  o.dp_replicate = par.dims.dp_replicate;
-  o.dp_shard = par.dims.dp_shard;
-  c->manager = std::make_unique<CheckpointManager>(
-      o, par.dist ? checkpoint_comm(par.dist->world, par.dist->store) : CheckpointComm::single_process());
+  CheckpointComm comm = par.dist ? checkpoint_comm(par.dist->world, par.dist->store) : CheckpointComm::single_process();
+  comm.dp_replicate = par.dims.dp_replicate;
+  comm.dp_shard = par.dims.dp_shard;
+  c->manager = std::make_unique<CheckpointManager>(options, std::move(comm));
+  c->manager->set_hf_adapter(families);
   // HSDP replicas hold the same rows: the first replica stores them.
   const bool first_replica = par.dims.replicate_index(par.env.rank) == 0;
   const std::vector<ShardedParam> sp = sharded_params(*model.module, fsdp);
@@ -40,7 +41,7 @@ std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const P
   c->train_state = std::make_unique<ScalarsState>(
       "train_state",
       std::vector<std::pair<std::string, int64_t*>>{{"step", &ts.step}, {"ntokens_seen", &ts.ntokens_seen}});
-  c->dataloader = dataloader_state(cfg, par, batches);
+  c->dataloader = dataloader_state(options, par, batches);
   c->rng = std::make_unique<RngState>(par.env.rank, seed);
   std::vector<std::string> fqns;
   for (const auto& p : sp) fqns.push_back(p.fqn);

@@ -34,11 +34,12 @@ struct Checkpointing {
   std::unique_ptr<CheckpointManager> manager;
 };
 
-// The manager with every component registered (nothing loaded yet). The objects passed must
-// outlive the result. The dataloader's state is the batches' (the position of the batches
+// The manager of options (checkpoint_options(cfg), made once by train) with every component
+// registered (nothing loaded yet); families: the model families' HF adapter (models/hf_adapter.h). The objects passed must outlive the result. The dataloader's state is the batches' (the position of the batches
 // trained on, not of those read ahead: training/prefetcher.h).
-std::unique_ptr<Checkpointing> build_checkpointing(const JobConfig& cfg, const Parallelism& par, TrainModel& model,
-                                                   FSDP* fsdp, torch::optim::Optimizer& opt, LRScheduler& lr,
+std::unique_ptr<Checkpointing> build_checkpointing(const CheckpointOptions& options, const HFAdapter& families,
+                                                   const Parallelism& par, TrainModel& model, FSDP* fsdp,
+                                                   torch::optim::Optimizer& opt, LRScheduler& lr,
                                                    BatchPrefetcher& batches, TrainState& ts, uint64_t seed);
 
 // The periodic save. A save that failed on some rank fails on every rank alike, leaving the

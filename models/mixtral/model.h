@@ -31,7 +31,7 @@
 //
 // The load-balancing auxiliary loss (Switch / Mixtral) of each block,
 //   aux = E · Σ_e f_e · P_e,  f_e = tokens_per_expert_e / (N·k), P_e = mean_t scores[t, e],
-// is 1 when balanced. It joins the training objective inside the block's backward: the
+// is 1 when balanced (per block; the lb_loss metric sums it over the blocks). It joins the training objective inside the block's backward: the
 // block output passes through an identity autograd node whose backward also feeds
 // d(objective)/d(aux) = load_balance_loss_coeff · aux_loss_scale into aux. So
 // loss.backward() on the cross-entropy alone trains cross_entropy + coeff · Σ aux, with

@@ -1,8 +1,9 @@
 // The Hugging Face format of a decoder (plain C++, no LibTorch, no model code): what
-// config.json says about the model, and how ctitan's parameters map to HF's tensors. The JSON
-// text itself is read and written by checkpoint/hf.cpp; each family's ModelSpec
-// (models/model_spec.h) fills an HFModelConfig from a flavor and names its parameters
-// (models/hf_names.h).
+// config.json says about the model, and how ctitan's parameters map to HF's tensors. The room
+// below models/ and checkpoint/: each family's ModelSpec (models/model_spec.h) fills an
+// HFModelConfig from a flavor and names its parameters (models/hf_names.h); checkpoint/hf.cpp
+// reads and writes the JSON text and the tensors, asking the families through an HFAdapter
+// (hf_types/hf_adapter.h).
 //
 // Rotary embedding layout: ctitan (as torchtitan and the original checkpoints) rotates
 // interleaved pairs (0,1), (2,3), ... of each head; HF's rotate_half pairs dimension i with
@@ -39,22 +40,21 @@ struct HFModelConfig {
           num_hidden_layers = 0, vocab_size = 0, max_position_embeddings = 0;
   double rms_norm_eps = 1e-5, rope_theta = 10000;
   std::optional<HFRopeScaling> rope_scaling;               // rope_type kHfRopeScalingType
-  int64_t num_local_experts = 0, num_experts_per_tok = 0;  // MoE families
+  int64_t num_local_experts = 0, num_experts_per_tok = 0;  // MoE families (written and read by them)
   double router_aux_loss_coef = 0;
   bool tie_word_embeddings = false;
   std::string torch_dtype = "float32";
 
-  // The family facts below come from models/registry.cpp (which defines these three), the one
-  // place that knows the registered families.
-  // Whether the architecture's family is a mixture of experts (its MoE fields are read and
-  // written). False for an architecture no family registers.
-  bool moe() const;
   int64_t head_dim() const { return hidden_size / num_attention_heads; }
-  // The family that loads this architecture when none is named (models/registry.cpp).
-  std::string model_name() const;
-  // config.json's "model_type" of the architecture ("" when no family registers it).
-  std::string model_type() const;
 };
+
+// "" when a and b describe the same structure (architecture, sizes, heads, layers, experts,
+// vocabulary), else the first difference: "num_hidden_layers: 6 vs 4".
+std::string structure_difference(const HFModelConfig& a, const HFModelConfig& b);
+
+// The shortest decimal that reads back as exactly v, as HF writes floats ("500000.0", "1e-05"):
+// a number of config.json.
+std::string hf_json_number(double v);
 
 // ctitan's parameters (names and shapes), in the order of named_parameters().
 using ParamList = std::vector<std::pair<std::string, std::vector<int64_t>>>;

@@ -1,0 +1,319 @@
+// The checkpoint reader: a folder's index opened and checked, chunks read CRC-checked and
+// re-sliced; see reader.h.
+#include "checkpoint/reader.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <set>
+
+#include <torch/torch.h>
+
+#include "checkpoint/dcp.h"
+#include "checkpoint/pickle.h"
+#include "checkpoint/state_dict.h"
+#include "config/errors.h"
+#include "kernels/device_route.h"
+#include "util/crc.h"
+#include "util/strings.h"
+
+namespace ctitan {
+
+namespace fs = std::filesystem;
+using ckpt::ChunkMeta;
+using ckpt::EntryMeta;
+using ckpt::Metadata;
+using ckpt::Rule;
+
+CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
+  const fs::path p(dir_);
+  std::error_code ec;
+  if (!fs::is_directory(p, ec)) throw RuntimeFailure("checkpoint " + dir_ + " does not exist");
+  if (!fs::exists(p / "metadata", ec) && dcp::is_dcp_folder(dir_)) {
+    open_dcp();
+    return;
+  }
+  if (!fs::exists(p / "metadata", ec))
+    throw RuntimeFailure("checkpoint " + dir_ + " is not usable: the metadata file is missing");
+  const std::string text = ckpt::read_whole_file((p / "metadata").string());
+  meta_ = Metadata::parse(text, "checkpoint " + dir_ + "/metadata");
+  if (!fs::exists(p / "COMPLETE", ec))
+    throw RuntimeFailure("checkpoint " + dir_ + " is not complete: no COMPLETE marker (the save did not finish)");
+  if (ckpt::read_whole_file((p / "COMPLETE").string()) != ckpt::complete_marker_text(meta_.step, text))
+    throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: metadata does not match its COMPLETE marker");
+  for (const auto& f : meta_.files) {
+    const fs::path fp = p / f.name;
+    if (!fs::exists(fp, ec)) throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: " + f.name + " is missing");
+    const uint64_t size = fs::file_size(fp, ec);
+    if (size != f.size)
+      throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: " + f.name + " has " + std::to_string(size) +
+                           " bytes, the metadata records " + std::to_string(f.size) + " (truncated?)");
+  }
+}
+
+namespace {
+
+// A DCP tensor item as ctitan's entry: its chunks, dim-0 slices covering its rows exactly once
+// (replicated when one chunk holds them all); the items' files are added to `files`.
+EntryMeta dcp_tensor_entry(const std::string& dir, const std::string& key, const dcp::Item& it,
+                           std::set<std::string>& files) {
+  EntryMeta e;
+  e.key = key;
+  e.dtype = it.dtype;
+  e.shape = it.size;
+  for (const auto& c : it.chunks) {
+    for (size_t d = 1; d < it.size.size(); ++d)
+      if (c.offsets[d] != 0 || c.sizes[d] != it.size[d])
+        throw RuntimeFailure("checkpoint " + dir + ": " + key + " is split along dimension " + std::to_string(d) +
+                             " (tensor parallel?); ctitan re-slices tensors sharded along dimension 0 (FSDP) only");
+    ChunkMeta cm;
+    cm.file = c.file;
+    cm.offset = c.offset;
+    cm.nbytes = c.length;
+    cm.encoding = ChunkMeta::Encoding::TorchSave;
+    cm.row_begin = it.size.empty() ? 0 : c.offsets[0];
+    cm.row_end = it.size.empty() ? 1 : c.offsets[0] + c.sizes[0];
+    if (cm.row_end > cm.row_begin) e.chunks.push_back(cm);
+    files.insert(c.file);
+  }
+  std::sort(e.chunks.begin(), e.chunks.end(),
+            [](const ChunkMeta& a, const ChunkMeta& b) { return a.row_begin < b.row_begin; });
+  int64_t next = 0;
+  for (const auto& c : e.chunks) {
+    if (c.row_begin != next) break;
+    next = c.row_end;
+  }
+  if (next != e.rows())
+    throw RuntimeFailure("checkpoint " + dir + " is corrupt: the chunks of " + key + " do not cover its " +
+                         std::to_string(e.rows()) + " rows exactly once");
+  e.rule = e.chunks.size() > 1 ? Rule::Sharded : Rule::Replicated;
+  return e;
+}
+
+}  // namespace
+
+// A DCP folder as ctitan's metadata: one entry per key, its chunks pointing at the items'
+// torch.save archives (dim-0 slices: FSDP's sharding, the only one re-sliced here).
+void CheckpointReader::open_dcp() {
+  dcp_ = true;
+  const fs::path p(dir_);
+  std::error_code ec;
+  const std::string md_bytes = ckpt::read_whole_file((p / dcp::kMetadataFile).string());
+  if (fs::exists(p / "COMPLETE", ec)) {  // written by ctitan: the marker must match
+    const std::string marker = ckpt::read_whole_file((p / "COMPLETE").string());
+    const std::string head = "ctitan-dcp-complete step ";
+    const int64_t step = marker.rfind(head, 0) == 0 ? std::atoll(marker.c_str() + head.size()) : -1;
+    if (step < 0 || marker != ckpt::dcp_complete_marker_text(step, md_bytes))
+      throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: .metadata does not match its COMPLETE marker");
+    dcp_by_ctitan_ = true;
+    meta_.step = step;
+  }
+  const dcp::Metadata dm = dcp::read_metadata(dir_);
+  // torchtitan's Python ints (BytesStorageMetadata items), read as integer scalars.
+  static const std::set<std::string> ints = {"train_state.step", "train_state.ntokens_seen", "lr_scheduler.last_epoch",
+                                             "lr_scheduler.last_step", "dataloader.world_size"};
+  std::set<std::string> files;
+  for (const auto& [key, it] : dm.items) {
+    EntryMeta e;
+    e.key = key;
+    if (it.is_bytes) {
+      // Other Python objects (optimizer.param_groups.*, LambdaLR's base_lrs, ...) are
+      // hyper-parameters ctitan takes from its config: not entries.
+      if (!ints.count(key) && key.rfind("dataloader.", 0) != 0 && key.rfind("rng.", 0) != 0) continue;
+      const dcp::Chunk& c = it.chunks.at(0);
+      ChunkMeta cm;
+      cm.file = c.file;
+      cm.offset = c.offset;
+      cm.nbytes = c.length;
+      cm.encoding = ints.count(key) ? ChunkMeta::Encoding::PickledInt : ChunkMeta::Encoding::TorchSave;
+      if (ints.count(key)) {
+        e.dtype = "int64";
+        cm.row_end = 1;
+      } else {
+        e.is_bytes = true;
+        e.rule = Rule::PerRank;
+      }
+      e.chunks.push_back(cm);
+      files.insert(c.file);
+    } else {
+      e = dcp_tensor_entry(dir_, key, it, files);
+    }
+    meta_.entries.emplace(key, std::move(e));
+  }
+  if (!meta_.entries.count("lr_scheduler.last_step") && meta_.entries.count("lr_scheduler.last_epoch")) {
+    EntryMeta e = meta_.entries.at("lr_scheduler.last_epoch");  // LambdaLR's count of steps taken
+    e.key = "lr_scheduler.last_step";
+    meta_.entries.emplace(e.key, std::move(e));
+  }
+  for (const auto& f : files) meta_.files.push_back({f, static_cast<uint64_t>(fs::file_size(p / f, ec)), 0});
+  meta_.world_size = std::max<int64_t>(1, static_cast<int64_t>(files.size()));
+  meta_.dp_shard = meta_.world_size;
+  meta_.model_only = true;
+  for (const auto& kv : meta_.entries)
+    if (kv.first.rfind("optimizer.", 0) == 0) meta_.model_only = false;
+  if (!dcp_by_ctitan_) meta_.step = has("train_state.step") ? read_int("train_state.step") : 0;
+}
+
+std::string CheckpointReader::read_item(const ChunkMeta& c) const {
+  const std::string path = (fs::path(dir_) / c.file).string();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw RuntimeFailure("checkpoint: cannot open " + path + ": " + std::strerror(errno));
+  std::string buf(c.nbytes, '\0');
+  size_t done = 0;
+  while (done < c.nbytes) {
+    const ssize_t r = ::pread(fd, &buf[done], c.nbytes - done, static_cast<off_t>(c.offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;
+    done += static_cast<size_t>(r);
+  }
+  ::close(fd);
+  if (done < c.nbytes)
+    throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: " + c.file + " ends at byte " +
+                         std::to_string(c.offset + done) + ", inside an item that .metadata places at [" +
+                         std::to_string(c.offset) + ", " + std::to_string(c.offset + c.nbytes) + ") (truncated?)");
+  bytes_read_ += c.nbytes;
+  return buf;
+}
+
+std::string CheckpointReader::item_where(const EntryMeta& e, const ChunkMeta& c) const {
+  return "checkpoint " + dir_ + ": " + c.file + " bytes [" + std::to_string(c.offset) + ", " +
+         std::to_string(c.offset + c.nbytes) + ") holding " + e.key;
+}
+
+const EntryMeta& CheckpointReader::entry(const std::string& key) const {
+  auto it = meta_.entries.find(key);
+  if (it == meta_.entries.end()) throw UserError("checkpoint " + dir_ + " has no entry " + key);
+  return it->second;
+}
+
+void CheckpointReader::require_tensor(const std::string& key, const std::vector<int64_t>& shape) const {
+  const EntryMeta& e = entry(key);
+  if (e.is_bytes) throw UserError("checkpoint " + dir_ + ": " + key + " is not a tensor");
+  if (e.shape != shape)
+    throw UserError("checkpoint " + dir_ + ": " + key + " has shape " + shape_str(e.shape) + ", this run's is " +
+                    shape_str(shape));
+}
+
+std::string CheckpointReader::read_chunk(const EntryMeta& e, const ChunkMeta& c) const {
+  if (c.encoding != ChunkMeta::Encoding::Raw && e.is_bytes) {
+    const pickle::Ptr v = dcp::read_object_item(read_item(c), item_where(e, c));
+    if (!v->is(pickle::Value::Kind::Bytes))
+      throw RuntimeFailure(item_where(e, c) + ": holds " + pickle::describe(*v) + ", not a byte string");
+    return v->s;
+  }
+  const size_t n = c.encoding == ChunkMeta::Encoding::Raw
+                       ? c.nbytes
+                       : static_cast<size_t>((c.row_end - c.row_begin) * e.row_numel()) * ckpt::dtype_size(e.dtype);
+  std::string buf(n, '\0');
+  read_chunk_into(e, c, buf.data());
+  return buf;
+}
+
+void CheckpointReader::read_chunk_into(const EntryMeta& e, const ChunkMeta& c, void* dst) const {
+  if (c.encoding == ChunkMeta::Encoding::PickledInt) {
+    const pickle::Ptr v = dcp::read_object_item(read_item(c), item_where(e, c));
+    if (!v->is(pickle::Value::Kind::Int))
+      throw RuntimeFailure(item_where(e, c) + ": holds " + pickle::describe(*v) + ", not an integer");
+    std::memcpy(dst, &v->i, sizeof v->i);
+    return;
+  }
+  if (c.encoding == ChunkMeta::Encoding::TorchSave) {
+    std::vector<int64_t> sizes = e.shape;
+    if (!sizes.empty()) sizes[0] = c.row_end - c.row_begin;
+    dcp::read_tensor_item(read_item(c), item_where(e, c), e.dtype, sizes, dst);
+    return;
+  }
+  const std::string path = (fs::path(dir_) / c.file).string();
+  char* buf = static_cast<char*>(dst);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw RuntimeFailure("checkpoint: cannot open " + path + ": " + std::strerror(errno));
+  ::posix_fadvise(fd, static_cast<off_t>(c.offset), static_cast<off_t>(c.nbytes), POSIX_FADV_SEQUENTIAL);
+  // Block by block, each checksummed while it is still in cache and while the kernel reads
+  // ahead the next: the check overlaps the I/O instead of following it.
+  constexpr size_t kBlock = size_t{4} << 20;
+  uint32_t crc = 0;
+  size_t done = 0;
+  while (done < c.nbytes) {
+    const size_t end = std::min<size_t>(c.nbytes, done + kBlock);
+    const size_t start = done;
+    while (done < end) {
+      const ssize_t r = ::pread(fd, &buf[done], end - done, static_cast<off_t>(c.offset + done));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) {
+        ::close(fd);
+        throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: " + c.file + " ends inside " + e.key);
+      }
+      done += static_cast<size_t>(r);
+    }
+    crc = crc::crc32(buf + start, end - start, crc);
+  }
+  ::close(fd);
+  bytes_read_ += c.nbytes;
+  if (crc != c.crc)
+    throw RuntimeFailure("checkpoint " + dir_ + " is corrupt: " + c.file + " bytes [" + std::to_string(c.offset) +
+                         ", " + std::to_string(c.offset + c.nbytes) + ") holding " + e.key +
+                         " fail their CRC-32 check (recorded " + ckpt::hex32(c.crc) + ", computed " + ckpt::hex32(crc) +
+                         ")");
+}
+
+void CheckpointReader::read_rows(const std::string& key, int64_t begin, int64_t end, const at::Tensor& dest) const {
+  torch::NoGradGuard no_grad;
+  if (on_gpu(dest)) {  // read on the host, then one copy to the device
+    at::Tensor host = at::empty(dest.sizes(), dest.options().device(at::kCPU));
+    read_rows(key, begin, end, host);
+    dest.copy_(host);
+    return;
+  }
+  const EntryMeta& e = entry(key);
+  TORCH_CHECK(!e.is_bytes, "[checkpoint] ", key, " is not a tensor");
+  TORCH_CHECK(0 <= begin && begin <= end && end <= e.rows(), "[checkpoint] rows [", begin, ", ", end, ") of ", key,
+              " outside [0, ", e.rows(), ")");
+  TORCH_CHECK(dest.is_contiguous(), "[checkpoint] destination of ", key, " must be contiguous");
+  const int64_t rn = e.row_numel();
+  at::Tensor d2 = dest.dim() == 0 ? dest.view({1, 1}) : dest.view({dest.size(0), -1});
+  TORCH_CHECK(d2.size(0) >= end - begin && d2.size(1) == rn, "[checkpoint] destination of ", key,
+              " has the wrong shape");
+  const at::ScalarType st = ckpt::scalar_type_of(e.dtype);
+  for (const ChunkMeta& c : e.chunks) {
+    const int64_t s = std::max(begin, c.row_begin), t = std::min(end, c.row_end);
+    if (s >= t) continue;
+    if (s == c.row_begin && t == c.row_end && st == d2.scalar_type()) {
+      // The whole chunk lands in the destination as stored: read it there (no staging copy).
+      read_chunk_into(e, c, d2.narrow(0, s - begin, t - s).data_ptr());
+      continue;
+    }
+    std::string bytes = read_chunk(e, c);
+    auto src = torch::from_blob(bytes.data(), {c.row_end - c.row_begin, rn}, torch::TensorOptions().dtype(st));
+    d2.narrow(0, s - begin, t - s).copy_(src.narrow(0, s - c.row_begin, t - s));
+  }
+  if (d2.size(0) > end - begin) d2.narrow(0, end - begin, d2.size(0) - (end - begin)).zero_();
+}
+
+at::Tensor CheckpointReader::read_tensor(const std::string& key) const {
+  const EntryMeta& e = entry(key);
+  if (e.is_bytes) throw UserError("checkpoint " + dir_ + ": " + key + " is not a tensor");
+  auto t = torch::empty(e.shape, torch::TensorOptions().dtype(ckpt::scalar_type_of(e.dtype)));
+  read_rows(key, 0, e.rows(), t);
+  return t;
+}
+
+int64_t CheckpointReader::read_int(const std::string& key) const {
+  auto t = read_tensor(key);
+  // PyTorch's Adam keeps its step as a float32 scalar (DCP checkpoints): an integral value is fine.
+  if (t.numel() != 1 || (t.is_floating_point() && t.item<double>() != std::floor(t.item<double>())))
+    throw RuntimeFailure("checkpoint " + dir_ + ": " + key + " is not an integer scalar");
+  return t.is_floating_point() ? static_cast<int64_t>(t.item<double>()) : t.item<int64_t>();
+}
+
+std::string CheckpointReader::read_bytes(const std::string& key) const {
+  const EntryMeta& e = entry(key);
+  if (!e.is_bytes) throw UserError("checkpoint " + dir_ + ": " + key + " is not a byte string");
+  return read_chunk(e, e.chunks.at(0));
+}
+
+}  // namespace ctitan
