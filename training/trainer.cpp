@@ -197,7 +197,9 @@ void Trainer::train_step(int64_t step) {
   v.loss_mean = p_.par.dist ? torch::full({}, world_mean(p_.par, read_to_host(v.loss_sum).item<double>(), "loss"),
                                           v.loss_sum.options())
                             : v.loss_sum;
-  v.grad_norm = clip_grad_norm_tensor(p_.params, p_.cfg.training.max_norm, p_.grad_sq_all_reduce);
+  // Where the loss is (the compute device), so the step's values sit together for settle().
+  v.grad_norm =
+      clip_grad_norm_tensor(p_.params, p_.cfg.training.max_norm, p_.grad_sq_all_reduce).to(v.loss_sum.device());
   v.lr = p_.lr.current_lr();
   apply_update(v);
   p_.lr.step();
@@ -211,7 +213,7 @@ void Trainer::train_step(int64_t step) {
 // The optimizer step, skipped on the device when the loss or the norm is not finite;
 // training.on_nonfinite's policy follows when settle() reads the flag back.
 void Trainer::apply_update(StepValues& v) {
-  v.skipped = (v.loss_mean.isfinite() & v.grad_norm.to(v.loss_mean.device()).isfinite()).logical_not();
+  v.skipped = (v.loss_mean.isfinite() & v.grad_norm.isfinite()).logical_not();
   step_unless(p_.optimizer, v.skipped);
 }
 
@@ -219,8 +221,7 @@ StepResult Trainer::settle() {
   if (pending_.empty()) return settled_;
   std::vector<torch::Tensor> rows;
   for (const StepValues& v : pending_)
-    rows.push_back(
-        torch::stack({v.loss_sum, v.loss_mean, v.grad_norm.to(v.loss_sum.device()), v.skipped.to(torch::kFloat64)}));
+    rows.push_back(torch::stack({v.loss_sum, v.loss_mean, v.grad_norm, v.skipped.to(torch::kFloat64)}));
   const auto host = read_to_host(torch::stack(rows));  // [steps, 4]: the one read
   const auto a = host.accessor<double, 2>();
   int64_t skipped = 0;
