@@ -38,6 +38,7 @@
 #include "datasets/tokenizer.h"
 #include "models/init.h"
 #include "kernels/gemm.h"
+#include "kernels/sdpa_choice.h"
 #include "models/hf_adapter.h"
 #include "models/registry.h"
 #include "models/train_model.h"
@@ -633,6 +634,47 @@ void maybe_move_to_device(TrainModel& model, const DeviceChoice& device, bool pa
   };
 }
 
+// model.sdpa_backend on a GPU: auto times cuDNN's, flash and memory-efficient attention on
+// this run's shape (local batch, seq_len, heads, head_dim) and compute dtype and keeps the
+// fastest; a named backend is checked to take that shape. Logged either way. The CPU runs
+// ctitan's own flash attention: nothing to choose.
+void choose_attention(const Job& j, const ModelArgs& margs) {
+  if (!j.device.cuda) return;
+  const JobConfig& cfg = j.cfg;
+  const ModelSizes& z = margs.sizes;
+  SdpaShape shape;
+  shape.batch = cfg.training.local_batch_size;
+  shape.seq = cfg.training.seq_len;
+  shape.head_dim = z.head_dim;
+  shape.heads = z.dim / z.head_dim;
+  shape.kv_heads = z.kv_dim / z.head_dim;
+  shape.dtype = j.fsdp && cfg.training.mixed_precision_param == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  shape.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(j.device.index));
+  const SdpaBackend asked = cfg.model.sdpa_backend;
+  std::vector<at::SDPBackend> candidates;
+  switch (asked) {
+    case SdpaBackend::Auto:
+      candidates = {at::SDPBackend::cudnn_attention, at::SDPBackend::flash_attention,
+                    at::SDPBackend::efficient_attention};
+      break;
+    case SdpaBackend::CuDNN: candidates = {at::SDPBackend::cudnn_attention}; break;
+    case SdpaBackend::Flash: candidates = {at::SDPBackend::flash_attention}; break;
+    case SdpaBackend::Efficient: candidates = {at::SDPBackend::efficient_attention}; break;
+    case SdpaBackend::Math: candidates = {at::SDPBackend::math}; break;
+  }
+  const SdpaChoice c = measure_sdpa(shape, candidates);
+  const bool any = std::any_of(c.tried.begin(), c.tried.end(), [](const SdpaTry& t) { return t.usable; });
+  const std::string what = fmt::format("[batch {}, seq {}, {} heads, {} kv heads, head dim {}] {}", shape.batch,
+                                       shape.seq, shape.heads, shape.kv_heads, shape.head_dim,
+                                       c10::toString(shape.dtype));
+  if (!any)
+    throw UserError(fmt::format("model.sdpa_backend {}: ATen's attention cannot run {} on {} ({}); choose auto",
+                                key_name(asked), what, j.device.name(), c.summary()));
+  use_sdpa(c);
+  spdlog::info("attention: {} ({}; model.sdpa_backend {}{})", c.name(), c.summary(), key_name(asked),
+               asked == SdpaBackend::Auto ? ": the fastest forward + backward on " + what : ", on " + what);
+}
+
 // The model: built without storage, AC applied, then FSDP, which initialises unit by unit.
 // With FSDP the full model never exists on a rank: each unit is given storage, initialised
 // from the seed as the full init would (same draws, same order), cut to this rank's rows and
@@ -678,6 +720,7 @@ void setup_model(Job& j, const ModelArgs& margs) {
   // the memory FSDP exists to give back.
   if (j.fsdp) release_cached_cpu_memory();
   maybe_move_to_device(model, j.device, /*params_placed=*/j.fsdp != nullptr);
+  choose_attention(j, margs);
 }
 
 // Optimizer and LR schedule, on the local shards with FSDP.
@@ -700,7 +743,6 @@ void setup_optimizer(Job& j) {
 // Checkpointing: the components registered, then resumed from the latest complete checkpoint
 // (or initial_load_path). Returns false for checkpoint.create_seed_checkpoint: saved, done.
 bool setup_checkpointing(Job& j) {
-  const JobConfig& cfg = j.cfg;
   enter_phase(j.at, 0, "checkpoint load");
   j.ckpt = build_checkpointing(j.checkpoint, hf_adapter(), j.par, j.model, j.fsdp.get(), *j.optimizer, *j.lr,
                                *j.data.batches, j.train_state, j.seed);

@@ -12,6 +12,12 @@
 #   TRAIN=build-gpu/train bench/gpu_bench.sh [OUT_DIR]     # on the GPU machine (gpu_check.sh (d))
 #   CTITAN_BENCH_SHAPES="8B_8L 150M" ...                   # some shapes
 #   CTITAN_BENCH_COMPILE=0 ...                             # no torch.compile column
+#   CTITAN_BENCH_VARIANTS="sdpa_flash sdpa_cudnn" ...     # more ctitan rows per shape, each with
+#       one setting changed (sdpa_<backend>: model.sdpa_backend <backend>), against the same
+#       eager and compile numbers
+# ctitan runs 12 steps: tokens/s and memory are the log line of step 10 (steps 6-10); step 12 is
+# recorded by the profiler, and its summary (scripts/profile_summary.py: the ops, and on a GPU
+# the kernels and how busy the GPU was) goes to OUT_DIR/<shape>.profile.txt.
 #   CTITAN_BENCH_DEVICE=cpu CTITAN_BENCH_SHAPES=tiny CTITAN_BENCH_COMPILE=0 bench/gpu_bench.sh
 #       # the pipeline on a CPU with a debug-sized shape (tests/test_launchers' smoke run): the
 #       # numbers mean nothing there, the table's arithmetic and the runs are what it checks.
@@ -28,6 +34,7 @@ fi
 DEVICE="${CTITAN_BENCH_DEVICE:-cuda}"
 SHAPES="${CTITAN_BENCH_SHAPES:-8B_8L 8B_16L 150M}"
 COMPILE="${CTITAN_BENCH_COMPILE:-1}"
+VARIANTS="${CTITAN_BENCH_VARIANTS:-}"
 PEAK="${CTITAN_PEAK_TFLOPS:-989.5}"
 TOKENIZER="${CTITAN_BENCH_TOKENIZER:-$CTITAN_DATA_DIR/tokenizers/moby_dick_8192.model}"
 mkdir -p "$OUT"
@@ -50,16 +57,28 @@ for shape in $SHAPES; do
   read -r -a model_args <<<"${spec#*|}"
   tok="$TOKENIZER"
   [[ $shape == tiny ]] && tok="$CTITAN_DEFAULT_TOKENIZER"
-  log "$shape: ctitan ($flavor, seq $seq, batch $batch)"
-  rm -rf "$OUT/$shape.ctitan"
   envs=()
   [[ $DEVICE == cpu ]] && envs=(CUDA_VISIBLE_DEVICES=)
-  env "${envs[@]}" "$TRAIN" --job.config_file train_configs/debug_model.toml --model.flavor "$flavor" \
-    --model.tokenizer_path "$tok" --training.local_batch_size "$batch" --training.seq_len "$seq" \
-    --training.steps 10 --metrics.log_freq 5 --debug.seed 42 --metrics.enable_tensorboard false \
-    --activation_checkpoint.mode none --training.mixed_precision_param bfloat16 \
-    --job.dump_folder "$OUT/$shape.ctitan" >"$OUT/$shape.ctitan.log" 2>&1 ||
-    log "$shape: ctitan failed: $(tail -1 "$OUT/$shape.ctitan.log")"
+  for variant in ctitan $VARIANTS; do
+    extra=()
+    case $variant in
+      ctitan) ;;
+      sdpa_*) extra=(--model.sdpa_backend "${variant#sdpa_}") ;;
+      *) log "unknown variant $variant"; exit 2 ;;
+    esac
+    log "$shape: $variant ($flavor, seq $seq, batch $batch)"
+    rm -rf "${OUT:?}/$shape.$variant"
+    env "${envs[@]}" "$TRAIN" --job.config_file train_configs/debug_model.toml --model.flavor "$flavor" \
+      --model.tokenizer_path "$tok" --training.local_batch_size "$batch" --training.seq_len "$seq" \
+      --training.steps 12 --metrics.log_freq 5 --debug.seed 42 --metrics.enable_tensorboard false \
+      --activation_checkpoint.mode none --training.mixed_precision_param bfloat16 \
+      --profiling.enable_profiling true --profiling.profile_freq 12 \
+      "${extra[@]}" --job.dump_folder "$OUT/$shape.$variant" >"$OUT/$shape.$variant.log" 2>&1 ||
+      log "$shape: $variant failed: $(tail -1 "$OUT/$shape.$variant.log")"
+    trace="$OUT/$shape.$variant/profile_traces/iteration_12/rank0_trace.json"
+    [[ -s $trace ]] && "$PY" scripts/profile_summary.py "$trace" 30 >"$OUT/$shape.$variant.profile.txt" 2>&1
+    grep -m1 "attention:" "$OUT/$shape.$variant.log" >&2
+  done
   for ref in eager compile; do
     rm -f "$OUT/$shape.$ref.json"
     [[ $ref == compile && $COMPILE == 0 ]] && continue
@@ -70,7 +89,7 @@ for shape in $SHAPES; do
       --warmup 2 --dtype bf16 "${flags[@]}" >"$OUT/$shape.$ref.json" 2>"$OUT/$shape.$ref.log" ||
       log "$shape: $ref failed: $(tail -1 "$OUT/$shape.$ref.log")"
   done
-  rows+=("$shape $seq $batch ${model_args[*]}")
+  rows+=("$shape $seq $batch $VARIANTS | ${model_args[*]}")
 done
 
 "$PY" - "$OUT" "$PEAK" "${rows[@]}" <<'EOF'
@@ -92,9 +111,10 @@ def flops_per_token(a, seq):  # torchtitan's get_num_flop_per_token
     return 6 * non_embedding + 12 * layers * heads * hd * seq
 
 
-def ctitan(shape):
-    path = os.path.join(out, shape + ".ctitan", "metrics.jsonl")
+def ctitan(shape, variant="ctitan"):  # the log line of step 10: steps 6-10, before the profiled step
+    path = os.path.join(out, f"{shape}.{variant}", "metrics.jsonl")
     rows = [json.loads(l) for l in open(path) if '"tps"' in l] if os.path.exists(path) else []
+    rows = [r for r in rows if r.get("step") == 10]
     return rows[-1] if rows else None
 
 
@@ -115,19 +135,26 @@ print("| shape | ctitan tok/s | eager | ctitan ÷ eager | compile | ctitan ÷ co
       "| MFU ctitan / eager / compile | peak GiB ctitan / eager / compile |")
 print("|---|---:|---:|---:|---:|---:|---|---|")
 for row in sys.argv[3:]:
-    shape, seq, batch, *margs = row.split()
+    head, margs = row.split("|")
+    shape, seq, batch, *variants = head.split()
+    margs = margs.split()
     a = {margs[i]: int(margs[i + 1]) for i in range(0, len(margs), 2)}
     fpt = flops_per_token(a, int(seq))
-    c, e, k = ctitan(shape), ref(shape, "eager"), ref(shape, "compile")
+    e, k = ref(shape, "eager"), ref(shape, "compile")
     torch_version = torch_version or (e or k or {}).get("torch")
-    tps = [c["tps"] if c else None, e["tokens_per_s"] if e else None, k["tokens_per_s"] if k else None]
-    mfu = ["—" if t is None else f"{100 * t * fpt / peak:.1f}%" for t in tps]
-    mem = [c["memory_gib"] if c else None] + [
-        (r.get("peak_gpu_reserved_gib", r.get("peak_rss_gib")) if r else None) for r in (e, k)]
-    ratio = lambda x, y: f"{x / y:.2f}×" if x and y else "—"
-    print(f"| {shape}, seq {seq}, batch {batch} | {cell(tps[0], '{:,.0f}')} | {cell(tps[1], '{:,.0f}')} "
-          f"| {ratio(tps[0], tps[1])} | {cell(tps[2], '{:,.0f}')} | {ratio(tps[0], tps[2])} "
-          f"| {' / '.join(mfu)} | {' / '.join(cell(m, '{:.1f}') for m in mem)} |")
+    for variant in ["ctitan"] + variants:
+        c = ctitan(shape, variant)
+        tps = [c["tps"] if c else None, e["tokens_per_s"] if e else None, k["tokens_per_s"] if k else None]
+        mfu = ["—" if t is None else f"{100 * t * fpt / peak:.1f}%" for t in tps]
+        mem = [c["memory_gib"] if c else None] + [
+            (r.get("peak_gpu_reserved_gib", r.get("peak_rss_gib")) if r else None) for r in (e, k)]
+        ratio = lambda x, y: f"{x / y:.2f}×" if x and y else "—"
+        label = f"{shape}, seq {seq}, batch {batch}"
+        if variant != "ctitan":
+            label += f" — ctitan with model.sdpa_backend {variant[len('sdpa_'):]}"
+        print(f"| {label} | {cell(tps[0], '{:,.0f}')} | {cell(tps[1], '{:,.0f}')} "
+              f"| {ratio(tps[0], tps[1])} | {cell(tps[2], '{:,.0f}')} | {ratio(tps[0], tps[2])} "
+              f"| {' / '.join(mfu)} | {' / '.join(cell(m, '{:.1f}') for m in mem)} |")
 print(f"\nMFU: (6·non-embedding parameters + 12·layers·heads·head_dim·seq) FLOPs per token ÷ "
       f"{peak / 1e12:.1f} TFLOP/s; PyTorch {torch_version or 'unknown'}; bf16 mixed precision.")
 EOF

@@ -134,6 +134,11 @@ template <>
 struct KeyEnum<SaveFailurePolicy> {
   static constexpr const char* names[] = {"stop", "continue"};
 };
+enum class SdpaBackend { Auto, CuDNN, Flash, Efficient, Math };  // model.sdpa_backend
+template <>
+struct KeyEnum<SdpaBackend> {
+  static constexpr const char* names[] = {"auto", "cudnn", "flash", "efficient", "math"};
+};
 
 // The config's spelling of v ("selective").
 template <class E>
@@ -266,6 +271,7 @@ struct Model {
   std::string tokenizer_path;
   std::vector<std::string> converters;
   bool print_after_conversion;
+  SdpaBackend sdpa_backend;  // ctitan only
 
   template <class V>
   void visit_keys(V& v) {
@@ -281,6 +287,11 @@ struct Model {
     v(converters, "converters", std::vector<std::string>{},
       "Model converters to apply, e.g. float8 (comma-separated on the command line)", supported_only({"[]"}));
     v(print_after_conversion, "print_after_conversion", false, "Print the model after the converters ran");
+    v(sdpa_backend, "sdpa_backend", SdpaBackend::Auto,
+      "GPU only: ATen's attention kernel (cudnn, flash, efficient, math); auto times cudnn, flash "
+      "and efficient on the run's shape at start-up and keeps the fastest (logged). The CPU runs "
+      "ctitan's own flash attention whatever this says",
+      one_of<SdpaBackend>());
   }
   CTITAN_CONFIG_DEFAULTS(Model)
 };

@@ -316,6 +316,53 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
   }
 };
 
+// torchtitan's loss on a GPU (cross-entropy of the float32-cast logits, summed) in chunks of
+// rows, in ATen ops: the forward keeps only the logits the output projection made, and the
+// backward recomputes each chunk's softmax from them. The whole-size float32 copies of [N, V]
+// (the cast, log_softmax's saved output and both their gradients: 4 GiB each for Llama 3 8B's
+// 128,256 × 8,192) never exist, only one chunk's. No host read: the upstream gradient stays a
+// device tensor.
+class ChunkedCrossEntropyFn : public torch::autograd::Function<ChunkedCrossEntropyFn> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& logits, const Tensor& labels_in, double scale,
+                        int64_t rows) {
+    RECORD_FUNCTION("ctitan::chunked_cross_entropy_forward", std::vector<c10::IValue>());
+    const auto labels = labels_in.to(torch::kLong).unsqueeze(1);
+    const int64_t N = logits.size(0);
+    auto total = at::zeros({}, logits.options().dtype(at::kDouble));
+    for (int64_t r = 0; r < N; r += rows) {
+      const int64_t n = std::min(rows, N - r);
+      const auto log_p = at::log_softmax(logits.narrow(0, r, n), 1, at::kFloat);
+      total.sub_(log_p.gather(1, labels.narrow(0, r, n)).sum().to(at::kDouble));  // − Σ log p(label)
+    }
+    ctx->save_for_backward({logits, labels});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["rows"] = rows;
+    return (total * scale).to(at::kFloat);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &logits = saved[0], &labels = saved[1];
+    const int64_t rows = ctx->saved_data["rows"].toInt(), N = logits.size(0);
+    const auto coef = grads[0].to(at::kFloat) * ctx->saved_data["scale"].toDouble();  // on the device
+    auto dx = at::empty_like(logits);
+    for (int64_t r = 0; r < N; r += rows) {
+      const int64_t n = std::min(rows, N - r);
+      // softmax, minus 1 at the label, times the upstream gradient, written in the logits'
+      // dtype by the multiply itself
+      auto p = at::softmax(logits.narrow(0, r, n), 1, at::kFloat);
+      // one element per row: a 1-D scatter, which ATen keeps deterministic on a GPU under
+      // debug.deterministic (a 2-D one it refuses there)
+      const auto at_label = at::arange(n, labels.options()).mul_(logits.size(1)).add_(labels.narrow(0, r, n).view(-1));
+      p.view(-1).scatter_add_(0, at_label, at::full({n}, -1.0, p.options()));
+      auto out = dx.narrow(0, r, n);
+      at::mul_out(out, p, coef);
+    }
+    return {dx, Tensor(), Tensor(), Tensor()};
+  }
+};
+
 }  // namespace
 
 torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
@@ -330,16 +377,19 @@ torch::Tensor fused_rotary_emb(const torch::Tensor& x, const torch::Tensor& freq
   const int64_t T = x.size(1), hd = x.size(3);
   TORCH_CHECK(freqs_cis.dim() == 3 && freqs_cis.size(0) >= T && freqs_cis.size(1) * 2 == hd && freqs_cis.size(2) == 2,
               "[models] freqs_cis ", freqs_cis.sizes(), " does not fit x ", x.sizes());
-  if (on_gpu(x)) {
-    // The same rotation in ATen ops: float32 pairs (a, b) → (a cos − b sin, a sin + b cos).
-    const int64_t B = x.size(0), h = x.size(2);
-    const auto xf = x.to(at::kFloat).reshape({B, T, h, hd / 2, 2});
-    const auto a = xf.select(-1, 0), b = xf.select(-1, 1);
-    const auto f = freqs_cis.narrow(0, 0, T).to(x.device()).view({1, T, 1, hd / 2, 2});
-    const auto c = f.select(-1, 0), s = f.select(-1, 1);
-    return at::stack({a * c - b * s, a * s + b * c}, -1).flatten(3).to(x.scalar_type());
-  }
+  if (on_gpu(x)) return rotary_emb_aten(x, freqs_cis);
   return RotaryFn::apply(x, freqs_cis);
+}
+
+torch::Tensor rotary_emb_aten(const torch::Tensor& x, const torch::Tensor& freqs_cis) {
+  // The pairs (a, b) as complex numbers a + ib times cos + i sin: one complex multiply in
+  // float32 between the two casts (3 kernels forward; the pairs written out as real
+  // arithmetic took 9), as torchtitan's apply_rotary_emb does.
+  const int64_t B = x.size(0), T = x.size(1), h = x.size(2), hd = x.size(3);
+  const auto f = at::view_as_complex(freqs_cis.narrow(0, 0, T).to(x.device(), at::kFloat).contiguous())
+                     .view({1, T, 1, hd / 2});
+  const auto xc = at::view_as_complex(x.to(at::kFloat).contiguous().view({B, T, h, hd / 2, 2}));
+  return at::view_as_real(xc * f).flatten(3).to(x.scalar_type());
 }
 
 torch::Tensor fused_swiglu(const torch::Tensor& a, const torch::Tensor& b) {
@@ -353,9 +403,15 @@ torch::Tensor fused_cross_entropy(const torch::Tensor& logits, const torch::Tens
   TORCH_CHECK(logits.dim() == 2 && labels.dim() == 1 && labels.size(0) == logits.size(0),
               "[models] cross-entropy expects logits [N, V] and labels [N], got ", logits.sizes(), " and ",
               labels.sizes());
-  if (on_gpu(logits))  // torchtitan's loss: cross-entropy of the float32-cast logits, summed
-    return at::cross_entropy_loss(logits.to(at::kFloat), labels, {}, at::Reduction::Sum) * scale;
+  if (on_gpu(logits)) return chunked_cross_entropy(logits, labels, scale);
   return CrossEntropyFn::apply(logits, labels, scale);
+}
+
+torch::Tensor chunked_cross_entropy(const torch::Tensor& logits, const torch::Tensor& labels, double scale,
+                                    int64_t rows) {
+  if (rows <= 0)  // a float32 chunk of about 256 MiB
+    rows = std::max<int64_t>(1, (int64_t{256} << 20) / (4 * std::max<int64_t>(1, logits.size(1))));
+  return ChunkedCrossEntropyFn::apply(logits, labels, scale, rows);
 }
 
 }  // namespace ctitan

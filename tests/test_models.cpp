@@ -20,6 +20,7 @@
 #include "kernels/flash_attention.h"
 #include "kernels/fused_ops.h"
 #include "kernels/gemm.h"
+#include "kernels/sdpa_choice.h"
 #include "models/init.h"
 #include "kernels/kernel_math.h"
 #include "models/layers.h"
@@ -828,6 +829,77 @@ TEST(FusedOps, CrossEntropyMatchesAten) {
     EXPECT_LT(max_abs_diff(a.grad(), b.grad()) / scale, tol);
   }
   EXPECT_THROW(fused_cross_entropy(torch::randn({2, 5}), torch::tensor({0, 5}, torch::kLong), 1.0), c10::Error);
+}
+
+// The GPU routes (ATen ops, so they run here too) against the formulas they replaced.
+TEST(FusedOps, GpuRouteRopeIsTheRealPairFormula) {
+  const auto table = precompute_freqs_cis(32, 24, 10000.0);  // head dim 32, 24 positions
+  for (auto [dt, tol] : {std::pair{torch::kFloat, 2e-6}, std::pair{torch::kBFloat16, 1.6e-2}}) {
+    torch::manual_seed(12);
+    // q as the model makes it: a [B, T, h, hd] view of a wider projection (not contiguous)
+    const auto wide = torch::randn({2, 21, 6, 32}).to(dt);
+    const auto q = wide.narrow(2, 1, 4), g = torch::randn({2, 21, 4, 32});
+    ASSERT_FALSE(q.is_contiguous());
+    expect_fused_matches(
+        "rope (complex)", [&](auto& v) { return rotary_emb_aten(v[0], table); },
+        [&](auto& v) { return aten_rope(v[0], table); }, {q}, g, tol);
+  }
+}
+
+TEST(FusedOps, GpuRouteChunkedCrossEntropyIsTheFloat32Loss) {
+  torch::manual_seed(13);
+  const int64_t N = 41, V = 257;
+  const auto labels = torch::randint(0, V, {N}, torch::kLong);
+  for (auto [dt, tol] : {std::pair{torch::kFloat, 2e-6}, std::pair{torch::kBFloat16, 1e-2}}) {
+    const auto x0 = (torch::randn({N, V}) * 3).to(dt);
+    // rows per chunk: one, an uneven split (41 = 4·10 + 1), all at once, and the default
+    for (int64_t rows : {int64_t{1}, int64_t{10}, N, int64_t{0}}) {
+      auto a = x0.clone().requires_grad_(true), b = x0.clone().requires_grad_(true);
+      const auto mine = chunked_cross_entropy(a, labels, 1.0 / N, rows);
+      const auto ref = at::cross_entropy_loss(b.to(torch::kFloat), labels, {}, at::Reduction::Sum) / N;
+      ASSERT_EQ(mine.scalar_type(), torch::kFloat);
+      (mine * 2.5).backward();
+      (ref * 2.5).backward();
+      EXPECT_NEAR(mine.item<double>(), ref.item<double>(), 1e-6 * std::abs(ref.item<double>())) << rows;
+      ASSERT_EQ(a.grad().scalar_type(), dt);
+      const double scale = b.grad().to(torch::kDouble).abs().max().item<double>();
+      EXPECT_LT(max_abs_diff(a.grad(), b.grad()) / scale, tol) << rows;
+    }
+  }
+}
+
+// model.sdpa_backend's measurement, on the CPU, where ATen's attention has its own flash
+// kernel and math only: the candidates ATen's checks refuse are listed as not usable (cuDNN
+// also with k and v repeated), the one it takes is timed and chosen, and ATen's priority order
+// is left as it was; use_sdpa then puts the choice first.
+TEST(SdpaChoice, TimesWhatATenTakesAndLeavesItsOrder) {
+  auto& ctx = at::globalContext();
+  const auto before = ctx.sDPPriorityOrder();
+  ctitan::SdpaShape s;
+  s.batch = 1, s.seq = 32, s.heads = 4, s.kv_heads = 2, s.head_dim = 16;
+  const auto c = ctitan::measure_sdpa(
+      s, {at::SDPBackend::cudnn_attention, at::SDPBackend::flash_attention, at::SDPBackend::efficient_attention}, 1);
+  ASSERT_EQ(c.tried.size(), 4u);
+  EXPECT_EQ(c.tried[0].name, "cudnn");
+  EXPECT_EQ(c.tried[1].name, "cudnn (kv repeated)");
+  EXPECT_FALSE(c.tried[0].usable || c.tried[1].usable);
+  EXPECT_EQ(c.tried[2].name, "flash");
+  EXPECT_TRUE(c.tried[2].usable);
+  EXPECT_GT(c.tried[2].ms, 0.0);
+  EXPECT_FALSE(c.tried[3].usable);
+  EXPECT_EQ(c.backend, at::SDPBackend::flash_attention);
+  EXPECT_FALSE(c.repeat_kv);
+  EXPECT_EQ(c.name(), "flash");
+  EXPECT_NE(c.summary().find("efficient: not usable"), std::string::npos) << c.summary();
+  EXPECT_EQ(ctx.sDPPriorityOrder(), before);
+  ctitan::SdpaChoice math;
+  math.backend = at::SDPBackend::math;
+  ctitan::use_sdpa(math);
+  EXPECT_EQ(ctx.sDPPriorityOrder()[0], at::SDPBackend::math);
+  EXPECT_EQ(ctitan::current_sdpa().backend, at::SDPBackend::math);
+  ctitan::SdpaChoice flash;  // ATen's own order again (flash first)
+  ctitan::use_sdpa(flash);
+  EXPECT_EQ(ctx.sDPPriorityOrder(), before);
 }
 
 // ---- kernel_math.h: the 16-lane forms of the kernels' helpers -----------------------------

@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include <spdlog/spdlog.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/csrc/autograd/profiler_legacy.h>
 
 #include "components/gpu_metrics.h"
@@ -32,12 +33,46 @@ std::string profile_path(const JobConfig& cfg, int64_t rank, int64_t step) {
       .string();
 }
 
-std::unique_ptr<torch::autograd::profiler::RecordProfile> maybe_profile(const JobConfig& cfg, int64_t rank,
-                                                                        int64_t step) {
+// One profiled step. On the CPU, LibTorch's legacy profiler (the ops' host times). On a GPU,
+// Kineto with CUDA activity: the trace also holds every kernel with its GPU time ("cat":
+// "kernel"), which scripts/profile_summary.py sums; the device is synchronised before the
+// profiler stops, so the step's last kernels are in it.
+class StepProfile {
+ public:
+  StepProfile(std::string path, const DeviceChoice& device) : path_(std::move(path)), device_(device) {
+    if (!device_.cuda) {
+      legacy_ = std::make_unique<torch::autograd::profiler::RecordProfile>(path_);
+      return;
+    }
+    torch::autograd::profiler::prepareProfiler(config(), activities());
+    torch::autograd::profiler::enableProfiler(config(), activities());
+  }
+  StepProfile(const StepProfile&) = delete;
+  StepProfile& operator=(const StepProfile&) = delete;
+  ~StepProfile() {
+    if (legacy_) return;  // its destructor writes the trace
+    gpu_synchronize(device_.index);
+    torch::autograd::profiler::disableProfiler()->save(path_);
+  }
+
+ private:
+  static torch::profiler::impl::ProfilerConfig config() {
+    return torch::profiler::impl::ProfilerConfig(torch::profiler::impl::ProfilerState::KINETO);
+  }
+  static std::set<torch::profiler::impl::ActivityType> activities() {
+    return {torch::profiler::impl::ActivityType::CPU, torch::profiler::impl::ActivityType::CUDA};
+  }
+  std::string path_;
+  DeviceChoice device_;
+  std::unique_ptr<torch::autograd::profiler::RecordProfile> legacy_;
+};
+
+std::unique_ptr<StepProfile> maybe_profile(const JobConfig& cfg, int64_t rank, int64_t step,
+                                           const DeviceChoice& device) {
   if (!cfg.profiling.enable_profiling || step % cfg.profiling.profile_freq != 0) return nullptr;
   const std::string path = profile_path(cfg, rank, step);
   fs::create_directories(fs::path(path).parent_path());
-  return std::make_unique<torch::autograd::profiler::RecordProfile>(path);
+  return std::make_unique<StepProfile>(path, device);
 }
 
 // metrics.enable_tensorboard: an event file in <dump_folder>/<save_tb_folder>/<%Y%m%d-%H%M>/
@@ -103,7 +138,7 @@ int Trainer::train() {
   for (int64_t step = first_step_; step <= cfg.training.steps; ++step) {
     CommContext::set_step(step);
     const int64_t reads_before = host_reads();
-    std::unique_ptr<torch::autograd::profiler::RecordProfile> profile = maybe_profile(cfg, p_.par.env.rank, step);
+    std::unique_ptr<StepProfile> profile = maybe_profile(cfg, p_.par.env.rank, step, p_.device);
     // The step's values are read back only where the host needs them (settle): here, before
     // a save (a checkpoint must not follow a step the non-finite policy stops at), at a stop.
     const bool last = step == cfg.training.steps;

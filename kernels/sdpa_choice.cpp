@@ -1,0 +1,144 @@
+#include "kernels/sdpa_choice.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+
+namespace ctitan {
+
+namespace {
+
+SdpaChoice& sdpa_state() {
+  static SdpaChoice c;  // set once at start-up, before any forward; read by every GPU forward
+  return c;
+}
+
+// ATen's priority order with `first` in front and the rest in ATen's default order.
+std::vector<int64_t> order_with_first(at::SDPBackend first) {
+  std::vector<int64_t> order{static_cast<int64_t>(first)};
+  for (auto b : {at::SDPBackend::flash_attention, at::SDPBackend::efficient_attention, at::SDPBackend::math,
+                 at::SDPBackend::cudnn_attention, at::SDPBackend::overrideable})
+    if (b != first) order.push_back(static_cast<int64_t>(b));
+  return order;
+}
+
+// A deterministic, non-constant fill in [-0.5, 0.5): no generator is drawn from, so the
+// measurement leaves the run's random streams as they were.
+at::Tensor pattern(at::IntArrayRef sizes, const SdpaShape& s, double step) {
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(s.device);
+  int64_t n = 1;
+  for (auto d : sizes) n *= d;
+  return at::arange(n, opts).mul_(step).frac_().sub_(0.5).view(sizes).to(s.dtype);
+}
+
+struct Operands {
+  at::Tensor q, k, v;
+};
+
+// One forward + backward as flash_causal_attention's GPU route runs it under choice c.
+void attention_step(const Operands& o, bool repeat_kv, int64_t groups) {
+  at::Tensor k = o.k, v = o.v;
+  if (repeat_kv && groups > 1) {
+    k = k.repeat_interleave(groups, 1);
+    v = v.repeat_interleave(groups, 1);
+  }
+  auto out = at::scaled_dot_product_attention(o.q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt,
+                                              /*enable_gqa=*/!repeat_kv && groups > 1);
+  out.backward(at::ones_like(out));
+}
+
+double wait_host(const Operands& o) {  // a host read waits for the queued work
+  return o.q.grad().defined() ? o.q.grad().select(0, 0).select(0, 0).select(0, 0).select(0, 0).item<double>() : 0.0;
+}
+
+double time_ms(const Operands& o, bool repeat_kv, int64_t groups, int reps) {
+  attention_step(o, repeat_kv, groups);  // warm-up: kernel selection, cuDNN's plan
+  wait_host(o);
+  double best = std::numeric_limits<double>::infinity();
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    attention_step(o, repeat_kv, groups);
+    wait_host(o);
+    best = std::min(best, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+
+}  // namespace
+
+std::string sdpa_backend_name(at::SDPBackend b) {
+  switch (b) {
+    case at::SDPBackend::cudnn_attention: return "cudnn";
+    case at::SDPBackend::flash_attention: return "flash";
+    case at::SDPBackend::efficient_attention: return "efficient";
+    case at::SDPBackend::math: return "math";
+    default: return "other";
+  }
+}
+
+std::string SdpaChoice::name() const { return sdpa_backend_name(backend) + (repeat_kv ? " (kv repeated)" : ""); }
+
+std::string SdpaChoice::summary() const {
+  std::string s;
+  for (const auto& t : tried) {
+    if (!s.empty()) s += ", ";
+    s += t.usable ? fmt::format("{} {:.2f} ms", t.name, t.ms) : t.name + ": not usable";
+  }
+  return s;
+}
+
+SdpaChoice measure_sdpa(const SdpaShape& s, const std::vector<at::SDPBackend>& candidates, int reps) {
+  auto& ctx = at::globalContext();
+  const auto saved_order = ctx.sDPPriorityOrder();
+  const int64_t groups = s.kv_heads > 0 ? s.heads / s.kv_heads : 1;
+  Operands o;
+  o.q = pattern({s.batch, s.heads, s.seq, s.head_dim}, s, 0.618).requires_grad_();
+  o.k = pattern({s.batch, s.kv_heads, s.seq, s.head_dim}, s, 0.414).requires_grad_();
+  o.v = pattern({s.batch, s.kv_heads, s.seq, s.head_dim}, s, 0.732).requires_grad_();
+  SdpaChoice best;
+  double best_ms = std::numeric_limits<double>::infinity();
+  for (const auto b : candidates) {
+    ctx.setSDPPriorityOrder(order_with_first(b));
+    for (const bool repeat : {false, true}) {
+      if (repeat && (b != at::SDPBackend::cudnn_attention || groups == 1)) continue;
+      at::Tensor k = o.k, v = o.v;
+      if (repeat) {
+        k = k.detach().repeat_interleave(groups, 1);
+        v = v.detach().repeat_interleave(groups, 1);
+      }
+      const auto picked = static_cast<at::SDPBackend>(at::_fused_sdp_choice(
+          o.q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt, /*enable_gqa=*/!repeat && groups > 1));
+      SdpaTry t{sdpa_backend_name(b) + (repeat ? " (kv repeated)" : ""), picked == b, 0.0};
+      if (t.usable) {
+        t.ms = time_ms(o, repeat, groups, reps);
+        o.q.mutable_grad() = at::Tensor();
+        o.k.mutable_grad() = at::Tensor();
+        o.v.mutable_grad() = at::Tensor();
+        if (t.ms < best_ms) {
+          best_ms = t.ms;
+          best.backend = b;
+          best.repeat_kv = repeat;
+        }
+      }
+      best.tried.push_back(t);
+      if (t.usable) break;  // grouped-query attention taken as it is: no repeated variant
+    }
+  }
+  std::vector<int64_t> restore;
+  for (auto b : saved_order) restore.push_back(static_cast<int64_t>(b));
+  ctx.setSDPPriorityOrder(restore);
+  return best;
+}
+
+void use_sdpa(const SdpaChoice& c) {
+  at::globalContext().setSDPPriorityOrder(order_with_first(c.backend));
+  sdpa_state() = c;
+}
+
+const SdpaChoice& current_sdpa() { return sdpa_state(); }
+
+}  // namespace ctitan
