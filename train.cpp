@@ -634,10 +634,11 @@ void maybe_move_to_device(TrainModel& model, const DeviceChoice& device, bool pa
   };
 }
 
-// model.sdpa_backend on a GPU: auto times cuDNN's, flash and memory-efficient attention on
-// this run's shape (local batch, seq_len, heads, head_dim) and compute dtype and keeps the
-// fastest; a named backend is checked to take that shape. Logged either way. The CPU runs
-// ctitan's own flash attention: nothing to choose.
+// model.sdpa_backend on a GPU: auto takes the first of cuDNN's, flash and memory-efficient
+// attention that ATen accepts for this run's shape (local batch, seq_len, heads, head_dim) and
+// compute dtype; a named backend is checked to take that shape. Each is timed on that shape
+// and the timings logged beside the choice (kernels/sdpa_choice.h says why they do not decide
+// it). The CPU runs ctitan's own flash attention: nothing to choose.
 void choose_attention(const Job& j, const ModelArgs& margs) {
   if (!j.device.cuda) return;
   const JobConfig& cfg = j.cfg;
@@ -672,7 +673,8 @@ void choose_attention(const Job& j, const ModelArgs& margs) {
                                 key_name(asked), what, j.device.name(), c.summary()));
   use_sdpa(c);
   spdlog::info("attention: {} ({}; model.sdpa_backend {}{})", c.name(), c.summary(), key_name(asked),
-               asked == SdpaBackend::Auto ? ": the fastest forward + backward on " + what : ", on " + what);
+               asked == SdpaBackend::Auto ? ": the first of cudnn, flash, efficient that takes " + what
+                                           : ", on " + what);
 }
 
 // The model: built without storage, AC applied, then FSDP, which initialises unit by unit.
@@ -732,7 +734,10 @@ void setup_optimizer(Job& j) {
   j.lr = std::make_unique<LRScheduler>(cfg.optimizer.lr, lr_spec(cfg));
   spdlog::info("lr schedule: warmup {} / stable {} / decay {} ({}), min_lr_factor {}", j.lr->warmup_steps(),
                j.lr->stable_steps(), j.lr->decay_steps(), cfg.lr_scheduler.decay_type, cfg.lr_scheduler.min_lr_factor);
-  if (j.fsdp)
+  // Sharded gradients: the norm's sum of squares over the shard group. A group of one (bf16
+  // on one GPU goes through FSDP's machinery) has nothing to add, and on a GPU the sum would
+  // otherwise be read to the host every step: a device synchronisation (gpu_check.sh (f)).
+  if (j.fsdp && j.par.shard && j.par.shard->size() > 1)
     j.grad_sq_all_reduce = [shard = j.par.shard](double v) {
       auto t = torch::tensor({v}, torch::kFloat64);
       shard->all_reduce_sum(t, "grad_norm").wait();

@@ -288,9 +288,9 @@ struct Model {
       "Model converters to apply, e.g. float8 (comma-separated on the command line)", supported_only({"[]"}));
     v(print_after_conversion, "print_after_conversion", false, "Print the model after the converters ran");
     v(sdpa_backend, "sdpa_backend", SdpaBackend::Auto,
-      "GPU only: ATen's attention kernel (cudnn, flash, efficient, math); auto times cudnn, flash "
-      "and efficient on the run's shape at start-up and keeps the fastest (logged). The CPU runs "
-      "ctitan's own flash attention whatever this says",
+      "GPU only: ATen's attention kernel (cudnn, flash, efficient, math); auto: the first of cudnn, "
+      "flash, efficient that takes the run's shape and dtype (each timed at start-up and logged). "
+      "The CPU runs ctitan's own flash attention whatever this says",
       one_of<SdpaBackend>());
   }
   CTITAN_CONFIG_DEFAULTS(Model)

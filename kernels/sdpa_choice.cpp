@@ -100,7 +100,7 @@ SdpaChoice measure_sdpa(const SdpaShape& s, const std::vector<at::SDPBackend>& c
   o.k = pattern({s.batch, s.kv_heads, s.seq, s.head_dim}, s, 0.414).requires_grad_();
   o.v = pattern({s.batch, s.kv_heads, s.seq, s.head_dim}, s, 0.732).requires_grad_();
   SdpaChoice best;
-  double best_ms = std::numeric_limits<double>::infinity();
+  bool chosen = false;
   for (const auto b : candidates) {
     ctx.setSDPPriorityOrder(order_with_first(b));
     for (const bool repeat : {false, true}) {
@@ -118,8 +118,8 @@ SdpaChoice measure_sdpa(const SdpaShape& s, const std::vector<at::SDPBackend>& c
         o.q.mutable_grad() = at::Tensor();
         o.k.mutable_grad() = at::Tensor();
         o.v.mutable_grad() = at::Tensor();
-        if (t.ms < best_ms) {
-          best_ms = t.ms;
+        if (!chosen) {
+          chosen = true;
           best.backend = b;
           best.repeat_kv = repeat;
         }
