@@ -43,6 +43,14 @@ CTITAN_KERNEL void adamw_range(float* P, const float* G, float* M, float* V, Ada
 //   p ← p − (lr / bc1) · m / (√v / √bc2 + eps),  bc_i = 1 − β_i^step.
 // The eleven-pass version reads and writes 33M-parameter state ~14 times per step; on a
 // memory-bound CPU that is a measurable share of a step.
+// Every gradient of opt's parameters divided by the 0-d `scale` (where the gradients are).
+void divide_gradients(torch::optim::Optimizer& opt, const torch::Tensor& scale) {
+  torch::NoGradGuard no_grad;
+  for (auto& group : opt.param_groups())
+    for (auto& p : group.params())
+      if (p.grad().defined()) p.grad().div_(scale.to(p.grad().device()));
+}
+
 class FusedAdamW : public torch::optim::AdamW {
  public:
   using torch::optim::AdamW::AdamW;
@@ -56,15 +64,19 @@ class FusedAdamW : public torch::optim::AdamW {
   // The step, skipped when `skip` (a bool 0-d tensor on the parameters' device, or undefined:
   // never) is true. On the CPU `skip` is host memory, read here; on a GPU torch's fused kernel
   // takes it as its found_inf and skips on the device, so the host never waits for it.
-  void step_unless(const torch::Tensor& skip) {
+  // grad_scale (a float32 0-d tensor, or undefined): the gradients are divided by it first; on
+  // a GPU inside torch's fused kernel (its grad_scale, made for AMP's unscaling), saving a
+  // separate pass over them.
+  void step_unless(const torch::Tensor& skip, const torch::Tensor& grad_scale = {}) {
     RECORD_FUNCTION("ctitan::fused_adamw_step", std::vector<c10::IValue>());
     torch::NoGradGuard no_grad;
     const bool cpu_skip = skip.defined() && !on_gpu(skip) && skip.item<bool>();
+    if (grad_scale.defined() && !on_gpu(grad_scale) && !cpu_skip) divide_gradients(*this, grad_scale);
     for (auto& group : param_groups_) {
       const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
       TORCH_CHECK(!o.amsgrad(), "[optimizer] FusedAdamW does not implement amsgrad");
       if (!group.params().empty() && on_gpu(group.params().front())) {
-        step_on_gpu(group, o, skip);
+        step_on_gpu(group, o, skip, grad_scale);
         continue;
       }
       if (cpu_skip) continue;
@@ -102,7 +114,7 @@ class FusedAdamW : public torch::optim::AdamW {
   // lowered by note_skipped_on_gpu once the caller knows; a host count that differs from the
   // device copy's (a checkpoint was loaded) makes the device copy anew.
   void step_on_gpu(torch::optim::OptimizerParamGroup& group, const torch::optim::AdamWOptions& o,
-                   const torch::Tensor& skip) {
+                   const torch::Tensor& skip, const torch::Tensor& grad_scale) {
     std::vector<torch::Tensor> ps, gs, ms, vs, steps;
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
@@ -123,8 +135,8 @@ class FusedAdamW : public torch::optim::AdamW {
     const std::optional<at::Tensor> found_inf =
         skip.defined() ? std::optional<at::Tensor>(skip.to(torch::kFloat)) : std::nullopt;
     at::_fused_adamw_(ps, gs, ms, vs, {}, steps, o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()),
-                      o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt,
-                      found_inf);
+                      o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false,
+                      grad_scale.defined() ? std::optional<at::Tensor>(grad_scale) : std::nullopt, found_inf);
     if (found_inf) at::_foreach_sub_(steps, std::vector<at::Tensor>(steps.size(), *found_inf));
   }
 
@@ -228,25 +240,27 @@ TrainingStateBytes training_state_bytes(torch::optim::Optimizer& opt) {
   return b;
 }
 
-torch::Tensor clip_grad_norm_tensor(const std::vector<torch::Tensor>& params, double max_norm,
-                                    const std::function<double(double)>& all_reduce_sum) {
+namespace {
+
+// clip_grad_norm_tensor and grad_norm_for_step: with `apply_on_gpu` false, GPU gradients are
+// left as they are and the factor to divide them by is returned instead.
+GradNorm grad_norm_impl(const std::vector<torch::Tensor>& params, double max_norm,
+                        const std::function<double(double)>& all_reduce_sum, bool apply_on_gpu) {
   RECORD_FUNCTION("ctitan::clip_grad_norm", std::vector<c10::IValue>());
   torch::NoGradGuard no_grad;
   // Sum of squares in fp64 so the norm does not depend on how the sum is split (shards).
   double sq = 0.0;
-  // GPU gradients: each tensor's norm where it is (no float64 copy of a gradient on the device),
-  // squared and summed in float64 on the device.
-  std::vector<torch::Tensor> gpu_norms, gpu_grads;
+  // GPU gradients: each tensor's norm where it is (no float64 copy of a gradient on the device;
+  // one multi-tensor kernel for all of them), squared and summed in float64 on the device.
+  std::vector<torch::Tensor> gpu_grads;
   for (const auto& p : params)
     if (p.grad().defined()) {
-      if (on_gpu(p.grad())) {
-        gpu_norms.push_back(at::linalg_vector_norm(p.grad(), 2));
+      if (on_gpu(p.grad()))
         gpu_grads.push_back(p.grad());
-      } else {
+      else
         sq += sum_of_squares(p.grad());
-      }
     }
-  if (gpu_norms.empty()) {  // the CPU: the sum is host memory already
+  if (gpu_grads.empty()) {  // the CPU: the sum is host memory already
     if (all_reduce_sum) sq = all_reduce_sum(sq);
     const double norm = std::sqrt(sq);
     if (max_norm > 0 && std::isfinite(norm)) {
@@ -255,19 +269,38 @@ torch::Tensor clip_grad_norm_tensor(const std::vector<torch::Tensor>& params, do
         for (const auto& p : params)
           if (p.grad().defined()) p.grad().mul_(coef);
     }
-    return torch::tensor(norm, torch::kFloat64);
+    return {torch::tensor(norm, torch::kFloat64), torch::Tensor()};
   }
-  auto sq_dev = at::stack(gpu_norms).to(torch::kFloat64).square().sum();
+  auto sq_dev = at::stack(at::_foreach_norm(gpu_grads, 2)).to(torch::kFloat64).square().sum();
   if (all_reduce_sum)  // through the host (Gloo): the one read of a step with sharded gradients
     sq_dev = torch::full({}, all_reduce_sum(read_to_host(sq_dev).item<double>() + sq), sq_dev.options());
-  const auto norm = sq_dev.sqrt();
+  GradNorm out{sq_dev.sqrt(), torch::Tensor()};
   if (max_norm > 0) {
-    // coef = max_norm / (norm + 1e-6) when below 1 and the norm is finite, else 1 (no change:
-    // x · 1 = x), decided on the device.
-    const auto coef = (max_norm / (norm + 1e-6)).clamp_max(1.0);
-    at::_foreach_mul_(gpu_grads, at::where(norm.isfinite(), coef, at::ones_like(coef)).to(torch::kFloat));
+    // Decided on the device: the gradients shrink by max_norm / (norm + 1e-6) when that is below
+    // 1 and the norm is finite, else stay (x · 1 = x).
+    const auto& norm = out.norm;
+    const auto finite = norm.isfinite();
+    if (apply_on_gpu) {
+      const auto coef = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+      at::_foreach_mul_(gpu_grads, at::where(finite, coef, at::ones_like(coef)).to(torch::kFloat));
+    } else {
+      const auto scale = ((norm + 1e-6) / max_norm).clamp_min(1.0);
+      out.grad_scale = at::where(finite, scale, at::ones_like(scale)).to(torch::kFloat);
+    }
   }
-  return norm;
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor clip_grad_norm_tensor(const std::vector<torch::Tensor>& params, double max_norm,
+                                    const std::function<double(double)>& all_reduce_sum) {
+  return grad_norm_impl(params, max_norm, all_reduce_sum, /*apply_on_gpu=*/true).norm;
+}
+
+GradNorm grad_norm_for_step(const std::vector<torch::Tensor>& params, double max_norm,
+                            const std::function<double(double)>& all_reduce_sum) {
+  return grad_norm_impl(params, max_norm, all_reduce_sum, /*apply_on_gpu=*/false);
 }
 
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
@@ -275,10 +308,11 @@ double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
   return read_to_host(clip_grad_norm_tensor(params, max_norm, all_reduce_sum)).item<double>();
 }
 
-void step_unless(torch::optim::Optimizer& opt, const torch::Tensor& skip) {
-  if (auto* fused = dynamic_cast<FusedAdamW*>(&opt)) return fused->step_unless(skip);
+void step_unless(torch::optim::Optimizer& opt, const torch::Tensor& skip, const torch::Tensor& grad_scale) {
+  if (auto* fused = dynamic_cast<FusedAdamW*>(&opt)) return fused->step_unless(skip, grad_scale);
   // torch::optim's other optimizers decide on the host: one read of the flag.
   if (skip.defined() && read_to_host(skip).item<bool>()) return;
+  if (grad_scale.defined()) divide_gradients(opt, grad_scale);
   opt.step();
 }
 

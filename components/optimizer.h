@@ -40,14 +40,26 @@ TrainingStateBytes training_state_bytes(torch::optim::Optimizer& opt);
 // rank so the norm is the global one.
 torch::Tensor clip_grad_norm_tensor(const std::vector<torch::Tensor>& params, double max_norm,
                                     const std::function<double(double)>& all_reduce_sum = nullptr);
+// The norm of clip_grad_norm_tensor, for an optimizer step that follows at once: CPU
+// gradients are clipped here as there, GPU gradients are left as they are and grad_scale (a
+// float32 0-d tensor on their device: (norm + 1e-6) / max_norm when that is above 1 and the
+// norm finite, else 1; undefined on the CPU or when max_norm <= 0) is what step_unless divides
+// them by — inside the fused AdamW's own pass over them, one read and write of every gradient
+// fewer than clipping them first.
+struct GradNorm {
+  torch::Tensor norm, grad_scale;
+};
+GradNorm grad_norm_for_step(const std::vector<torch::Tensor>& params, double max_norm,
+                            const std::function<double(double)>& all_reduce_sum = nullptr);
 // The same, the norm read to the host.
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
                       const std::function<double(double)>& all_reduce_sum = nullptr);
 
 // opt.step(), skipped when `skip` (a bool 0-d tensor on the parameters' device; undefined:
 // never) is true, without reading `skip` back from a GPU for the fused AdamW (torch's fused
-// kernel skips on the device). Other optimizers read it (one read_to_host).
-void step_unless(torch::optim::Optimizer& opt, const torch::Tensor& skip);
+// kernel skips on the device). Other optimizers read it (one read_to_host). grad_scale
+// (grad_norm_for_step's; undefined: none): the gradients are divided by it before the update.
+void step_unless(torch::optim::Optimizer& opt, const torch::Tensor& skip, const torch::Tensor& grad_scale = {});
 // `n` steps that step_unless skipped, learnt by the caller later: the fused AdamW's host step
 // counts of GPU parameters go back down by n (on the CPU a skip is exact at once).
 void note_skipped_steps(torch::optim::Optimizer& opt, int64_t n);

@@ -189,6 +189,48 @@ TEST(Optimizer, StepUnlessSkipsTheWholeUpdateAndOtherwiseIsTheStep) {
   EXPECT_TRUE(torch::equal(x.grad(), y.grad()));
 }
 
+// The GPU step's clip: grad_norm_for_step leaves GPU gradients alone and returns the factor
+// torch's fused AdamW divides them by (its grad_scale). Both halves run here on CPU tensors:
+// ATen's _fused_adamw_ has a CPU kernel with the same contract, and step_unless's fallback
+// (any optimizer) divides before stepping; each must equal clipping first, then stepping.
+TEST(Optimizer, ClipAsTheFusedAdamWsGradScaleIsTheClipThenTheStep) {
+  torch::manual_seed(6);
+  const auto init = torch::randn({5000});
+  const auto g = torch::randn({5000}) * 3;  // norm ~212: clipped to 1
+  // Reference: the clip as the CPU applies it, then AdamW.
+  auto ref = init.clone().requires_grad_(true);
+  ref.mutable_grad() = g.clone();
+  const double norm = clip_grad_norm({ref}, 1.0);
+  auto ref_opt = build_optimizer({ref}, OptimizerSpec{"AdamW", 1e-2, 0.9, 0.95, 1e-8, 0.1});
+  ref_opt->step();
+  // The factor, as grad_norm_for_step computes it on the device: (norm + 1e-6) / max_norm.
+  const auto scale = torch::tensor((norm + 1e-6) / 1.0, torch::kFloat);
+  // torch's fused kernel with grad_scale, on the unclipped gradient.
+  auto p = init.clone(), m = torch::zeros({5000}), v = torch::zeros({5000}), step = torch::zeros({});
+  auto graw = g.clone();
+  step.add_(1);
+  at::_fused_adamw_({p}, {graw}, {m}, {v}, {}, {step}, 1e-2, 0.9, 0.95, 0.1, 1e-8, false, false, scale, std::nullopt);
+  EXPECT_LT((p - ref.detach()).abs().max().item<double>(), 1e-6);
+  EXPECT_GT((p - init).abs().max().item<double>(), 1e-3);  // it did move
+  // step_unless's own division (a non-fused optimizer here: plain Adam).
+  auto a = init.clone().requires_grad_(true), b = init.clone().requires_grad_(true);
+  a.mutable_grad() = g.clone();
+  b.mutable_grad() = g / scale;
+  auto opt_a = build_optimizer({a}, OptimizerSpec{"Adam", 1e-2, 0.9, 0.95, 1e-8, 0.1});
+  auto opt_b = build_optimizer({b}, OptimizerSpec{"Adam", 1e-2, 0.9, 0.95, 1e-8, 0.1});
+  step_unless(*opt_a, torch::tensor(false), scale);
+  opt_b->step();
+  EXPECT_TRUE(torch::equal(a, b));
+  // On the CPU grad_norm_for_step clips as clip_grad_norm does and leaves no factor.
+  auto c = init.clone().requires_grad_(true), d = init.clone().requires_grad_(true);
+  c.mutable_grad() = g.clone();
+  d.mutable_grad() = g.clone();
+  const GradNorm gn = grad_norm_for_step({c}, 1.0);
+  EXPECT_FALSE(gn.grad_scale.defined());
+  EXPECT_EQ(gn.norm.item<double>(), clip_grad_norm({d}, 1.0));
+  EXPECT_TRUE(torch::equal(c.grad(), d.grad()));
+}
+
 TEST(Metrics, JsonLineHasTheContractFields) {
   StepMetrics m;
   m.step = 3;

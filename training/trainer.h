@@ -96,7 +96,7 @@ class Trainer {
 
  private:
   void next_batch(int64_t step, int64_t micro, torch::Tensor& inputs, torch::Tensor& labels);
-  void apply_update(StepValues& v);
+  void apply_update(StepValues& v, const torch::Tensor& grad_scale);
   void settle_one(int64_t step, double loss_mean, double grad_norm, bool skipped);
   void after_first_step();
   void maybe_log_metrics(int64_t step, const StepResult& r);
