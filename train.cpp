@@ -665,16 +665,16 @@ void choose_attention(const Job& j, const ModelArgs& margs) {
   }
   const SdpaChoice c = measure_sdpa(shape, candidates);
   const bool any = std::any_of(c.tried.begin(), c.tried.end(), [](const SdpaTry& t) { return t.usable; });
-  const std::string what = fmt::format("[batch {}, seq {}, {} heads, {} kv heads, head dim {}] {}", shape.batch,
-                                       shape.seq, shape.heads, shape.kv_heads, shape.head_dim,
-                                       c10::toString(shape.dtype));
+  const std::string what =
+      fmt::format("[batch {}, seq {}, {} heads, {} kv heads, head dim {}] {}", shape.batch, shape.seq, shape.heads,
+                  shape.kv_heads, shape.head_dim, c10::toString(shape.dtype));
   if (!any)
     throw UserError(fmt::format("model.sdpa_backend {}: ATen's attention cannot run {} on {} ({}); choose auto",
                                 key_name(asked), what, j.device.name(), c.summary()));
   use_sdpa(c);
-  spdlog::info("attention: {} ({}; model.sdpa_backend {}{})", c.name(), c.summary(), key_name(asked),
-               asked == SdpaBackend::Auto ? ": the first of cudnn, flash, efficient that takes " + what
-                                           : ", on " + what);
+  spdlog::info(
+      "attention: {} ({}; model.sdpa_backend {}{})", c.name(), c.summary(), key_name(asked),
+      asked == SdpaBackend::Auto ? ": the first of cudnn, flash, efficient that takes " + what : ", on " + what);
 }
 
 // The model: built without storage, AC applied, then FSDP, which initialises unit by unit.

@@ -47,7 +47,7 @@ double gpu_matmul_peak_flops(const std::string& dtype, int64_t device) {
   auto gen = at::cuda::detail::createCUDAGenerator(static_cast<c10::DeviceIndex>(device));
   gen.set_current_seed(20261128);
   auto a = at::empty({n, n}, opts).normal_(0.0, 1.0, gen), b = at::empty({n, n}, opts).normal_(0.0, 1.0, gen);
-  auto c = at::mm(a, b);                                        // warm-up: cuBLAS handle, kernel selection
+  auto c = at::mm(a, b);  // warm-up: cuBLAS handle, kernel selection
   c10::cuda::device_synchronize();
   double best = 0.0, spent = 0.0;
   for (int rep = 0; rep < 5 || (spent < 0.3 && rep < 200); ++rep) {

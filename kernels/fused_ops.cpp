@@ -386,8 +386,8 @@ torch::Tensor rotary_emb_aten(const torch::Tensor& x, const torch::Tensor& freqs
   // float32 between the two casts (3 kernels forward; the pairs written out as real
   // arithmetic took 9), as torchtitan's apply_rotary_emb does.
   const int64_t B = x.size(0), T = x.size(1), h = x.size(2), hd = x.size(3);
-  const auto f = at::view_as_complex(freqs_cis.narrow(0, 0, T).to(x.device(), at::kFloat).contiguous())
-                     .view({1, T, 1, hd / 2});
+  const auto f =
+      at::view_as_complex(freqs_cis.narrow(0, 0, T).to(x.device(), at::kFloat).contiguous()).view({1, T, 1, hd / 2});
   const auto xc = at::view_as_complex(x.to(at::kFloat).contiguous().view({B, T, h, hd / 2, 2}));
   return at::view_as_real(xc * f).flatten(3).to(x.scalar_type());
 }

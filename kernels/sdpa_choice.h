@@ -28,7 +28,7 @@ struct SdpaShape {
 };
 
 struct SdpaTry {
-  std::string name;    // "cudnn", "cudnn (kv repeated)", "flash", "efficient", "math"
+  std::string name;     // "cudnn", "cudnn (kv repeated)", "flash", "efficient", "math"
   bool usable = false;  // ATen's checks accept the shape and dtype for this backend
   double ms = 0;        // forward + backward, best of the timed repetitions (usable only)
 };

@@ -276,7 +276,7 @@ void FSDP::reduce_grads(Unit& u) {
           p.shard.mutable_grad().add_(gr);  // computed in fp32, as fp32 + fp32 would be
         else if (gr.scalar_type() == p.shard.scalar_type() && !gr.is_alias_of(g))
           p.shard.mutable_grad() = gr;  // the cast's own result (bf16 compute, fp32 reduce): no copy
-        else  // a tensor of its own (not a view: optimizers detach_ gradients in place)
+        else                            // a tensor of its own (not a view: optimizers detach_ gradients in place)
           p.shard.mutable_grad() = at::empty(p.shard.sizes(), p.shard.options()).copy_(gr);
       }
       p.full.mutable_grad() = at::Tensor();
