@@ -11,6 +11,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <iostream>
 #include <random>
@@ -262,10 +263,30 @@ std::string allocation_failure_line(const RunProgress& at, const std::string& wh
          what.substr(0, nl) + "]";
 }
 
-ParallelDims build_parallel_dims(const JobConfig& cfg, int64_t world_size) {
+// The sizes tensor parallelism would split: the flavor's heads, kv heads, FFN width, vocabulary.
+TPSplitSizes tp_split_sizes(const JobConfig& cfg) {
+  const ModelSizes z = configured_model_spec(cfg).sizes(cfg.model.flavor, cfg.training.seq_len);
+  return TPSplitSizes{cfg.model.name + " " + cfg.model.flavor, z.n_heads, z.n_kv_heads, z.ffn_hidden, z.vocab_size};
+}
+
+// The mesh [dp_replicate, dp_shard, tp] on this world size: the degrees' product first
+// (ParallelDims::build), then with tp > 1 the model's sizes tp must divide. A tp > 1 that
+// passes both has its mesh shown (`show`, a line at a time: every rank's groups) and is then
+// refused, since tensor parallelism's layers are not built yet (issue 35): a bad degree gets
+// the line naming its numbers, a good one this line. The run and job.validate_only both call
+// this, so both refuse alike.
+ParallelDims build_parallel_dims(const JobConfig& cfg, int64_t world_size,
+                                 const std::function<void(const std::string&)>& show) {
   const auto& c = cfg.parallelism;
-  return ParallelDims::build(c.data_parallel_replicate_degree, c.data_parallel_shard_degree, c.context_parallel_degree,
-                             c.tensor_parallel_degree, c.pipeline_parallel_degree, world_size);
+  const ParallelDims dims =
+      ParallelDims::build(c.data_parallel_replicate_degree, c.data_parallel_shard_degree, c.context_parallel_degree,
+                          c.tensor_parallel_degree, c.pipeline_parallel_degree, world_size);
+  if (!dims.tp_enabled()) return dims;
+  check_tp_divides(dims.tp, tp_split_sizes(cfg));
+  for (const std::string& line : dims.describe()) show(line);
+  throw UserError("not supported yet: parallelism.tensor_parallel_degree = " + std::to_string(dims.tp) +
+                  ": the mesh and " + cfg.model.name + " " + cfg.model.flavor +
+                  "'s sizes check out, but tensor parallelism itself is not built yet (issue 35; ctitan supports: 1)");
 }
 
 // use_nccl: FSDP's tensor collectives go over NCCL groups of the same ranks (GPUs), the Gloo
@@ -273,7 +294,8 @@ ParallelDims build_parallel_dims(const JobConfig& cfg, int64_t world_size) {
 Parallelism build_parallelism(const JobConfig& cfg, bool use_nccl) {
   Parallelism p;
   p.env = detect_launch_env(environment_map());
-  p.dims = build_parallel_dims(cfg, p.env.world_size);
+  // Rank 0's console shows the mesh (the other ranks' consoles show warnings only).
+  p.dims = build_parallel_dims(cfg, p.env.world_size, [](const std::string& line) { spdlog::info("{}", line); });
   if (!p.env.distributed()) return p;
   p.dist = init_distributed(p.env, std::chrono::seconds(cfg.comm.init_timeout_seconds));
   // Every rank creates every group, in the same order (group creation is collective).
@@ -287,12 +309,13 @@ Parallelism build_parallelism(const JobConfig& cfg, bool use_nccl) {
     if (fsdp_rs)
       if (auto g = p.dist->new_nccl_group(ranks, name + "_nccl_rs")) *fsdp_rs = g;
   };
-  for (int64_t rep = 0; rep < p.dims.dp_replicate; ++rep)
-    make(p.dims.shard_group(rep * p.dims.dp_shard), "dp_shard" + std::to_string(rep), p.shard, p.fsdp_shard,
-         &p.fsdp_reduce_scatter);
-  for (int64_t sh = 0; sh < p.dims.dp_shard; ++sh)
-    make(p.dims.replicate_group(sh), "dp_replicate" + std::to_string(sh), p.replicate, p.fsdp_replicate, nullptr);
-  p.dp_rank = p.env.rank;  // only data parallelism: the dp rank is the global rank
+  // With tp = 1 group g is replicate index g's shard group and shard index g's replicate group.
+  const auto shard_groups = p.dims.shard_groups(), replicate_groups = p.dims.replicate_groups();
+  for (size_t g = 0; g < shard_groups.size(); ++g)
+    make(shard_groups[g], "dp_shard" + std::to_string(g), p.shard, p.fsdp_shard, &p.fsdp_reduce_scatter);
+  for (size_t g = 0; g < replicate_groups.size(); ++g)
+    make(replicate_groups[g], "dp_replicate" + std::to_string(g), p.replicate, p.fsdp_replicate, nullptr);
+  p.dp_rank = p.dims.dp_rank(p.env.rank);  // the global rank while tp = 1
   return p;
 }
 
@@ -500,7 +523,8 @@ MemoryEstimate check_start(const JobConfig& cfg, const CheckpointOptions& checkp
 }
 
 // job.validate_only: the checks a run makes before it writes anything, in its order — the
-// config, the launch environment and the device, the parallelism degrees, the batch
+// config, the launch environment and the device, the parallelism degrees (with tp > 1: the
+// model's sizes, then rank 0 prints the mesh on `out` before the refusal), the batch
 // arithmetic, the tokenizer (loaded) and the model built on its vocabulary, the dataset
 // (found), then check_start's (a seed checkpoint's one process, the output folders, the
 // memory estimate) — then one line on `out` and exit 0. No communication between ranks,
@@ -508,7 +532,9 @@ MemoryEstimate check_start(const JobConfig& cfg, const CheckpointOptions& checkp
 int validate_only(const JobConfig& cfg, const CheckpointOptions& checkpoint, std::ostream& out) {
   const LaunchEnv env = detect_launch_env(environment_map());
   const DeviceChoice device = choose_device(device_facts(env.local_rank, env.local_world_size));
-  const ParallelDims dims = build_parallel_dims(cfg, env.world_size);
+  const ParallelDims dims = build_parallel_dims(cfg, env.world_size, [&](const std::string& line) {
+    if (env.rank == 0) out << line << "\n";  // a tp > 1 mesh, shown before its refusal
+  });
   const int64_t dp_rank = std::min(env.rank, dims.dp() - 1);
   const int64_t accum = gradient_accumulation_steps(cfg, dims.dp());
   const DataPipeline data = build_data(cfg, dp_rank, dims.dp());

@@ -465,8 +465,8 @@ struct Parallelism {
       one_of({"default", "always", "never"}));
     v(fsdp_prefetch, "fsdp_prefetch", true,
       "(ctitan) Issue the next FSDP unit's all-gather while the current one computes");
-    v(tensor_parallel_degree, "tensor_parallel_degree", 1, "Tensor parallelism degree; 1 = off",
-      at_least(1).supported_only({"1"}));
+    v(tensor_parallel_degree, "tensor_parallel_degree", 1,
+      "Tensor parallelism degree; 1 = off (> 1: the mesh is checked, then refused: TP is not built yet)", at_least(1));
     v(disable_loss_parallel, "disable_loss_parallel", false, "Compute the loss without loss parallelism under TP");
     v(enable_async_tensor_parallel, "enable_async_tensor_parallel", false, "Overlap TP communication with compute",
       supported_only({"false"}));

@@ -13,6 +13,9 @@ ModelSizes decoder_sizes(const DecoderArgs& a, int64_t ffn, int64_t total_params
   s.head_dim = a.head_dim();
   s.kv_dim = a.kv_heads() * a.head_dim();
   s.ffn = ffn;
+  s.n_heads = a.n_heads;
+  s.n_kv_heads = a.kv_heads();
+  s.ffn_hidden = ffn;  // dense: the width one token goes through is the whole FFN's
   s.total_params = total_params;
   s.embedding_params = embedding_params;
   s.flops_per_token = flops_per_token;

@@ -27,6 +27,8 @@ struct ModelSizes {
   int64_t vocab_size = 0, dim = 0, n_layers = 0, head_dim = 0;
   int64_t kv_dim = 0;  // n_kv_heads · head_dim
   int64_t ffn = 0;     // feed-forward width one token goes through (MoE: top_k · expert width)
+  int64_t n_heads = 0, n_kv_heads = 0;
+  int64_t ffn_hidden = 0;  // the FFN's hidden width as its weights hold it (MoE: one expert's)
   int64_t total_params = 0, embedding_params = 0;
   double flops_per_token = 0;
 };

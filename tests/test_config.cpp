@@ -714,8 +714,11 @@ TEST(ConfigSupported, FeaturesNotBuiltYetAreRefusedWithTheSupportedValues) {
     change(c);
     return supported_error(c);
   };
-  EXPECT_EQ(refused([](JobConfig& c) { c.parallelism.tensor_parallel_degree = 2; }),
-            "not supported yet: parallelism.tensor_parallel_degree = 2 (ctitan supports: 1)");
+  // tensor_parallel_degree passes here: train checks its mesh and the model's sizes first,
+  // then refuses it (tests/test_train.cpp: TensorParallelDegreeIsCheckedThenRefused).
+  EXPECT_EQ(refused([](JobConfig& c) { c.parallelism.tensor_parallel_degree = 2; }), "no error");
+  EXPECT_EQ(refused([](JobConfig& c) { c.parallelism.enable_async_tensor_parallel = true; }),
+            "not supported yet: parallelism.enable_async_tensor_parallel = true (ctitan supports: false)");
   EXPECT_EQ(refused([](JobConfig& c) { c.parallelism.pipeline_parallel_degree = 2; }),
             "not supported yet: parallelism.pipeline_parallel_degree = 2 (ctitan supports: 1)");
   EXPECT_EQ(refused([](JobConfig& c) { c.parallelism.context_parallel_degree = 4; }),

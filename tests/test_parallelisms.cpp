@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <array>
 #include <thread>
+#include <utility>
 
 #include "config/errors.h"
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -166,11 +168,178 @@ TEST(ParallelDims, ProductMustEqualWorld) {
                  "parallelism: dp_replicate (1) · dp_shard (3) · cp (1) · tp (1) · pp (1) = 3 ≠ WORLD_SIZE (4)");
   }
   try {
-    ParallelDims::build(1, -1, 1, 2, 1, 4);
+    ParallelDims::build(1, -1, 1, 1, 2, 4);
     FAIL();
   } catch (const UserError& e) {
-    EXPECT_STREQ(e.what(), "not supported yet: parallelism.tensor_parallel_degree = 2 (ctitan supports: 1)");
+    EXPECT_STREQ(e.what(), "not supported yet: parallelism.pipeline_parallel_degree = 2 (ctitan supports: 1)");
   }
+}
+
+namespace {
+std::string build_error(int64_t rep, int64_t shard, int64_t tp, int64_t world) {
+  try {
+    ParallelDims::build(rep, shard, 1, tp, 1, world);
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+std::string tp_error(int64_t tp, const TPSplitSizes& s) {
+  try {
+    check_tp_divides(tp, s);
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+// The mesh's coordinates of every rank, counted in torchtitan's order (tp innermost, then
+// dp_shard, then dp_replicate) instead of computed from a formula: coords[rank] = {rep, shard, t}.
+std::vector<std::array<int64_t, 3>> mesh_coords(int64_t rep, int64_t shard, int64_t tp) {
+  std::vector<std::array<int64_t, 3>> coords;
+  for (int64_t r = 0; r < rep; ++r)
+    for (int64_t s = 0; s < shard; ++s)
+      for (int64_t t = 0; t < tp; ++t) coords.push_back({r, s, t});
+  return coords;
+}
+
+// The ranks whose coordinates agree with `rank`'s on every axis but `free` (0 rep, 1 shard, 2 tp).
+std::vector<int64_t> ranks_varying(const std::vector<std::array<int64_t, 3>>& coords, int64_t rank, int free) {
+  std::vector<int64_t> g;
+  for (int64_t q = 0; q < static_cast<int64_t>(coords.size()); ++q) {
+    bool same = true;
+    for (int axis = 0; axis < 3; ++axis)
+      if (axis != free && coords[q][axis] != coords[rank][axis]) same = false;
+    if (same) g.push_back(q);
+  }
+  return g;
+}
+
+// Each rank is in exactly one of `groups`, and that group is `own(rank)`.
+template <class Own>
+void expect_partition(const std::vector<std::vector<int64_t>>& groups, int64_t world, Own own, const char* what) {
+  std::vector<int> seen(world, 0);
+  for (const auto& g : groups)
+    for (int64_t r : g) {
+      ++seen[r];
+      EXPECT_EQ(g, own(r)) << what << " group holding rank " << r;
+    }
+  for (int64_t r = 0; r < world; ++r) EXPECT_EQ(seen[r], 1) << what << ": rank " << r;
+}
+}  // namespace
+
+// World 8 = dp_replicate 2 × dp_shard 2 × tp 2, by hand: rank 5 is (rep 1, shard 0, t 1).
+TEST(ParallelDims, TpIsInnermost) {
+  const auto d = ParallelDims::build(2, -1, 1, 2, 1, 8);
+  EXPECT_EQ(d.dp_shard, 2);
+  EXPECT_EQ(d.dp(), 4);
+  EXPECT_EQ(d.tp_group(5), (std::vector<int64_t>{4, 5}));
+  EXPECT_EQ(d.shard_group(5), (std::vector<int64_t>{5, 7}));
+  EXPECT_EQ(d.replicate_group(5), (std::vector<int64_t>{1, 5}));
+  EXPECT_EQ(d.dp_rank(5), 2);
+  EXPECT_EQ(d.tp_groups(), (std::vector<std::vector<int64_t>>{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
+}
+
+// Every rank's groups on several meshes against the coordinates counted in mesh_coords.
+TEST(ParallelDims, GroupsMatchTheMeshCoordinates) {
+  const std::vector<std::array<int64_t, 3>> shapes = {{2, 2, 2}, {1, 2, 4}, {2, 1, 2}, {1, 4, 2},
+                                                      {3, 2, 2}, {1, 1, 4}, {2, 3, 1}};
+  for (const auto& [rep, shard, tp] : shapes) {
+    const int64_t world = rep * shard * tp;
+    const auto d = ParallelDims::build(rep, shard, 1, tp, 1, world);
+    const auto coords = mesh_coords(rep, shard, tp);
+    const std::string mesh = std::to_string(rep) + "x" + std::to_string(shard) + "x" + std::to_string(tp);
+    for (int64_t r = 0; r < world; ++r) {
+      EXPECT_EQ(d.replicate_index(r), coords[r][0]) << mesh << " rank " << r;
+      EXPECT_EQ(d.shard_index(r), coords[r][1]) << mesh << " rank " << r;
+      EXPECT_EQ(d.tp_index(r), coords[r][2]) << mesh << " rank " << r;
+      EXPECT_EQ(d.dp_rank(r), coords[r][0] * shard + coords[r][1]) << mesh << " rank " << r;
+      EXPECT_EQ(d.replicate_group(r), ranks_varying(coords, r, 0)) << mesh << " rank " << r;
+      EXPECT_EQ(d.shard_group(r), ranks_varying(coords, r, 1)) << mesh << " rank " << r;
+      EXPECT_EQ(d.tp_group(r), ranks_varying(coords, r, 2)) << mesh << " rank " << r;
+    }
+    expect_partition(
+        d.shard_groups(), world, [&](int64_t r) { return d.shard_group(r); }, "shard");
+    expect_partition(
+        d.replicate_groups(), world, [&](int64_t r) { return d.replicate_group(r); }, "replicate");
+    expect_partition(
+        d.tp_groups(), world, [&](int64_t r) { return d.tp_group(r); }, "tp");
+  }
+}
+
+// tp = 1: the groups data parallelism has always had (shard groups contiguous runs of dp_shard
+// ranks, replicate groups strided by dp_shard), created in the same order (shard group g:
+// replicate index g's; replicate group g: shard index g's).
+TEST(ParallelDims, TpOneKeepsTheDataParallelGroups) {
+  for (const auto& [rep, world] :
+       std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {1, 4}, {2, 4}, {2, 8}, {4, 8}, {3, 6}}) {
+    const auto d = ParallelDims::build(rep, -1, 1, 1, 1, world);
+    const int64_t S = world / rep;
+    ASSERT_EQ(d.dp_shard, S);
+    for (int64_t r = 0; r < world; ++r) {
+      std::vector<int64_t> shard, replicas;
+      for (int64_t q = r - r % S; q < r - r % S + S; ++q) shard.push_back(q);
+      for (int64_t q = r % S; q < world; q += S) replicas.push_back(q);
+      EXPECT_EQ(d.shard_group(r), shard) << rep << "x" << S << " rank " << r;
+      EXPECT_EQ(d.replicate_group(r), replicas) << rep << "x" << S << " rank " << r;
+      EXPECT_EQ(d.tp_group(r), std::vector<int64_t>{r});
+      EXPECT_EQ(d.dp_rank(r), r);
+    }
+    ASSERT_EQ(d.shard_groups().size(), static_cast<size_t>(rep));
+    for (int64_t g = 0; g < rep; ++g) EXPECT_EQ(d.shard_groups()[g], d.shard_group(g * S));
+    ASSERT_EQ(d.replicate_groups().size(), static_cast<size_t>(S));
+    for (int64_t g = 0; g < S; ++g) EXPECT_EQ(d.replicate_groups()[g], d.replicate_group(g));
+  }
+}
+
+TEST(ParallelDims, TpDegreesThatDoNotFitTheWorldAreRefusedNamingTheNumbers) {
+  EXPECT_EQ(build_error(1, -1, 4, 8), "no error");
+  EXPECT_EQ(build_error(3, -1, 2, 8),
+            "parallelism: WORLD_SIZE (8) is not divisible by data_parallel_replicate_degree (3) · "
+            "tensor_parallel_degree (2) = 6, so data_parallel_shard_degree = -1 cannot take the rest");
+  EXPECT_EQ(build_error(1, -1, 2, 1),
+            "parallelism: WORLD_SIZE (1) is not divisible by data_parallel_replicate_degree (1) · "
+            "tensor_parallel_degree (2) = 2, so data_parallel_shard_degree = -1 cannot take the rest");
+  EXPECT_EQ(build_error(1, 3, 2, 8),
+            "parallelism: dp_replicate (1) · dp_shard (3) · cp (1) · tp (2) · pp (1) = 6 ≠ WORLD_SIZE (8)");
+  EXPECT_EQ(build_error(2, 2, 4, 8),
+            "parallelism: dp_replicate (2) · dp_shard (2) · cp (1) · tp (4) · pp (1) = 16 ≠ WORLD_SIZE (8)");
+  // tp = 1: the line it has always been.
+  EXPECT_EQ(build_error(3, -1, 1, 8),
+            "parallelism: WORLD_SIZE (8) is not divisible by data_parallel_replicate_degree (3), so "
+            "data_parallel_shard_degree = -1 cannot take the rest");
+}
+
+TEST(ParallelDims, TpMustDivideHeadsKvHeadsFfnAndVocab) {
+  const TPSplitSizes ok{"llama3 x", 32, 8, 14336, 128256};
+  EXPECT_EQ(tp_error(8, ok), "no error");
+  const std::string why =
+      "; torchtitan requires tp to divide the attention heads, the kv heads (split over the tp ranks, never "
+      "replicated), the FFN hidden width and the vocabulary";
+  EXPECT_EQ(tp_error(3, ok), "parallelism: tensor_parallel_degree (3) does not divide llama3 x's n_heads (32)" + why);
+  EXPECT_EQ(tp_error(16, ok),
+            "parallelism: tensor_parallel_degree (16) does not divide llama3 x's n_kv_heads (8)" + why);
+  TPSplitSizes ffn = ok;
+  ffn.ffn_hidden = 14340;
+  EXPECT_EQ(tp_error(8, ffn),
+            "parallelism: tensor_parallel_degree (8) does not divide llama3 x's FFN hidden width (14340)" + why);
+  TPSplitSizes vocab = ok;
+  vocab.vocab = 128257;
+  EXPECT_EQ(tp_error(2, vocab),
+            "parallelism: tensor_parallel_degree (2) does not divide llama3 x's vocab_size (128257)" + why);
+}
+
+// The log's mesh: the degrees, then every group of each kind (here written out by hand).
+TEST(ParallelDims, DescribeListsEveryGroup) {
+  const auto lines = ParallelDims::build(2, 2, 1, 2, 1, 8).describe();
+  ASSERT_EQ(lines.size(), 4u);
+  EXPECT_EQ(lines[0],
+            "mesh [dp_replicate, dp_shard, tp] = [2, 2, 2] over 8 ranks, rank = (replicate · dp_shard + shard) · tp + "
+            "tp_index");
+  EXPECT_EQ(lines[1], "mesh tp groups: [0, 1] [2, 3] [4, 5] [6, 7]");
+  EXPECT_EQ(lines[2], "mesh dp_shard groups: [0, 2] [1, 3] [4, 6] [5, 7]");
+  EXPECT_EQ(lines[3], "mesh dp_replicate groups: [0, 4] [1, 5] [2, 6] [3, 7]");
 }
 
 // ---------------------------------------------------------------- collectives (real ranks)

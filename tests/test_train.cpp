@@ -202,6 +202,57 @@ TEST_F(TrainE2E, ValidateOnlyRefusesWhatTheRunRefusesWithTheSameLine) {
   EXPECT_EQ(std::distance(fs::directory_iterator(dump), fs::directory_iterator()), 1) << "a file was written";
 }
 
+// parallelism.tensor_parallel_degree > 1, on one process posing as rank 0 of WORLD_SIZE
+// (both paths refuse before any rendezvous): a degree that does not fit the world or the
+// model gets the one line naming the numbers; one that fits has its mesh shown (the run's log,
+// validate_only's stdout), then the line that tensor parallelism is not built yet. The run and
+// validate_only end on the same line, exit 2, and write nothing.
+TEST_F(TrainE2E, TensorParallelDegreeIsCheckedThenRefused) {
+  const std::string dump = (root_ / "tp").string();
+  const std::string why =
+      "; torchtitan requires tp to divide the attention heads, the kv heads (split over the tp ranks, never "
+      "replicated), the FFN hidden width and the vocabulary";
+  struct Case {
+    int world;
+    std::string extra, line;
+  };
+  const std::vector<Case> cases = {
+      {1, " --parallelism.tensor_parallel_degree 2",
+       "parallelism: WORLD_SIZE (1) is not divisible by data_parallel_replicate_degree (1) · tensor_parallel_degree "
+       "(2) = 2, so data_parallel_shard_degree = -1 cannot take the rest"},
+      {3, " --parallelism.tensor_parallel_degree 3",
+       "parallelism: tensor_parallel_degree (3) does not divide llama3 debugmodel's n_heads (16)" + why},
+      {16, " --parallelism.tensor_parallel_degree 16 --model.flavor debugmodel_gqa",
+       "parallelism: tensor_parallel_degree (16) does not divide llama3 debugmodel_gqa's n_kv_heads (8)" + why},
+      {4, " --parallelism.tensor_parallel_degree 2",
+       "not supported yet: parallelism.tensor_parallel_degree = 2: the mesh and llama3 debugmodel's sizes check out, "
+       "but tensor parallelism itself is not built yet (issue 35; ctitan supports: 1)"},
+  };
+  for (const auto& c : cases) {
+    const std::string w = std::to_string(c.world);
+    const std::string env = "RANK=0 WORLD_SIZE=" + w + " LOCAL_RANK=0 LOCAL_WORLD_SIZE=" + w +
+                            " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(ctitan::testing::free_port()) + " ";
+    const auto run = sh(env + kTrain + args(dump, 2) + c.extra);
+    const auto check = sh(env + kTrain + args(dump, 2) + c.extra + " --job.validate_only");
+    EXPECT_EQ(run.code, 2) << c.extra << ": " << run.out;
+    EXPECT_EQ(check.code, 2) << c.extra << ": " << check.out;
+    EXPECT_EQ(last_line(run.out), c.line) << c.extra;
+    EXPECT_EQ(last_line(check.out), c.line) << c.extra;
+    EXPECT_FALSE(fs::exists(dump)) << c.extra;
+  }
+  // The good mesh (world 4 = dp_shard 2 × tp 2) as both showed it.
+  const std::string env = "RANK=0 WORLD_SIZE=4 LOCAL_RANK=0 LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                          std::to_string(ctitan::testing::free_port()) + " ";
+  const auto run = sh(env + kTrain + args(dump, 2) + cases[3].extra);
+  const auto check = sh(env + kTrain + args(dump, 2) + cases[3].extra + " --job.validate_only");
+  for (const std::string groups : {"mesh tp groups: [0, 1] [2, 3]\n", "mesh dp_shard groups: [0, 2] [1, 3]\n",
+                                   "mesh dp_replicate groups: [0] [1] [2] [3]\n"}) {
+    EXPECT_NE(run.out.find(groups), std::string::npos) << run.out;
+    EXPECT_NE(check.out.find(groups), std::string::npos) << check.out;
+  }
+  EXPECT_EQ(std::count(check.out.begin(), check.out.end(), '\n'), 5) << check.out;  // 4 mesh lines, the refusal
+}
+
 // A checkpoint folder that cannot be created is refused at start, before any step (it used
 // to fail at the first save, after training up to it): exit 2, the one line naming the
 // folder, no metrics, no log.

@@ -16,7 +16,9 @@ TransformerModelArgs training_args(const std::string& flavor, int64_t seq_len) {
 
 ModelSizes sizes_of(const TransformerModelArgs& a, int64_t seq_len) {
   const ParamCounts c = count_params(a);
-  return decoder_sizes(a, a.moe.hidden_dim * a.moe.top_k, c.total, c.embedding, flops_per_token(a, seq_len));
+  ModelSizes s = decoder_sizes(a, a.moe.hidden_dim * a.moe.top_k, c.total, c.embedding, flops_per_token(a, seq_len));
+  s.ffn_hidden = a.moe.hidden_dim;  // each expert's width: what tensor parallelism would split
+  return s;
 }
 
 // The step's MoE work (models/train_model.h: StepHooks), over the state the hooks share.
