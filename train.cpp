@@ -689,7 +689,7 @@ void choose_attention(const Job& j, const ModelArgs& margs) {
     case SdpaBackend::Efficient: candidates = {at::SDPBackend::efficient_attention}; break;
     case SdpaBackend::Math: candidates = {at::SDPBackend::math}; break;
   }
-  const SdpaChoice c = measure_sdpa(shape, candidates);
+  const SdpaChoice c = choose_sdpa(shape, candidates);
   const bool any = std::any_of(c.tried.begin(), c.tried.end(), [](const SdpaTry& t) { return t.usable; });
   const std::string what =
       fmt::format("[batch {}, seq {}, {} heads, {} kv heads, head dim {}] {}", shape.batch, shape.seq, shape.heads,

@@ -91,7 +91,7 @@ std::string SdpaChoice::summary() const {
   return s;
 }
 
-SdpaChoice measure_sdpa(const SdpaShape& s, const std::vector<at::SDPBackend>& candidates, int reps) {
+SdpaChoice choose_sdpa(const SdpaShape& s, const std::vector<at::SDPBackend>& candidates, int reps) {
   auto& ctx = at::globalContext();
   const auto saved_order = ctx.sDPPriorityOrder();
   const int64_t groups = s.kv_heads > 0 ? s.heads / s.kv_heads : 1;

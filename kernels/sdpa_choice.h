@@ -50,7 +50,7 @@ std::string sdpa_backend_name(at::SDPBackend b);
 // warm-up, each between host synchronisations. cuDNN, when ATen refuses it grouped-query
 // attention, is tried again with k and v repeated. The choice is the first usable candidate in
 // the order given; none usable: ATen's own order (backend flash_attention, tried all unusable).
-SdpaChoice measure_sdpa(const SdpaShape& shape, const std::vector<at::SDPBackend>& candidates, int reps = 3);
+SdpaChoice choose_sdpa(const SdpaShape& shape, const std::vector<at::SDPBackend>& candidates, int reps = 3);
 
 // From now on flash_causal_attention's GPU route prefers c.backend (and repeats k and v when
 // c.repeat_kv); the rest of ATen's backends stay enabled after it.

@@ -877,7 +877,7 @@ TEST(SdpaChoice, TimesWhatATenTakesAndLeavesItsOrder) {
   const auto before = ctx.sDPPriorityOrder();
   ctitan::SdpaShape s;
   s.batch = 1, s.seq = 32, s.heads = 4, s.kv_heads = 2, s.head_dim = 16;
-  const auto c = ctitan::measure_sdpa(
+  const auto c = ctitan::choose_sdpa(
       s, {at::SDPBackend::cudnn_attention, at::SDPBackend::flash_attention, at::SDPBackend::efficient_attention}, 1);
   ASSERT_EQ(c.tried.size(), 4u);
   EXPECT_EQ(c.tried[0].name, "cudnn");
