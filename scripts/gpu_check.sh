@@ -268,6 +268,13 @@ if part d; then
     bench/gpu_bench.sh "$OUT/d" >"$OUT/d_table.md" 2>"$OUT/d.log"
   cat "$OUT/d_table.md"
   grep -E "device:|matmul peak" "$OUT/d/8B_8L.ctitan.log" >&2 2>/dev/null
+  # Per shape: the attention kernel chosen (with each backend's timing) and how busy the GPU
+  # was in the profiled step (bench/gpu_bench.sh's <shape>.ctitan.profile.txt).
+  for f in "$OUT"/d/*.ctitan.log; do
+    [[ -f $f ]] || continue
+    shape=$(basename "$f" .ctitan.log)
+    echo "(d) $shape: $(grep -m1 -o 'attention: .*' "$f"); $(grep -m1 '^GPU:' "$OUT/d/$shape.ctitan.profile.txt" 2>/dev/null)"
+  done
   # (d) ran when the first shape has a ctitan number.
   awk -F'|' 'NR == 3 && $3 !~ /—/ {ok = 1} END {exit !ok}' "$OUT/d_table.md" ||
     fail_line "(d) FAIL: no ctitan number for the first shape: $(tail -1 "$OUT/d.log")"
