@@ -673,8 +673,8 @@ void choose_attention(const Job& j, const ModelArgs& margs) {
   shape.batch = cfg.training.local_batch_size;
   shape.seq = cfg.training.seq_len;
   shape.head_dim = z.head_dim;
-  shape.heads = z.dim / z.head_dim;
-  shape.kv_heads = z.kv_dim / z.head_dim;
+  shape.heads = z.n_heads;
+  shape.kv_heads = z.n_kv_heads;
   shape.dtype = j.fsdp && cfg.training.mixed_precision_param == "bfloat16" ? at::kBFloat16 : at::kFloat;
   shape.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(j.device.index));
   const SdpaBackend asked = cfg.model.sdpa_backend;

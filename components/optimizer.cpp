@@ -36,13 +36,6 @@ CTITAN_KERNEL void adamw_range(float* P, const float* G, float* M, float* V, Ada
   }
 }
 
-// torch::optim::AdamW's update in one pass over (param, grad, exp_avg, exp_avg_sq) instead
-// of ~ten: same state objects and keys (checkpoints cannot tell them apart), same formula
-// in the same order of operations, float32 arithmetic per element:
-//   p ← p·(1 − lr·wd);  m ← β1·m + (1 − β1)·g;  v ← β2·v + (1 − β2)·g²;
-//   p ← p − (lr / bc1) · m / (√v / √bc2 + eps),  bc_i = 1 − β_i^step.
-// The eleven-pass version reads and writes 33M-parameter state ~14 times per step; on a
-// memory-bound CPU that is a measurable share of a step.
 // Every gradient of opt's parameters divided by the 0-d `scale` (where the gradients are).
 void divide_gradients(torch::optim::Optimizer& opt, const torch::Tensor& scale) {
   torch::NoGradGuard no_grad;
@@ -51,6 +44,13 @@ void divide_gradients(torch::optim::Optimizer& opt, const torch::Tensor& scale) 
       if (p.grad().defined()) p.grad().div_(scale.to(p.grad().device()));
 }
 
+// torch::optim::AdamW's update in one pass over (param, grad, exp_avg, exp_avg_sq) instead
+// of ~ten: same state objects and keys (checkpoints cannot tell them apart), same formula
+// in the same order of operations, float32 arithmetic per element:
+//   p ← p·(1 − lr·wd);  m ← β1·m + (1 − β1)·g;  v ← β2·v + (1 − β2)·g²;
+//   p ← p − (lr / bc1) · m / (√v / √bc2 + eps),  bc_i = 1 − β_i^step.
+// The eleven-pass version reads and writes 33M-parameter state ~14 times per step; on a
+// memory-bound CPU that is a measurable share of a step.
 class FusedAdamW : public torch::optim::AdamW {
  public:
   using torch::optim::AdamW::AdamW;

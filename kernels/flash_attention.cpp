@@ -273,15 +273,8 @@ torch::Tensor flash_causal_attention(const torch::Tensor& q, const torch::Tensor
               "[models] flash_causal_attention: q, k and v must share a dtype");
   if (on_gpu(q)) {
     // ATen's fused kernel, the one model.sdpa_backend chose first (kernels/sdpa_choice.h);
-    // GQA without a repeat_kv copy unless that backend needs one; scale 1/√hd.
-    auto kt = k.transpose(1, 2), vt = v.transpose(1, 2);
-    const bool repeat = current_sdpa().repeat_kv && H != KV;
-    if (repeat) {
-      kt = kt.repeat_interleave(H / KV, 1);
-      vt = vt.repeat_interleave(H / KV, 1);
-    }
-    return at::scaled_dot_product_attention(q.transpose(1, 2), kt, vt, {}, 0.0, /*is_causal=*/true, std::nullopt,
-                                            /*enable_gqa=*/H != KV && !repeat)
+    // GQA without a repeat_kv copy unless that backend needs one.
+    return sdpa_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), current_sdpa().repeat_kv)
         .transpose(1, 2);  // [B, T, H, hd]
   }
   return FlashAttentionFn::apply(q.contiguous(), k.contiguous(), v.contiguous(), blocks.q, blocks.k);

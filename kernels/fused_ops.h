@@ -31,7 +31,7 @@ torch::Tensor fused_cross_entropy(const torch::Tensor& logits, const torch::Tens
 // CPU tests check them there against the plain formulas). rotary_emb_aten: the pairs as
 // complex numbers times the table's cos + i sin, in float32. chunked_cross_entropy: the sum of
 // −log softmax(float32(logits))[label], times scale, `rows` rows at a time (0: a float32 chunk
-// of about 256 MiB), saving only the logits and each row's log-sum-exp for the backward.
+// of about 256 MiB), saving only the logits (the backward recomputes each chunk's softmax).
 torch::Tensor rotary_emb_aten(const torch::Tensor& x, const torch::Tensor& freqs_cis);
 torch::Tensor chunked_cross_entropy(const torch::Tensor& logits, const torch::Tensor& labels, double scale,
                                     int64_t rows = 0);

@@ -39,29 +39,28 @@ struct Operands {
   at::Tensor q, k, v;
 };
 
-// One forward + backward as flash_causal_attention's GPU route runs it under choice c.
-void attention_step(const Operands& o, bool repeat_kv, int64_t groups) {
-  at::Tensor k = o.k, v = o.v;
-  if (repeat_kv && groups > 1) {
-    k = k.repeat_interleave(groups, 1);
-    v = v.repeat_interleave(groups, 1);
-  }
-  auto out = at::scaled_dot_product_attention(o.q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt,
-                                              /*enable_gqa=*/!repeat_kv && groups > 1);
+// k or v [B, KV, T, hd] with each kv head repeated for the `groups` query heads that share it.
+at::Tensor repeat_heads(const at::Tensor& kv, int64_t groups) {
+  return groups > 1 ? kv.repeat_interleave(groups, 1) : kv;
+}
+
+// One forward + backward as flash_causal_attention's GPU route runs it.
+void attention_step(const Operands& o, bool repeat_kv) {
+  auto out = sdpa_causal(o.q, o.k, o.v, repeat_kv);
   out.backward(at::ones_like(out));
 }
 
-double wait_host(const Operands& o) {  // a host read waits for the queued work
-  return o.q.grad().defined() ? o.q.grad().select(0, 0).select(0, 0).select(0, 0).select(0, 0).item<double>() : 0.0;
+void wait_host(const Operands& o) {  // a host read waits for the queued work
+  if (o.q.grad().defined()) o.q.grad().flatten()[0].item<double>();
 }
 
-double time_ms(const Operands& o, bool repeat_kv, int64_t groups, int reps) {
-  attention_step(o, repeat_kv, groups);  // warm-up: kernel selection, cuDNN's plan
+double time_ms(const Operands& o, bool repeat_kv, int reps) {
+  attention_step(o, repeat_kv);  // warm-up: kernel selection, cuDNN's plan
   wait_host(o);
   double best = std::numeric_limits<double>::infinity();
   for (int r = 0; r < reps; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
-    attention_step(o, repeat_kv, groups);
+    attention_step(o, repeat_kv);
     wait_host(o);
     best = std::min(best, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
@@ -105,16 +104,13 @@ SdpaChoice choose_sdpa(const SdpaShape& s, const std::vector<at::SDPBackend>& ca
     ctx.setSDPPriorityOrder(order_with_first(b));
     for (const bool repeat : {false, true}) {
       if (repeat && (b != at::SDPBackend::cudnn_attention || groups == 1)) continue;
-      at::Tensor k = o.k, v = o.v;
-      if (repeat) {
-        k = k.detach().repeat_interleave(groups, 1);
-        v = v.detach().repeat_interleave(groups, 1);
-      }
+      const at::Tensor k = repeat ? repeat_heads(o.k.detach(), groups) : o.k;
+      const at::Tensor v = repeat ? repeat_heads(o.v.detach(), groups) : o.v;
       const auto picked = static_cast<at::SDPBackend>(at::_fused_sdp_choice(
           o.q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt, /*enable_gqa=*/!repeat && groups > 1));
       SdpaTry t{sdpa_backend_name(b) + (repeat ? " (kv repeated)" : ""), picked == b, 0.0};
       if (t.usable) {
-        t.ms = time_ms(o, repeat, groups, reps);
+        t.ms = time_ms(o, repeat, reps);
         o.q.mutable_grad() = at::Tensor();
         o.k.mutable_grad() = at::Tensor();
         o.v.mutable_grad() = at::Tensor();
@@ -132,6 +128,14 @@ SdpaChoice choose_sdpa(const SdpaShape& s, const std::vector<at::SDPBackend>& ca
   for (auto b : saved_order) restore.push_back(static_cast<int64_t>(b));
   ctx.setSDPPriorityOrder(restore);
   return best;
+}
+
+at::Tensor sdpa_causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool repeat_kv) {
+  const int64_t groups = q.size(1) / k.size(1);
+  const bool repeat = repeat_kv && groups > 1;
+  return at::scaled_dot_product_attention(q, repeat ? repeat_heads(k, groups) : k, repeat ? repeat_heads(v, groups) : v,
+                                          {}, 0.0, /*is_causal=*/true, std::nullopt,
+                                          /*enable_gqa=*/groups > 1 && !repeat);
 }
 
 void use_sdpa(const SdpaChoice& c) {

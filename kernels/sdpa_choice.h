@@ -52,6 +52,12 @@ std::string sdpa_backend_name(at::SDPBackend b);
 // the order given; none usable: ATen's own order (backend flash_attention, tried all unusable).
 SdpaChoice choose_sdpa(const SdpaShape& shape, const std::vector<at::SDPBackend>& candidates, int reps = 3);
 
+// ATen's causal attention on q [B, H, T, hd], k and v [B, KV, T, hd] (scale 1/√hd): grouped-
+// query attention taken as it is, or with k and v repeated to all H heads first when repeat_kv
+// (a backend that does not take GQA). flash_causal_attention's GPU route and the timings of
+// choose_sdpa both run this.
+at::Tensor sdpa_causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool repeat_kv);
+
 // From now on flash_causal_attention's GPU route prefers c.backend (and repeats k and v when
 // c.repeat_kv); the rest of ATen's backends stay enabled after it.
 void use_sdpa(const SdpaChoice& c);
