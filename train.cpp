@@ -52,6 +52,7 @@
 #include "train.h"
 #include "training/checkpointing.h"
 #include "training/hooks.h"
+#include "kernels/device_route.h"
 #include "training/parallelize.h"
 #include "training/prefetcher.h"
 #include "training/trainer.h"
@@ -266,15 +267,17 @@ std::string allocation_failure_line(const RunProgress& at, const std::string& wh
 // The sizes tensor parallelism would split: the flavor's heads, kv heads, FFN width, vocabulary.
 TPSplitSizes tp_split_sizes(const JobConfig& cfg) {
   const ModelSizes z = configured_model_spec(cfg).sizes(cfg.model.flavor, cfg.training.seq_len);
-  return TPSplitSizes{cfg.model.name + " " + cfg.model.flavor, z.n_heads, z.n_kv_heads, z.ffn_hidden, z.vocab_size};
+  TPSplitSizes s{cfg.model.name + " " + cfg.model.flavor, z.n_heads, z.n_kv_heads, z.ffn_hidden, z.vocab_size};
+  s.seq_len = cfg.training.seq_len;
+  s.validation_seq_len = cfg.validation.enable ? cfg.validation.seq_len : 0;
+  return s;
 }
 
 // The mesh [dp_replicate, dp_shard, tp] on this world size: the degrees' product first
-// (ParallelDims::build), then with tp > 1 the model's sizes tp must divide. A tp > 1 that
-// passes both has its mesh shown (`show`, a line at a time: every rank's groups) and is then
-// refused, since tensor parallelism's layers are not built yet (issue 35): a bad degree gets
-// the line naming its numbers, a good one this line. The run and job.validate_only both call
-// this, so both refuse alike.
+// (ParallelDims::build), then with tp > 1 the model's sizes and the sequence tp must divide, its
+// mesh shown (`show`, a line at a time: every rank's groups), and what tensor parallelism does
+// not cover yet refused (issue 35): a MoE family's experts, checkpoints. The run and
+// job.validate_only both call this, so both refuse alike.
 ParallelDims build_parallel_dims(const JobConfig& cfg, int64_t world_size,
                                  const std::function<void(const std::string&)>& show) {
   const auto& c = cfg.parallelism;
@@ -284,9 +287,15 @@ ParallelDims build_parallel_dims(const JobConfig& cfg, int64_t world_size,
   if (!dims.tp_enabled()) return dims;
   check_tp_divides(dims.tp, tp_split_sizes(cfg));
   for (const std::string& line : dims.describe()) show(line);
-  throw UserError("not supported yet: parallelism.tensor_parallel_degree = " + std::to_string(dims.tp) +
-                  ": the mesh and " + cfg.model.name + " " + cfg.model.flavor +
-                  "'s sizes check out, but tensor parallelism itself is not built yet (issue 35; ctitan supports: 1)");
+  const std::string tp = "parallelism.tensor_parallel_degree = " + std::to_string(dims.tp);
+  if (configured_model_spec(cfg).moe)
+    throw UserError("not supported yet: " + tp + " with model.name = " + cfg.model.name +
+                    ": tensor parallelism of the experts is not built yet (issue 35; dense families only)");
+  if (cfg.checkpoint.enable)
+    throw UserError("not supported yet: " + tp +
+                    " with checkpoint.enable = true: checkpoints of tensor-parallel parameters are not built yet "
+                    "(issue 35); set --checkpoint.enable false");
+  return dims;
 }
 
 // use_nccl: FSDP's tensor collectives go over NCCL groups of the same ranks (GPUs), the Gloo
@@ -315,6 +324,13 @@ Parallelism build_parallelism(const JobConfig& cfg, bool use_nccl) {
     make(shard_groups[g], "dp_shard" + std::to_string(g), p.shard, p.fsdp_shard, &p.fsdp_reduce_scatter);
   for (size_t g = 0; g < replicate_groups.size(); ++g)
     make(replicate_groups[g], "dp_replicate" + std::to_string(g), p.replicate, p.fsdp_replicate, nullptr);
+  if (p.dims.tp_enabled()) {  // tp's collectives over NCCL on GPUs; the norm's sum over Gloo
+    std::shared_ptr<Comm> gloo_tp;
+    const auto tp_groups = p.dims.tp_groups(), shard_tp_groups = p.dims.shard_tp_groups();
+    for (size_t g = 0; g < tp_groups.size(); ++g) make(tp_groups[g], "tp" + std::to_string(g), gloo_tp, p.tp, nullptr);
+    for (size_t g = 0; g < shard_tp_groups.size(); ++g)
+      if (auto c = p.dist->new_group(shard_tp_groups[g], "dp_shard_tp" + std::to_string(g))) p.shard_tp = c;
+  }
   p.dp_rank = p.dims.dp_rank(p.env.rank);  // the global rank while tp = 1
   return p;
 }
@@ -567,9 +583,11 @@ struct Job {
   MemoryEstimate mem_estimate;
   double rss_before_model = 0;
   TrainModel model;
+  std::shared_ptr<TensorParallel> tp;
   std::shared_ptr<ActivationCheckpoint> ac;
   std::shared_ptr<FSDP> fsdp;
-  std::vector<torch::Tensor> params;  // the optimizer's: FSDP's local shards, or the model's
+  std::vector<torch::Tensor> tp_replicated;  // the optimizer's tensors of parameters every tp rank holds whole
+  std::vector<torch::Tensor> params;         // the optimizer's: FSDP's local shards, or the model's
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<LRScheduler> lr;
   std::function<double(double)> grad_sq_all_reduce;
@@ -673,8 +691,8 @@ void choose_attention(const Job& j, const ModelArgs& margs) {
   shape.batch = cfg.training.local_batch_size;
   shape.seq = cfg.training.seq_len;
   shape.head_dim = z.head_dim;
-  shape.heads = z.n_heads;
-  shape.kv_heads = z.n_kv_heads;
+  shape.heads = z.n_heads / j.par.dims.tp;  // a tp rank runs its share of the heads
+  shape.kv_heads = z.n_kv_heads / j.par.dims.tp;
   shape.dtype = j.fsdp && cfg.training.mixed_precision_param == "bfloat16" ? at::kBFloat16 : at::kFloat;
   shape.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(j.device.index));
   const SdpaBackend asked = cfg.model.sdpa_backend;
@@ -726,7 +744,7 @@ void setup_model(Job& j, const ModelArgs& margs) {
                model.flops_per_token / 1e6);
   const size_t n_units = model.units().size();
   size_t units_initialised = !sharded && !loads_weights ? n_units : 0;
-  ParallelizeArgs p{cfg, j.par, j.device, sharded, nullptr, nullptr, nullptr};
+  ParallelizeArgs p{cfg, j.par, j.device, sharded, nullptr, nullptr, nullptr, nullptr};
   if (!loads_weights)
     p.init_unit = [&model, &units_initialised, sharded](size_t i) {
       // The previous unit's full values are freed by now; the caching CPU allocator would
@@ -737,7 +755,8 @@ void setup_model(Job& j, const ModelArgs& margs) {
       ++units_initialised;
     };
   enter_phase(j.at, 0, sharded ? "sharding and initialisation" : "initialisation");
-  parallelize(*margs.spec, model, p);  // AC, then FSDP (the family's hook or the default)
+  parallelize(*margs.spec, model, p);  // TP, AC, then FSDP (the family's hook or the default)
+  j.tp = p.tp;
   j.ac = p.ac;
   j.fsdp = p.fsdp;
   spdlog::info("model init: {} of {} units randomly initialised on this rank ({})", units_initialised, n_units,
@@ -749,6 +768,28 @@ void setup_model(Job& j, const ModelArgs& margs) {
   if (j.fsdp) release_cached_cpu_memory();
   maybe_move_to_device(model, j.device, /*params_placed=*/j.fsdp != nullptr);
   choose_attention(j, margs);
+}
+
+// Tensor parallelism's gradients: the replicated parameters' (norms) are summed over the tp
+// group before the norm (the trainer's sync), and the norm's squares add up over dp_shard × tp,
+// each replicated parameter counted once (on tp rank 0: the others take their squares out).
+void setup_tp_gradients(Job& j) {
+  const auto named = j.model.module->named_parameters();
+  for (const std::string& fqn : j.tp->replicated())
+    j.tp_replicated.push_back(j.fsdp ? j.fsdp->local_shard(fqn) : named[fqn]);
+  j.grad_sq_all_reduce = [group = j.par.shard_tp, replicated = j.tp_replicated, tp_rank = j.tp->rank()](double v) {
+    if (tp_rank != 0)
+      for (const auto& p : replicated)
+        if (p.grad().defined()) v -= read_to_host(p.grad().to(torch::kFloat64).square().sum()).item<double>();
+    auto t = torch::tensor({v}, torch::kFloat64);
+    if (group->size() > 1) group->all_reduce_sum(t, "grad_norm").wait();
+    return t.item<double>();
+  };
+}
+
+std::function<void()> tp_gradient_sync(const Job& j) {
+  if (!j.tp) return nullptr;
+  return [tp = j.tp, replicated = j.tp_replicated] { tp->sum_gradients(replicated); };
 }
 
 // Optimizer and LR schedule, on the local shards with FSDP.
@@ -769,6 +810,7 @@ void setup_optimizer(Job& j) {
       shard->all_reduce_sum(t, "grad_norm").wait();
       return t.item<double>();
     };
+  if (j.tp) setup_tp_gradients(j);
 }
 
 // Checkpointing: the components registered, then resumed from the latest complete checkpoint
@@ -834,10 +876,27 @@ int train_job(Job& j, gemm::Backend matmuls) {
   const std::string reference = j.device.cuda
                                     ? "cuBLAS matmul on " + j.device.name()
                                     : std::string("the better of ") + gemm::backend_name(matmuls) + " and ATen matmul";
-  Trainer trainer(TrainerParts{j.cfg, j.par, j.device, j.model, j.fsdp.get(), *j.optimizer, j.params,
-                               j.grad_sq_all_reduce, *j.lr, *j.data.batches, j.data.setup_s, j.validator.get(),
-                               *j.ckpt->manager, j.train_state, j.at, j.accum, matmul_peak_measure(j, peak_dtype),
-                               peak_dtype, reference});
+  Trainer trainer(TrainerParts{j.cfg,
+                               j.par,
+                               j.device,
+                               j.model,
+                               j.fsdp.get(),
+                               *j.optimizer,
+                               j.params,
+                               j.grad_sq_all_reduce,
+                               *j.lr,
+                               *j.data.batches,
+                               j.data.setup_s,
+                               j.validator.get(),
+                               *j.ckpt->manager,
+                               j.train_state,
+                               j.at,
+                               j.accum,
+                               matmul_peak_measure(j, peak_dtype),
+                               peak_dtype,
+                               reference,
+                               tp_gradient_sync(j),
+                               j.par.dims.tp});
   return trainer.train();
 }
 

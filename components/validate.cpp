@@ -31,7 +31,8 @@ Validator::Validator(const Tokenizer& tokenizer, ValidationSpec spec, int64_t dp
                     std::to_string(spec_.seq_len + 1) + ") tokens; use a larger set or a smaller batch");
 }
 
-ValidationMetrics Validator::validate(int64_t step, const Forward& forward, const SumOverRanks& sum_over_ranks) const {
+ValidationMetrics Validator::validate(int64_t step, const Forward& forward, const SumOverRanks& sum_over_ranks,
+                                     const Loss& loss) const {
   const auto t0 = std::chrono::steady_clock::now();
   torch::NoGradGuard no_grad;
   const int64_t B = spec_.local_batch_size, T = spec_.seq_len;
@@ -49,7 +50,9 @@ ValidationMetrics Validator::validate(int64_t step, const Forward& forward, cons
     auto inputs = torch::from_blob(batch.inputs.data(), {B, T}, torch::kInt64);   // [B, T]
     auto labels = torch::from_blob(batch.labels.data(), {B * T}, torch::kInt64);  // [B·T]
     auto logits = forward(inputs);                                                // [B, T, V]
-    loss_sum += fused_cross_entropy(logits.reshape({B * T, -1}), labels.to(logits.device()), 1.0).item<double>();
+    const auto flat = logits.reshape({B * T, -1});
+    const auto on_device = labels.to(logits.device());
+    loss_sum += (loss ? loss(flat, on_device, 1.0) : fused_cross_entropy(flat, on_device, 1.0)).item<double>();
     ++batches;
   }
   const double local_tokens = static_cast<double>(batches * B * T);

@@ -40,6 +40,9 @@ class Validator {
   using Forward = std::function<torch::Tensor(const torch::Tensor&)>;
   // In place: each element becomes its sum over the data-parallel ranks.
   using SumOverRanks = std::function<void(std::vector<double>&)>;
+  // Σ token cross-entropy · scale of logits [N, V'] against labels [N] (TrainModel::loss);
+  // empty: fused_cross_entropy over the whole vocabulary.
+  using Loss = std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, double)>;
 
   // The tokenizer must outlive the validator. UserError when this rank's share of the data
   // holds no whole batch of local_batch_size × (seq_len + 1) tokens (checked here, before
@@ -50,7 +53,8 @@ class Validator {
   bool should_validate(int64_t step) const { return step == 1 || step % spec_.freq == 0; }
 
   // One validation run under no-grad; the same result on every rank.
-  ValidationMetrics validate(int64_t step, const Forward& forward, const SumOverRanks& sum_over_ranks) const;
+  ValidationMetrics validate(int64_t step, const Forward& forward, const SumOverRanks& sum_over_ranks,
+                             const Loss& loss = {}) const;
 
   const ValidationSpec& spec() const { return spec_; }
 

@@ -9,7 +9,7 @@ namespace ctitan {
 
 DecoderBlockImpl::DecoderBlockImpl(int64_t layer_id_, const DecoderArgs& a, const std::string& ffn_name,
                                    std::shared_ptr<torch::nn::Module> ffn)
-    : layer_id(layer_id_), ffn_(std::move(ffn)) {
+    : layer_id(layer_id_), ffn_(std::move(ffn)), ffn_name_(ffn_name) {
   // Registration order = named_parameters() order = torchtitan's.
   attention = register_module("attention", Attention(a.dim, a.n_heads, a.kv_heads()));
   register_module(ffn_name, ffn_);
@@ -27,6 +27,23 @@ torch::Tensor DecoderBlockImpl::forward_cached(const torch::Tensor& x, const tor
                                                torch::Tensor& k_cache, torch::Tensor& v_cache) {
   const auto h = x + attention->forward_cached(attention_norm->forward(x), freqs_cis, start, k_cache, v_cache);
   return h + ffn_forward(ffn_norm->forward(h));
+}
+
+std::optional<TPPlan> DecoderBlockImpl::tp_plan(const std::string& prefix) {
+  auto ffn = ffn_tp_plan(prefix + ffn_name_);
+  if (!ffn) return std::nullopt;
+  const std::string at = prefix + "attention";
+  TPPlan plan = {
+      {at, TPStyle::GatherInput, &attention->tp_hooks, {}},
+      {at + ".wq", TPStyle::Colwise, &attention->wq->tp_hooks, {at + ".wq.weight"}},
+      {at + ".wk", TPStyle::Colwise, &attention->wk->tp_hooks, {at + ".wk.weight"}},
+      {at + ".wv", TPStyle::Colwise, &attention->wv->tp_hooks, {at + ".wv.weight"}},
+      {at + ".wo", TPStyle::Rowwise, &attention->wo->tp_hooks, {at + ".wo.weight"}},
+  };
+  plan.insert(plan.end(), ffn->begin(), ffn->end());
+  for (const char* norm : {"attention_norm", "ffn_norm"})
+    plan.push_back({prefix + norm, TPStyle::Replicated, nullptr, {prefix + norm + ".weight"}});
+  return plan;
 }
 
 void DecoderBlockImpl::init_weights() {
@@ -125,6 +142,18 @@ void DecoderImpl::init_unit(size_t i) {
     const double cutoff_factor = 3.0;
     trunc_normal_(output->weight, 0.0, final_out_std, -cutoff_factor * final_out_std, cutoff_factor * final_out_std);
   }
+}
+
+std::optional<TPPlan> DecoderImpl::tp_plan() {
+  TPPlan plan = {{"tok_embeddings", TPStyle::VocabEmbedding, &tok_embeddings->tp_hooks, {"tok_embeddings.weight"}}};
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    auto block = blocks_[i]->tp_plan("layers." + std::to_string(i) + ".");
+    if (!block) return std::nullopt;
+    plan.insert(plan.end(), block->begin(), block->end());
+  }
+  plan.push_back({"norm", TPStyle::Replicated, nullptr, {"norm.weight"}});
+  plan.push_back({"output", TPStyle::OutputColwise, &output->tp_hooks, {"output.weight"}});
+  return plan;
 }
 
 std::vector<ModelUnit> DecoderImpl::units() const {

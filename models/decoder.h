@@ -48,13 +48,21 @@ class DecoderBlockImpl : public torch::nn::Module {
   RMSNorm attention_norm{nullptr};
   RMSNorm ffn_norm{nullptr};
 
+  // Tensor parallelism's plan of this block (models/tp_plan.h), module names under `prefix`
+  // ("layers.<i>."): attention and the norms here, the feed-forward's from ffn_tp_plan; nullopt
+  // when the family's feed-forward has none (tensor parallelism is then refused).
+  std::optional<TPPlan> tp_plan(const std::string& prefix);
+
  protected:
   std::shared_ptr<torch::nn::Module> ffn_module() const { return ffn_; }
+  // The feed-forward's entries under `prefix` ("layers.<i>.<ffn name>"); nullopt: none.
+  virtual std::optional<TPPlan> ffn_tp_plan(const std::string& /*prefix*/) { return std::nullopt; }
   virtual torch::Tensor ffn_forward(const torch::Tensor& x) = 0;  // [B, T, D] -> [B, T, D]
   virtual void ffn_init_weights(double init_std) = 0;
 
  private:
   std::shared_ptr<torch::nn::Module> ffn_;
+  std::string ffn_name_;
 };
 
 class DecoderImpl : public torch::nn::Module {
@@ -93,6 +101,10 @@ class DecoderImpl : public torch::nn::Module {
   // The units in forward order with their parameters (names as named_parameters()):
   // tok_embeddings, layers.0 … layers.{L-1}, output (norm + output projection).
   std::vector<ModelUnit> units() const;
+  // Tensor parallelism's plan of the whole model (torchtitan's apply_tp for Llama): the
+  // embedding split over the vocabulary, every block's (DecoderBlockImpl::tp_plan), the final
+  // norm replicated and the output split over the vocabulary. nullopt: some block has none.
+  std::optional<TPPlan> tp_plan();
 
   Embedding tok_embeddings{nullptr};
   RMSNorm norm{nullptr};

@@ -28,13 +28,17 @@ LinearImpl::LinearImpl(int64_t in, int64_t out) : in_features(in), out_features(
 
 // Through recompute::linear: op-level selective activation checkpointing may keep and
 // reuse this matmul's output (a plain torch::linear otherwise).
-torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return recompute::linear(x, weight); }
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
+  return tp_hooks.post(x, recompute::linear(tp_hooks.pre(x), weight));
+}
 
 EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim) {
   weight = register_parameter("weight", new_parameter({num_embeddings, embedding_dim}));
 }
 
-torch::Tensor EmbeddingImpl::forward(const torch::Tensor& tokens) { return torch::embedding(weight, tokens); }
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& tokens) {
+  return tp_hooks.post(tokens, torch::embedding(weight, tp_hooks.pre(tokens)));
+}
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps_) : eps(eps_) {
   auto w = new_parameter({dim});
@@ -122,7 +126,8 @@ AttentionImpl::AttentionImpl(int64_t dim, int64_t n_heads_, int64_t n_kv_heads_)
   wo = register_module("wo", Linear(n_heads * head_dim, dim));
 }
 
-torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& freqs_cis) {
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x_in, const torch::Tensor& freqs_cis) {
+  const torch::Tensor x = tp_hooks.pre(x_in);  // tensor parallelism: the whole sequence
   const int64_t B = x.size(0), T = x.size(1);
   // -1 heads: the local head count follows the projection sizes.
   auto xq = wq(x).view({B, T, -1, head_dim});  // [B, T, H, hd]
@@ -132,7 +137,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   xk = apply_rotary_emb(xk, freqs_cis);
   // Fused block-wise causal attention; GQA reads each kv head once (no repeat_kv copy).
   const auto out = flash_causal_attention(xq, xk, xv);  // [B, T, H, hd]
-  return wo(out.reshape({B, T, -1}));
+  return tp_hooks.post(x_in, wo(out.reshape({B, T, -1})));
 }
 
 torch::Tensor AttentionImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& freqs_cis, int64_t start,
@@ -180,7 +185,8 @@ FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t hidden_dim) {
 }
 
 torch::Tensor FeedForwardImpl::forward(const torch::Tensor& x) {
-  return w2(fused_swiglu(w1(x), w3(x)));  // one pass forward and one backward (fused_ops.h)
+  const torch::Tensor h = tp_hooks.pre(x);
+  return tp_hooks.post(x, w2(fused_swiglu(w1(h), w3(h))));  // one pass forward and one backward (fused_ops.h)
 }
 
 void FeedForwardImpl::init_weights(double init_std) {

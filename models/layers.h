@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 
 #include "models/rope_args.h"
+#include "models/tp_plan.h"
 
 namespace ctitan {
 
@@ -25,6 +26,7 @@ class LinearImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);  // [..., in] -> [..., out]
   int64_t in_features, out_features;
   torch::Tensor weight;  // [out, in]
+  LayerHooks tp_hooks;   // tensor parallelism's collectives around forward (models/tp_plan.h)
 };
 TORCH_MODULE(Linear);
 
@@ -33,6 +35,7 @@ class EmbeddingImpl : public torch::nn::Module {
   EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim);
   torch::Tensor forward(const torch::Tensor& tokens);  // int64 [B, T] -> [B, T, D]
   torch::Tensor weight;                                // [V, D]
+  LayerHooks tp_hooks;
 };
 TORCH_MODULE(Embedding);
 
@@ -98,8 +101,9 @@ class AttentionImpl : public torch::nn::Module {
                                torch::Tensor& k_cache, torch::Tensor& v_cache);
   // torchtitan: wq, wk, wv ~ trunc_normal(0.02); wo ~ trunc_normal(init_std) (in that order).
   void init_weights(double init_std);
-  int64_t n_heads, n_kv_heads, head_dim;
+  int64_t n_heads, n_kv_heads, head_dim;  // the model's; under tensor parallelism a rank runs 1/tp of the heads
   Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
+  LayerHooks tp_hooks;  // around forward (the training path; forward_cached runs in one process)
 };
 TORCH_MODULE(Attention);
 
@@ -111,6 +115,7 @@ class FeedForwardImpl : public torch::nn::Module {
   // torchtitan: w1 ~ trunc_normal(0.02); w2, w3 ~ trunc_normal(init_std) (in that order).
   void init_weights(double init_std);
   Linear w1{nullptr}, w2{nullptr}, w3{nullptr};
+  LayerHooks tp_hooks;
 };
 TORCH_MODULE(FeedForward);
 

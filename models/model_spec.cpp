@@ -31,6 +31,7 @@ TrainModel decoder_train_model(const std::shared_ptr<DecoderImpl>& model, ModelI
   m.forward = [model](const torch::Tensor& t) { return model->forward(t); };
   m.units = [model] { return model->units(); };
   m.set_unit_wrapper = [model](UnitWrapper w) { model->set_unit_wrapper(std::move(w)); };
+  m.tp_plan = [model] { return model->tp_plan(); };
   m.n_layers = model->n_layers();
   m.total_params = sizes.total_params;
   m.embedding_params = sizes.embedding_params;

@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -9,6 +10,7 @@
 
 #include <torch/torch.h>
 
+#include "models/tp_plan.h"
 #include "models/unit_runner.h"
 
 namespace ctitan {
@@ -47,6 +49,12 @@ struct TrainModel {
   std::function<std::vector<ModelUnit>()> units;
   std::function<void(UnitWrapper)> set_unit_wrapper;
   std::function<void(size_t)> init_unit;  // unit i of units(), as the full init draws it
+  // Tensor parallelism's plan (models/tp_plan.h); empty, or nullopt: the family has none.
+  std::function<std::optional<TPPlan>()> tp_plan;
+  // The training loss of the forward's logits [N, V'] against labels [N]: Σ token
+  // cross-entropy · scale. Empty: kernels/fused_ops' fused_cross_entropy over the whole
+  // vocabulary; tensor parallelism's loss parallelism sets its vocabulary-split one.
+  std::function<torch::Tensor(const torch::Tensor& logits, const torch::Tensor& labels, double scale)> loss;
   int64_t n_layers = 0;
   int64_t total_params = 0, embedding_params = 0;
   double flops_per_token = 0;

@@ -111,6 +111,15 @@ std::vector<std::vector<int64_t>> ParallelDims::tp_groups() const {
   return gs;
 }
 
+std::vector<std::vector<int64_t>> ParallelDims::shard_tp_groups() const {
+  std::vector<std::vector<int64_t>> gs;
+  for (int64_t r = 0; r < dp_replicate; ++r) {
+    gs.emplace_back();
+    for (int64_t k = 0; k < dp_shard * tp; ++k) gs.back().push_back(r * dp_shard * tp + k);
+  }
+  return gs;
+}
+
 std::vector<std::string> ParallelDims::describe() const {
   return {"mesh [dp_replicate, dp_shard, tp] = [" + num(dp_replicate) + ", " + num(dp_shard) + ", " + num(tp) +
               "] over " + num(world_size) + " ranks, rank = (replicate · dp_shard + shard) · tp + tp_index",
@@ -119,15 +128,18 @@ std::vector<std::string> ParallelDims::describe() const {
 }
 
 void check_tp_divides(int64_t tp, const TPSplitSizes& s) {
-  const std::pair<const char*, int64_t> split[] = {{"n_heads", s.n_heads},
-                                                   {"n_kv_heads", s.n_kv_heads},
-                                                   {"FFN hidden width", s.ffn_hidden},
-                                                   {"vocab_size", s.vocab}};
+  const std::pair<std::string, int64_t> split[] = {{s.model + "'s n_heads", s.n_heads},
+                                                   {s.model + "'s n_kv_heads", s.n_kv_heads},
+                                                   {s.model + "'s FFN hidden width", s.ffn_hidden},
+                                                   {s.model + "'s vocab_size", s.vocab},
+                                                   {"training.seq_len", s.seq_len},
+                                                   {"validation.seq_len", s.validation_seq_len}};
   for (const auto& [what, n] : split)
     if (n % tp != 0)
-      throw UserError("parallelism: tensor_parallel_degree (" + num(tp) + ") does not divide " + s.model + "'s " +
-                      what + " (" + num(n) + "); torchtitan requires tp to divide the attention heads, the kv " +
-                      "heads (split over the tp ranks, never replicated), the FFN hidden width and the vocabulary");
+      throw UserError("parallelism: tensor_parallel_degree (" + num(tp) + ") does not divide " + what + " (" + num(n) +
+                      "); torchtitan requires tp to divide the attention heads, the kv heads (split over " +
+                      "the tp ranks, never replicated), the FFN hidden width, the vocabulary and the sequence " +
+                      "(sequence parallelism)");
 }
 
 }  // namespace ctitan

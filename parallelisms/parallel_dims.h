@@ -4,7 +4,7 @@
 // A tp group is a contiguous run of tp ranks (one node's GPUs, when tp ≤ ranks/node); a
 // dp_shard group holds the ranks of one replicate index and one tp index. With tp = 1 this
 // is the layout data parallelism has always had: rank = replicate_index · dp_shard + shard_index.
-// Tensor parallelism itself (its layers) is not built yet (issue 35): the mesh and its checks are.
+// Tensor parallelism's layers: parallelisms/tensor_parallel.h.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -43,6 +43,9 @@ struct ParallelDims {
   std::vector<std::vector<int64_t>> shard_groups() const;
   std::vector<std::vector<int64_t>> replicate_groups() const;
   std::vector<std::vector<int64_t>> tp_groups() const;
+  // The dp_shard × tp ranks of each replicate index (contiguous), where every parameter's
+  // gradient is held exactly once: the gradient norm's squares add up over one of these.
+  std::vector<std::vector<int64_t>> shard_tp_groups() const;
   // The mesh in a few lines for the log: the degrees, then every group of each kind.
   std::vector<std::string> describe() const;
 };
@@ -53,10 +56,13 @@ struct TPSplitSizes {
   int64_t n_heads = 0, n_kv_heads = 0;
   int64_t ffn_hidden = 0;  // the FFN's hidden width (MoE: one expert's)
   int64_t vocab = 0;
+  // Sequence parallelism splits the residual stream over the sequence: training.seq_len and,
+  // with validation, validation.seq_len (0: none).
+  int64_t seq_len = 0, validation_seq_len = 0;
 };
 
 // Throws UserError naming the numbers when tp does not divide the attention heads, the kv
-// heads, the FFN's hidden width or the vocabulary (the first of them that fails).
+// heads, the FFN's hidden width, the vocabulary or a sequence length (the first that fails).
 void check_tp_divides(int64_t tp, const TPSplitSizes& s);
 
 }  // namespace ctitan

@@ -1,8 +1,12 @@
 #include "training/parallelize.h"
 
+#include <map>
+#include <optional>
 #include <vector>
 
 #include <spdlog/spdlog.h>
+
+#include "config/errors.h"
 
 namespace ctitan {
 namespace {
@@ -50,6 +54,50 @@ std::shared_ptr<ActivationCheckpoint> maybe_apply_ac(TrainModel& model, const Jo
   return ac;
 }
 
+// Tensor parallelism (torchtitan's apply_tp, before AC and FSDP): each parameter of the plan cut
+// to this tp rank's share and the layers' collectives installed. A model built deferred (no
+// storage) is initialised here one unit at a time, the full unit drawn from the seed as a one-
+// process init draws it and then cut, so FSDP, after it, finds values and draws nothing more.
+std::shared_ptr<TensorParallel> maybe_apply_tp(TrainModel& model, ParallelizeArgs& p) {
+  if (!p.par.dims.tp_enabled()) return nullptr;
+  std::optional<TPPlan> plan = model.tp_plan ? model.tp_plan() : std::nullopt;
+  if (!plan)
+    throw UserError("not supported yet: parallelism.tensor_parallel_degree = " + std::to_string(p.par.dims.tp) +
+                    " for model.name = " + p.cfg.model.name + ": its blocks have no tensor-parallel plan (issue 35)");
+  TPOptions o;
+  o.loss_parallel = !p.cfg.parallelism.disable_loss_parallel;
+  auto tp = std::make_shared<TensorParallel>(p.par.tp, o);
+  std::map<std::string, TPStyle> style;
+  for (const TPEntry& e : *plan)
+    for (const std::string& fqn : e.params) style[fqn] = e.style;
+  const std::vector<ModelUnit> units = model.units();
+  int64_t vocab = 0;
+  for (size_t i = 0; i < units.size(); ++i) {
+    bool deferred = false;
+    for (const auto& [fqn, t] : units[i].params) deferred = deferred || (t.numel() > 0 && t.storage().nbytes() == 0);
+    if (deferred && p.init_unit) {
+      for (const auto& [fqn, t] : units[i].params) t.set_data(torch::empty(t.sizes(), t.options()));
+      p.init_unit(i);
+    }
+    for (const auto& [fqn, t] : units[i].params) {
+      const auto it = style.find(fqn);
+      TORCH_CHECK(it != style.end(), "[tp] parameter ", fqn, " is in no entry of the model's tensor-parallel plan");
+      if (it->second == TPStyle::VocabEmbedding) vocab = t.size(0);
+      tp->shard_parameter(it->second, t);
+    }
+  }
+  p.init_unit = nullptr;  // drawn above (or left to a checkpoint): FSDP keeps rows of what is there
+  tp->install(*plan, vocab);
+  if (o.loss_parallel)
+    model.loss = [tp](const torch::Tensor& logits, const torch::Tensor& labels, double scale) {
+      return tp->vocab_parallel_cross_entropy(logits, labels, scale);
+    };
+  spdlog::info(
+      "tensor parallelism: {} ranks (tp rank {}), {} layers split, sequence parallel between blocks, loss parallel {}",
+      tp->degree(), tp->rank(), plan->size() - tp->replicated().size(), o.loss_parallel ? "on" : "off");
+  return tp;
+}
+
 }  // namespace
 
 // FSDP's reshard_after_forward as it applies on dp ranks. One process: freeing the bf16
@@ -62,6 +110,7 @@ std::string fsdp_reshard_policy(const JobConfig& cfg, int64_t dp) {
 }
 
 void default_parallelize(TrainModel& model, ParallelizeArgs& p) {
+  p.tp = maybe_apply_tp(model, p);
   p.ac = maybe_apply_ac(model, p.cfg);
   p.fsdp = maybe_apply_fsdp(model, p.cfg, p.par, p.sharded, p.device, p.init_unit);
 }

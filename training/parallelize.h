@@ -1,7 +1,8 @@
 // How a model is parallelised (torchtitan's parallelize_fn): a family's
 // ModelSpec::parallelize (models/model_spec.h), or, when the family leaves it empty,
 // default_parallelize, which every family shares today: activation checkpointing, then FSDP
-// (torchtitan's order). Tensor parallelism will be applied here too, from the same arguments.
+// (torchtitan's order), after tensor parallelism when parallelism.tensor_parallel_degree > 1
+// (torchtitan's apply_tp comes first too).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -15,6 +16,7 @@
 #include "parallelisms/activation_checkpoint.h"
 #include "parallelisms/device.h"
 #include "parallelisms/fsdp.h"
+#include "parallelisms/tensor_parallel.h"
 #include "training/world.h"
 
 namespace ctitan {
@@ -30,14 +32,15 @@ struct ParallelizeArgs {
   std::function<void(size_t)> init_unit;
 
   // Applied (null: not applied).
+  std::shared_ptr<TensorParallel> tp;
   std::shared_ptr<ActivationCheckpoint> ac;
   std::shared_ptr<FSDP> fsdp;
 };
 
 // spec.parallelize, or default_parallelize when the family has none.
 void parallelize(const ModelSpec& spec, TrainModel& model, ParallelizeArgs& p);
-// Activation checkpointing of the blocks (activation_checkpoint.mode), then FSDP when
-// p.sharded.
+// Tensor parallelism when the mesh has a tp dimension (the family's TrainModel::tp_plan),
+// activation checkpointing of the blocks (activation_checkpoint.mode), then FSDP when p.sharded.
 void default_parallelize(TrainModel& model, ParallelizeArgs& p);
 
 // FSDP's reshard_after_forward as it applies with dp data-parallel ranks.

@@ -104,8 +104,8 @@ void maybe_enable_tensorboard(MetricsLogger& metrics, const JobConfig& cfg, cons
 ValidationMetrics run_validation(const Validator& validator, TrainModel& model, FSDP* fsdp, const Parallelism& par,
                                  int64_t step) {
   model.module->eval();
-  ValidationMetrics v =
-      validator.validate(step, model.forward, [&par](std::vector<double>& x) { world_sum(par, x, "validation"); });
+  ValidationMetrics v = validator.validate(
+      step, model.forward, [&par](std::vector<double>& x) { world_sum(par, x, "validation"); }, model.loss);
   model.module->train();
   if (fsdp) fsdp->reshard_all();
   if (model.step.reset_step_counters) model.step.reset_step_counters();
@@ -202,7 +202,11 @@ void Trainer::forward_backward_step(int64_t step, int64_t micro, const torch::Te
   // Token-sum cross-entropy / local_tokens, on float32 row statistics of the logits in
   // their compute dtype (kernels/fused_ops.h: no float32 copy of [B·T, V]).
   auto logits = p_.model.forward(inputs);  // [B, T, V]
-  auto loss = fused_cross_entropy(logits.view({B_ * T_, -1}), labels.view({B_ * T_}), 1.0 / local_tokens_);
+  // With loss parallelism the logits are this tp rank's share of the vocabulary and the family's
+  // loss (TrainModel::loss) combines the shares.
+  const auto flat_logits = logits.view({B_ * T_, -1}), flat_labels = labels.view({B_ * T_});
+  auto loss = p_.model.loss ? p_.model.loss(flat_logits, flat_labels, 1.0 / local_tokens_)
+                            : fused_cross_entropy(flat_logits, flat_labels, 1.0 / local_tokens_);
   // What the forward left alive for backward (activations, logits): the heap growth.
   activation_gib_ = std::max(activation_gib_, heap_in_use_gib() - heap_before);
   enter_phase(p_.at, step, "backward" + of_micro(micro));
@@ -225,6 +229,7 @@ void Trainer::train_step(int64_t step) {
     next_batch(step, micro, inputs, labels);
     forward_backward_step(step, micro, inputs, labels, v);
   }
+  if (p_.sync_gradients) p_.sync_gradients();
   maybe_inject_fault(p_.par.env.rank, step, v.loss_sum, p_.params);
   // Both values are the same on every rank (a world mean; a norm all-reduced over the
   // shards, whose replicas hold equal gradients), so every rank skips or updates alike.
@@ -339,7 +344,7 @@ StepMetrics Trainer::step_metrics(int64_t step, const StepResult& r) {
   m.n_tokens_seen = static_cast<double>(p_.train_state.ntokens_seen + B_ * T_ * p_.accum * p_.par.dims.dp());
   m.grad_norm = r.grad_norm;
   m.lr = r.lr;
-  m.tps = window_tokens_ / dt;
+  m.tps = window_tokens_ / dt / static_cast<double>(p_.tp);  // torchtitan's: per rank of a tp group
   m.tflops = m.tps * flops_per_tok / 1e12;
   if (m.tps * flops_per_tok > peak_flops_ && peak_remeasures_ < 3) {
     // Training ran faster than the start-up peak: that measurement met a busy moment of a

@@ -52,6 +52,10 @@ struct TrainerParts {
   // and what the first one's log line says it is: "<dtype> ... (MFU reference: <what>)".
   std::function<double()> measure_peak;
   std::string peak_dtype, peak_reference;
+  // After the step's backward, before the norm: tensor parallelism's sum of the replicated
+  // parameters' gradients over the tp group (empty: nothing).
+  std::function<void()> sync_gradients;
+  int64_t tp = 1;  // tensor-parallel degree: a tp group's ranks share their tokens (tokens/s per rank)
 };
 
 // What one step did, for the metrics (host values, read back by Trainer::settle).

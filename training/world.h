@@ -21,6 +21,9 @@ struct Parallelism {
   // (build_parallelism makes both, Gloo keeping the CPU-side control).
   std::shared_ptr<Comm> fsdp_shard, fsdp_replicate;
   std::shared_ptr<Comm> fsdp_reduce_scatter;  // GPUs: a second NCCL group of the shard ranks
+  // Tensor parallelism (tp > 1): the tp group (its collectives: NCCL on GPUs, Gloo else), and the
+  // ranks of one replicate index, dp_shard × tp, over which the gradient norm's squares add up.
+  std::shared_ptr<Comm> tp, shard_tp;
   int64_t dp_rank = 0;
 };
 

@@ -16,6 +16,15 @@ TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id, const DecoderArgs& 
   feed_forward = FeedForward(std::static_pointer_cast<FeedForwardImpl>(ffn_module()));
 }
 
+std::optional<TPPlan> TransformerBlockImpl::ffn_tp_plan(const std::string& ff) {
+  return TPPlan{
+      {ff, TPStyle::GatherInput, &feed_forward->tp_hooks, {}},
+      {ff + ".w1", TPStyle::Colwise, &feed_forward->w1->tp_hooks, {ff + ".w1.weight"}},
+      {ff + ".w2", TPStyle::Rowwise, &feed_forward->w2->tp_hooks, {ff + ".w2.weight"}},
+      {ff + ".w3", TPStyle::Colwise, &feed_forward->w3->tp_hooks, {ff + ".w3.weight"}},
+  };
+}
+
 namespace {
 // Validated before anything is allocated (the base class is built first).
 const TransformerModelArgs& validated(const TransformerModelArgs& a, const std::string& family) {

@@ -47,6 +47,9 @@ class TransformerBlockImpl : public DecoderBlockImpl {
  protected:
   torch::Tensor ffn_forward(const torch::Tensor& x) override { return feed_forward->forward(x); }
   void ffn_init_weights(double init_std) override { feed_forward->init_weights(init_std); }
+  // Megatron's SwiGLU split: w1, w3 column-wise (each rank its share of the hidden units), w2
+  // row-wise; the input gathered over the sequence first.
+  std::optional<TPPlan> ffn_tp_plan(const std::string& prefix) override;
 };
 TORCH_MODULE(TransformerBlock);
 
