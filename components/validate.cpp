@@ -32,7 +32,7 @@ Validator::Validator(const Tokenizer& tokenizer, ValidationSpec spec, int64_t dp
 }
 
 ValidationMetrics Validator::validate(int64_t step, const Forward& forward, const SumOverRanks& sum_over_ranks,
-                                     const Loss& loss) const {
+                                      const Loss& loss) const {
   const auto t0 = std::chrono::steady_clock::now();
   torch::NoGradGuard no_grad;
   const int64_t B = spec_.local_batch_size, T = spec_.seq_len;

@@ -1,5 +1,6 @@
 #include "parallelisms/tensor_parallel.h"
 
+#include <map>
 #include <utility>
 
 #include <torch/torch.h>
@@ -167,6 +168,41 @@ at::Tensor TensorParallel::vocab_parallel_cross_entropy(const at::Tensor& logits
   TORCH_CHECK(logits.dim() == 2 && labels.dim() == 1 && labels.size(0) == logits.size(0),
               "[tp] loss: logits [N, V/tp] and labels [N], got ", logits.sizes(), " and ", labels.sizes());
   return VocabParallelCrossEntropyFn::apply(logits, labels, scale, comm_handle(*group_));
+}
+
+void TensorParallel::apply(const std::vector<ModelUnit>& units, const TPPlan& plan,
+                           const std::function<void(size_t)>& init_unit) {
+  std::map<std::string, TPStyle> style;
+  for (const TPEntry& e : plan)
+    for (const std::string& fqn : e.params) style[fqn] = e.style;
+  int64_t vocab = 0;
+  for (size_t i = 0; i < units.size(); ++i) {
+    bool deferred = false;
+    for (const auto& [fqn, t] : units[i].params) deferred = deferred || (t.numel() > 0 && t.storage().nbytes() == 0);
+    if (deferred && init_unit) {
+      for (const auto& [fqn, t] : units[i].params) t.set_data(at::empty(t.sizes(), t.options()));
+      init_unit(i);
+    }
+    for (const auto& [fqn, t] : units[i].params) {
+      const auto it = style.find(fqn);
+      TORCH_CHECK(it != style.end(), "[tp] parameter ", fqn, " is in no entry of the model's tensor-parallel plan");
+      if (it->second == TPStyle::VocabEmbedding) vocab = t.size(0);
+      shard_parameter(it->second, t);
+    }
+  }
+  install(plan, vocab);
+}
+
+at::Tensor TensorParallel::full_parameter(TPStyle style, const at::Tensor& local) const {
+  const int64_t dim = split_dim(style);
+  if (dim < 0) return local;
+  torch::NoGradGuard no_grad;
+  const auto moved = local.movedim(dim, 0).contiguous();  // the split dimension first
+  auto sizes = moved.sizes().vec();
+  sizes[0] *= degree();
+  auto out = at::empty(sizes, local.options());
+  group_->all_gather_flat(moved, out.view({-1}), "tp_full_parameter").wait();
+  return out.movedim(0, dim).contiguous();
 }
 
 void TensorParallel::install(const TPPlan& plan, int64_t vocab_size) {

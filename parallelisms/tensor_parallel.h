@@ -19,6 +19,7 @@
 // [dp_shard, tp] mesh), so a rank holds 1/(tp · dp_shard) of each split parameter.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <set>
 #include <string>
@@ -27,6 +28,7 @@
 #include <ATen/Tensor.h>
 
 #include "models/tp_plan.h"
+#include "models/unit_runner.h"
 #include "parallelisms/comm.h"
 
 namespace ctitan {
@@ -49,9 +51,16 @@ class TensorParallel {
   // Cuts `t` to this rank's share under `style` in place (set_data). A parameter without
   // storage (built deferred, nothing to draw into it) becomes zeros of the local shape.
   void shard_parameter(TPStyle style, const at::Tensor& t) const;
-  // Fills the hooks of the plan's layers with the collectives their style needs, and records
-  // the Replicated parameters' names. vocab_size: the embedding's rows (all ranks').
-  void install(const TPPlan& plan, int64_t vocab_size);
+  // Applies tensor parallelism to a model: every parameter of `units` (each must be in the
+  // plan) cut to this rank's share, the plan's layer hooks filled with the collectives their
+  // style needs, the Replicated parameters' names recorded. A unit whose parameters have no
+  // storage (built deferred) is first given full-size storage and filled by init_unit(i), one
+  // unit at a time in order, drawing what a one-process init draws; without init_unit its
+  // shares start as zeros (a checkpoint fills them). Afterwards every parameter has values.
+  void apply(const std::vector<ModelUnit>& units, const TPPlan& plan, const std::function<void(size_t)>& init_unit);
+  // The whole parameter from every tp rank's share (a collective over the tp group), for tests
+  // and exports; a Replicated one is returned as it is.
+  at::Tensor full_parameter(TPStyle style, const at::Tensor& local) const;
   // The FQNs of the parameters every tp rank holds whole (norms).
   const std::set<std::string>& replicated() const { return replicated_; }
 
@@ -72,6 +81,8 @@ class TensorParallel {
   at::Tensor gather_vocabulary(const at::Tensor& x) const;  // [..., V/tp] → [..., V]
 
  private:
+  void install(const TPPlan& plan, int64_t vocab_size);
+
   std::shared_ptr<Comm> group_;
   TPOptions opt_;
   std::set<std::string> replicated_;

@@ -1,6 +1,5 @@
 #include "training/parallelize.h"
 
-#include <map>
 #include <optional>
 #include <vector>
 
@@ -67,34 +66,16 @@ std::shared_ptr<TensorParallel> maybe_apply_tp(TrainModel& model, ParallelizeArg
   TPOptions o;
   o.loss_parallel = !p.cfg.parallelism.disable_loss_parallel;
   auto tp = std::make_shared<TensorParallel>(p.par.tp, o);
-  std::map<std::string, TPStyle> style;
-  for (const TPEntry& e : *plan)
-    for (const std::string& fqn : e.params) style[fqn] = e.style;
-  const std::vector<ModelUnit> units = model.units();
-  int64_t vocab = 0;
-  for (size_t i = 0; i < units.size(); ++i) {
-    bool deferred = false;
-    for (const auto& [fqn, t] : units[i].params) deferred = deferred || (t.numel() > 0 && t.storage().nbytes() == 0);
-    if (deferred && p.init_unit) {
-      for (const auto& [fqn, t] : units[i].params) t.set_data(torch::empty(t.sizes(), t.options()));
-      p.init_unit(i);
-    }
-    for (const auto& [fqn, t] : units[i].params) {
-      const auto it = style.find(fqn);
-      TORCH_CHECK(it != style.end(), "[tp] parameter ", fqn, " is in no entry of the model's tensor-parallel plan");
-      if (it->second == TPStyle::VocabEmbedding) vocab = t.size(0);
-      tp->shard_parameter(it->second, t);
-    }
-  }
+  tp->apply(model.units(), *plan, p.init_unit);
   p.init_unit = nullptr;  // drawn above (or left to a checkpoint): FSDP keeps rows of what is there
-  tp->install(*plan, vocab);
   if (o.loss_parallel)
     model.loss = [tp](const torch::Tensor& logits, const torch::Tensor& labels, double scale) {
       return tp->vocab_parallel_cross_entropy(logits, labels, scale);
     };
   spdlog::info(
-      "tensor parallelism: {} ranks (tp rank {}), {} layers split, sequence parallel between blocks, loss parallel {}",
-      tp->degree(), tp->rank(), plan->size() - tp->replicated().size(), o.loss_parallel ? "on" : "off");
+      "tensor parallelism: {} ranks (tp rank {}): attention heads, FFN hidden units and the vocabulary split, the "
+      "norms replicated ({} parameters), sequence parallel between blocks, loss parallel {}",
+      tp->degree(), tp->rank(), tp->replicated().size(), o.loss_parallel ? "on" : "off");
   return tp;
 }
 
