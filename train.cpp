@@ -276,7 +276,7 @@ TPSplitSizes tp_split_sizes(const JobConfig& cfg) {
 // The mesh [dp_replicate, dp_shard, tp] on this world size: the degrees' product first
 // (ParallelDims::build), then with tp > 1 the model's sizes and the sequence tp must divide, its
 // mesh shown (`show`, a line at a time: every rank's groups), and what tensor parallelism does
-// not cover yet refused (issue 35): a MoE family's experts, checkpoints. The run and
+// not cover yet refused (issue 35): a MoE family's experts. The run and
 // job.validate_only both call this, so both refuse alike.
 ParallelDims build_parallel_dims(const JobConfig& cfg, int64_t world_size,
                                  const std::function<void(const std::string&)>& show) {
@@ -291,10 +291,6 @@ ParallelDims build_parallel_dims(const JobConfig& cfg, int64_t world_size,
   if (configured_model_spec(cfg).moe)
     throw UserError("not supported yet: " + tp + " with model.name = " + cfg.model.name +
                     ": tensor parallelism of the experts is not built yet (issue 35; dense families only)");
-  if (cfg.checkpoint.enable)
-    throw UserError("not supported yet: " + tp +
-                    " with checkpoint.enable = true: checkpoints of tensor-parallel parameters are not built yet "
-                    "(issue 35); set --checkpoint.enable false");
   return dims;
 }
 
@@ -818,7 +814,7 @@ void setup_optimizer(Job& j) {
 bool setup_checkpointing(Job& j) {
   enter_phase(j.at, 0, "checkpoint load");
   j.ckpt = build_checkpointing(j.checkpoint, hf_adapter(), j.par, j.model, j.fsdp.get(), *j.optimizer, *j.lr,
-                               *j.data.batches, j.train_state, j.seed);
+                               *j.data.batches, j.train_state, j.seed, j.tp.get());
   if (j.checkpoint.create_seed_checkpoint) {  // one process: check_start made sure
     j.ckpt->manager->save_to(j.ckpt->manager->options().folder, 0, /*model_only=*/true);
     return false;

@@ -78,8 +78,9 @@ void StateDict::python_object(const std::string& key, pickle::Ptr value) {
   entries_.push_back(std::move(e));
 }
 
-void StateDict::per_rank_bytes(const std::string& key, std::string bytes) {
+void StateDict::per_rank_bytes(const std::string& key, std::string bytes, bool save_here) {
   StateEntry e;
+  e.save_here = save_here;
   e.key = key;
   e.rule = Rule::PerRank;
   e.is_bytes = true;

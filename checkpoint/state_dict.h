@@ -47,7 +47,7 @@ class StateDict {
                int64_t row_end, bool save_here = true);
   void replicated(const std::string& key, const at::Tensor& value);
   void replicated_int(const std::string& key, int64_t value);
-  void per_rank_bytes(const std::string& key, std::string bytes);
+  void per_rank_bytes(const std::string& key, std::string bytes, bool save_here = true);
   // A plain Python value (None, bool, int, float, str, tuple, list) rank 0 stores: written only
   // into DCP folders, for PyTorch's and torchtitan's readers.
   void python_object(const std::string& key, pickle::Ptr value);

@@ -53,12 +53,31 @@ AdamRefs adam_refs(torch::optim::Optimizer& opt, const at::Tensor& p) {
 
 // ---- ModelState ----------------------------------------------------------------------------
 
+namespace {
+// The rows [begin, end) the checkpoint holds of a local tensor: itself, or under tensor
+// parallelism with its columns split, the tp group's columns gathered (a collective).
+at::Tensor saved_rows(const ShardedParam& p, const at::Tensor& local) {
+  return p.whole_rows ? p.whole_rows(local.detach()) : local.detach();
+}
+
+// Reads rows [begin, end) of `key` into `local`; with split columns, whole rows into a buffer
+// first and this rank's columns from it.
+void read_own(const ShardedParam& p, const std::function<void(const at::Tensor&)>& read_rows, const at::Tensor& local) {
+  if (!p.own_columns) return read_rows(local);
+  auto shape = local.sizes().vec();
+  shape.at(1) = p.global_shape.at(1);
+  auto whole = at::empty(shape, local.options());
+  read_rows(whole);
+  local.copy_(p.own_columns(whole));
+}
+}  // namespace
+
 void ModelState::state_dict(StateDict& sd) {
   for (const auto& p : params_) {
-    at::Tensor t = p.local.detach();
+    at::Tensor t = saved_rows(p, p.local);
     if (!export_dtype_.empty() && ckpt::scalar_type_of(export_dtype_) != t.scalar_type())
       t = t.narrow(0, 0, p.end - p.begin).to(ckpt::scalar_type_of(export_dtype_));
-    sd.sharded(p.fqn, t, p.global_shape, p.begin, p.end, save_here_);
+    sd.sharded(p.fqn, t, p.global_shape, p.begin, p.end, save_here_ && p.save_here);
   }
 }
 
@@ -71,7 +90,9 @@ void ModelState::check_load(const CheckpointReader& ckpt) const {
 }
 
 void ModelState::load_state_dict(const CheckpointReader& ckpt) {
-  for (const auto& p : params_) ckpt.read_rows(p.fqn, p.begin, p.end, p.local.detach());
+  for (const auto& p : params_)
+    read_own(
+        p, [&](const at::Tensor& d) { ckpt.read_rows(p.fqn, p.begin, p.end, d); }, p.local.detach());
 }
 
 void ModelState::check_load_hf(const HFCheckpoint& hf) const {
@@ -79,7 +100,10 @@ void ModelState::check_load_hf(const HFCheckpoint& hf) const {
 }
 
 void ModelState::load_hf(const HFCheckpoint& hf) {
-  for (const auto& p : params_) hf.read_param_rows(p.fqn, p.global_shape, p.begin, p.end, p.local.detach());
+  for (const auto& p : params_)
+    read_own(
+        p, [&](const at::Tensor& d) { hf.read_param_rows(p.fqn, p.global_shape, p.begin, p.end, d); },
+        p.local.detach());
 }
 
 int64_t ModelState::vocab_size() const {
@@ -100,8 +124,9 @@ void OptimizerState::state_dict(StateDict& sd) {
   for (const auto& p : params_) {
     const std::string k = "optimizer.state." + p.fqn + ".";
     AdamRefs a = adam_refs(*opt_, p.local);
-    sd.sharded(k + "exp_avg", a.exp_avg, p.global_shape, p.begin, p.end, save_here_);
-    sd.sharded(k + "exp_avg_sq", a.exp_avg_sq, p.global_shape, p.begin, p.end, save_here_);
+    sd.sharded(k + "exp_avg", saved_rows(p, a.exp_avg), p.global_shape, p.begin, p.end, save_here_ && p.save_here);
+    sd.sharded(k + "exp_avg_sq", saved_rows(p, a.exp_avg_sq), p.global_shape, p.begin, p.end,
+               save_here_ && p.save_here);
     sd.replicated_int(k + "step", a.get_step());
   }
 }
@@ -121,8 +146,10 @@ void OptimizerState::load_state_dict(const CheckpointReader& ckpt) {
   for (const auto& p : params_) {
     const std::string k = "optimizer.state." + p.fqn + ".";
     AdamRefs a = adam_refs(*opt_, p.local);
-    ckpt.read_rows(k + "exp_avg", p.begin, p.end, a.exp_avg);
-    ckpt.read_rows(k + "exp_avg_sq", p.begin, p.end, a.exp_avg_sq);
+    read_own(
+        p, [&](const at::Tensor& d) { ckpt.read_rows(k + "exp_avg", p.begin, p.end, d); }, a.exp_avg);
+    read_own(
+        p, [&](const at::Tensor& d) { ckpt.read_rows(k + "exp_avg_sq", p.begin, p.end, d); }, a.exp_avg_sq);
     a.set_step(ckpt.read_int(k + "step"));
   }
 }
@@ -177,7 +204,7 @@ void RngState::load_state_dict(const CheckpointReader& ckpt) {
 // ---- DataLoaderState -----------------------------------------------------------------------
 
 void DataLoaderState::state_dict(StateDict& sd) {
-  sd.per_rank_bytes("dataloader.dp_rank_" + std::to_string(dp_rank_), get_());
+  sd.per_rank_bytes("dataloader.dp_rank_" + std::to_string(dp_rank_), get_(), save_here_);
   sd.replicated_int("dataloader.world_size", dp_world_);
 }
 

@@ -30,6 +30,13 @@ struct ShardedParam {
   at::Tensor local;
   std::vector<int64_t> global_shape;
   int64_t begin = 0, end = 0;
+  // Tensor parallelism: a parameter whose columns (dim 1) are split over the tp ranks is
+  // saved and loaded as whole rows [begin, end): `whole_rows` gathers a local tensor's columns
+  // (the parameter's, or its optimizer moments') over the tp group — a collective every tp rank
+  // calls — and `own_columns` cuts this rank's columns out of whole rows. Empty: `local`
+  // holds whole rows.
+  std::function<at::Tensor(const at::Tensor&)> whole_rows, own_columns;
+  bool save_here = true;  // false: another rank (tp rank 0) stores the same rows
 };
 
 // Model parameters at top level, under their FQNs. Reshard rule: sharded. save_here is
@@ -109,14 +116,16 @@ class DataLoaderState : public Stateful {
  public:
   using Redistribute =
       std::function<std::string(const std::vector<std::string>& saved, int64_t dp_rank, int64_t dp_world)>;
+  // save_here: false on the tp ranks other than 0, which read the same batches.
   DataLoaderState(std::function<std::string()> get, std::function<void(const std::string&)> set, int64_t dp_rank,
-                  int64_t dp_world, std::string reshard, Redistribute redistribute)
+                  int64_t dp_world, std::string reshard, Redistribute redistribute, bool save_here = true)
       : get_(std::move(get)),
         set_(std::move(set)),
         dp_rank_(dp_rank),
         dp_world_(dp_world),
         reshard_(std::move(reshard)),
-        redistribute_(std::move(redistribute)) {}
+        redistribute_(std::move(redistribute)),
+        save_here_(save_here) {}
   void state_dict(StateDict& sd) override;
   void check_load(const CheckpointReader& ckpt) const override;
   void load_state_dict(const CheckpointReader& ckpt) override;
@@ -127,6 +136,7 @@ class DataLoaderState : public Stateful {
   int64_t dp_rank_, dp_world_;
   std::string reshard_;
   Redistribute redistribute_;
+  bool save_here_;
 };
 
 }  // namespace ctitan

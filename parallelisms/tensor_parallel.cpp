@@ -172,7 +172,7 @@ at::Tensor TensorParallel::vocab_parallel_cross_entropy(const at::Tensor& logits
 
 void TensorParallel::apply(const std::vector<ModelUnit>& units, const TPPlan& plan,
                            const std::function<void(size_t)>& init_unit) {
-  std::map<std::string, TPStyle> style;
+  std::map<std::string, TPStyle>& style = style_;
   for (const TPEntry& e : plan)
     for (const std::string& fqn : e.params) style[fqn] = e.style;
   int64_t vocab = 0;
@@ -191,6 +191,11 @@ void TensorParallel::apply(const std::vector<ModelUnit>& units, const TPPlan& pl
     }
   }
   install(plan, vocab);
+}
+
+TPStyle TensorParallel::style(const std::string& fqn) const {
+  const auto it = style_.find(fqn);
+  return it == style_.end() ? TPStyle::Replicated : it->second;
 }
 
 at::Tensor TensorParallel::full_parameter(TPStyle style, const at::Tensor& local) const {

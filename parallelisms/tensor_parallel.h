@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -63,6 +64,8 @@ class TensorParallel {
   at::Tensor full_parameter(TPStyle style, const at::Tensor& local) const;
   // The FQNs of the parameters every tp rank holds whole (norms).
   const std::set<std::string>& replicated() const { return replicated_; }
+  // The style apply() cut a parameter by (Replicated for one it does not know).
+  TPStyle style(const std::string& fqn) const;
 
   // Σ_rows (logsumexp(row) − row[label]) · scale over logits split by the vocabulary: logits
   // [N, V/tp] are this rank's columns [rank·V/tp, (rank+1)·V/tp), labels [N] global ids in
@@ -86,6 +89,7 @@ class TensorParallel {
   std::shared_ptr<Comm> group_;
   TPOptions opt_;
   std::set<std::string> replicated_;
+  std::map<std::string, TPStyle> style_;
 };
 
 }  // namespace ctitan

@@ -7,19 +7,44 @@
 
 namespace ctitan {
 
-std::vector<ShardedParam> sharded_params(const torch::nn::Module& model, FSDP* fsdp) {
+namespace {
+
+// A tp rank's share of a parameter in the whole parameter's coordinates (sharded_params).
+void to_whole_parameter(ShardedParam& p, const TensorParallel& tp) {
+  const int64_t dim = TensorParallel::split_dim(tp.style(p.fqn)), n = tp.degree(), r = tp.rank();
+  if (dim == 0) {  // this rank's rows are a block of the whole parameter's
+    const int64_t rows = p.global_shape.at(0);
+    p.global_shape[0] = rows * n;
+    p.begin += r * rows;
+    p.end += r * rows;
+    return;
+  }
+  p.save_here = r == 0;  // the tp ranks hold (or gather) the same rows: one stores them
+  if (dim != 1) return;
+  const int64_t cols = p.global_shape.at(1);
+  p.global_shape[1] = cols * n;
+  const TensorParallel* g = &tp;
+  p.whole_rows = [g](const at::Tensor& t) { return g->full_parameter(TPStyle::Rowwise, t); };
+  p.own_columns = [r, cols](const at::Tensor& whole) { return whole.narrow(1, r * cols, cols); };
+}
+
+}  // namespace
+
+std::vector<ShardedParam> sharded_params(const torch::nn::Module& model, FSDP* fsdp, const TensorParallel* tp) {
   std::vector<ShardedParam> out;
   if (fsdp) {
     for (const auto& fqn : fsdp->fqns()) {
       const auto rows = fsdp->local_rows(fqn);
       out.push_back({fqn, fsdp->local_shard(fqn), fsdp->global_shape(fqn), rows.first, rows.second});
     }
-    return out;
+  } else {
+    for (const auto& kv : model.named_parameters()) {
+      const auto& t = kv.value();
+      out.push_back({kv.key(), t, t.sizes().vec(), 0, t.dim() ? t.size(0) : 1});
+    }
   }
-  for (const auto& kv : model.named_parameters()) {
-    const auto& t = kv.value();
-    out.push_back({kv.key(), t, t.sizes().vec(), 0, t.dim() ? t.size(0) : 1});
-  }
+  if (tp)
+    for (auto& p : out) to_whole_parameter(p, *tp);
   return out;
 }
 

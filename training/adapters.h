@@ -14,12 +14,17 @@
 #include "components/lr_scheduler.h"
 #include "parallelisms/comm.h"
 #include "parallelisms/fsdp.h"
+#include "parallelisms/tensor_parallel.h"
 
 namespace ctitan {
 
 // The parameters as this rank holds them: FSDP's fp32 shards (the optimizer's tensors), or
-// the model's own full parameters on one process.
-std::vector<ShardedParam> sharded_params(const torch::nn::Module& model, FSDP* fsdp);
+// the model's own full parameters on one process; with tensor parallelism (tp not null) in
+// the whole parameter's coordinates: a split over rows is a range of its rows, a split over
+// columns is saved as whole rows gathered over the tp group (ShardedParam::whole_rows), and
+// what every tp rank holds alike (the norms, whole rows) is stored by tp rank 0.
+std::vector<ShardedParam> sharded_params(const torch::nn::Module& model, FSDP* fsdp,
+                                         const TensorParallel* tp = nullptr);
 
 // The checkpoint manager's collectives over the world group: strings are all-gathered as
 // their lengths, then as bytes padded to the longest. arrive/missing use the rendezvous

@@ -16,7 +16,8 @@ std::unique_ptr<DataLoaderState> dataloader_state(const CheckpointOptions& optio
   return std::make_unique<DataLoaderState>(
       [l] { return l->state_dict(); }, [l](const std::string& s) { l->load_state_dict(s); }, par.dp_rank, par.dims.dp(),
       options.dataloader_reshard,
-      [l](const std::vector<std::string>& saved, int64_t, int64_t) { return l->redistributed_state(saved); });
+      [l](const std::vector<std::string>& saved, int64_t, int64_t) { return l->redistributed_state(saved); },
+      par.dims.tp_index(par.env.rank) == 0);  // a dp rank's tp ranks read the same batches: one stores them
 }
 
 }  // namespace
@@ -24,7 +25,8 @@ std::unique_ptr<DataLoaderState> dataloader_state(const CheckpointOptions& optio
 std::unique_ptr<Checkpointing> build_checkpointing(const CheckpointOptions& options, const HFAdapter& families,
                                                    const Parallelism& par, TrainModel& model, FSDP* fsdp,
                                                    torch::optim::Optimizer& opt, LRScheduler& lr,
-                                                   BatchPrefetcher& batches, TrainState& ts, uint64_t seed) {
+                                                   BatchPrefetcher& batches, TrainState& ts, uint64_t seed,
+                                                   const TensorParallel* tp) {
   auto c = std::make_unique<Checkpointing>();
   CheckpointComm comm = par.dist ? checkpoint_comm(par.dist->world, par.dist->store) : CheckpointComm::single_process();
   comm.dp_replicate = par.dims.dp_replicate;
@@ -33,7 +35,7 @@ std::unique_ptr<Checkpointing> build_checkpointing(const CheckpointOptions& opti
   c->manager->set_hf_adapter(families);
   // HSDP replicas hold the same rows: the first replica stores them.
   const bool first_replica = par.dims.replicate_index(par.env.rank) == 0;
-  const std::vector<ShardedParam> sp = sharded_params(*model.module, fsdp);
+  const std::vector<ShardedParam> sp = sharded_params(*model.module, fsdp, tp);
   c->model = std::make_unique<ModelState>(sp, first_replica);
   c->optimizer = std::make_unique<OptimizerState>(opt, sp, first_replica);
   c->lr_scheduler = std::make_unique<ScalarsState>(

@@ -12,6 +12,7 @@
 #include "config/job_config.h"
 #include "models/train_model.h"
 #include "parallelisms/fsdp.h"
+#include "parallelisms/tensor_parallel.h"
 #include "training/prefetcher.h"
 #include "training/world.h"
 
@@ -40,7 +41,8 @@ struct Checkpointing {
 std::unique_ptr<Checkpointing> build_checkpointing(const CheckpointOptions& options, const HFAdapter& families,
                                                    const Parallelism& par, TrainModel& model, FSDP* fsdp,
                                                    torch::optim::Optimizer& opt, LRScheduler& lr,
-                                                   BatchPrefetcher& batches, TrainState& ts, uint64_t seed);
+                                                   BatchPrefetcher& batches, TrainState& ts, uint64_t seed,
+                                                   const TensorParallel* tp = nullptr);
 
 // The periodic save. A save that failed on some rank fails on every rank alike, leaving the
 // previous checkpoint intact (a disk full, an I/O error; a dead rank is a CollectiveFailure,
