@@ -239,20 +239,10 @@ TEST_F(DcpE2E, ToolInspectsAndVerifiesATorchtitanFolder) {
 // Criterion 2: a 2-rank run saved with checkpoint.format = "dcp" loads with PyTorch's
 // torch.distributed.checkpoint.load into a state dict of the same keys, every tensor (and
 // byte string) equal to the same run saved in ctitan's own format; ctitan resumes from it.
-TEST_F(DcpE2E, DcpSaveLoadsInPyTorchWithEqualTensors) {
-  const std::string common = "--training.steps 2 --checkpoint.interval 2 --checkpoint.last_save_model_only false";
-  const std::string a = (root_ / "own").string(), b = (root_ / "dcp").string();
-  ASSERT_TRUE(ctitan::testing::all_ok(train(2, a, common)));
-  auto rb = train(2, b, common + " --checkpoint.format dcp");
-  ASSERT_TRUE(ctitan::testing::all_ok(rb));
-  const std::string step_b = ckpt::step_dir(b + "/checkpoint", 2);
-  ASSERT_TRUE(fs::exists(step_b + "/.metadata"));
-  ASSERT_TRUE(fs::exists(step_b + "/__0_0.distcp") && fs::exists(step_b + "/__1_0.distcp"));
-  EXPECT_FALSE(fs::exists(step_b + "/metadata"));
-  EXPECT_EQ(ckpt::incomplete_reason(step_b, 2), "");
-
-  // The reference: the ctitan-format save, every entry as a tensor (bytes as uint8).
-  CheckpointReader own(ckpt::step_dir(a + "/checkpoint", 2));
+// Every entry of a ctitan-format step folder as a tensor (bytes as uint8) in one torch.save
+// archive at `path`, for scripts/dcp_torchtitan.py compare; returns how many.
+size_t write_reference(const std::string& step_dir, const std::string& path) {
+  CheckpointReader own(step_dir);
   std::vector<torch_save::TensorSpec> specs;
   std::vector<torch::Tensor> values;
   for (const auto& [key, e] : own.meta().entries) {
@@ -268,17 +258,32 @@ TEST_F(DcpE2E, DcpSaveLoadsInPyTorchWithEqualTensors) {
     specs.push_back({key, dt, t.sizes().vec()});
     values.push_back(t);
   }
+  torch_save::Writer w(path, specs);
+  for (size_t i = 0; i < specs.size(); ++i)
+    w.write(specs[i].name, values[i].data_ptr(), values[i].numel() * values[i].element_size());
+  w.commit();
+  return specs.size();
+}
+
+TEST_F(DcpE2E, DcpSaveLoadsInPyTorchWithEqualTensors) {
+  const std::string common = "--training.steps 2 --checkpoint.interval 2 --checkpoint.last_save_model_only false";
+  const std::string a = (root_ / "own").string(), b = (root_ / "dcp").string();
+  ASSERT_TRUE(ctitan::testing::all_ok(train(2, a, common)));
+  auto rb = train(2, b, common + " --checkpoint.format dcp");
+  ASSERT_TRUE(ctitan::testing::all_ok(rb));
+  const std::string step_b = ckpt::step_dir(b + "/checkpoint", 2);
+  ASSERT_TRUE(fs::exists(step_b + "/.metadata"));
+  ASSERT_TRUE(fs::exists(step_b + "/__0_0.distcp") && fs::exists(step_b + "/__1_0.distcp"));
+  EXPECT_FALSE(fs::exists(step_b + "/metadata"));
+  EXPECT_EQ(ckpt::incomplete_reason(step_b, 2), "");
+
+  // The reference: the ctitan-format save, every entry as a tensor (bytes as uint8).
   const std::string ref = (root_ / "own_reference.pt").string();
-  {
-    torch_save::Writer w(ref, specs);
-    for (size_t i = 0; i < specs.size(); ++i)
-      w.write(specs[i].name, values[i].data_ptr(), values[i].numel() * values[i].element_size());
-    w.commit();
-  }
+  const size_t n_keys = write_reference(ckpt::step_dir(a + "/checkpoint", 2), ref);
   auto py = sh(script() + "compare --ckpt " + step_b + " --ref " + ref);
   EXPECT_EQ(py.code, 0) << py.out;
   const std::string json = line_with(py.out, "\"keys\"");
-  EXPECT_NE(json.find("\"keys\": " + std::to_string(specs.size()) + ", \"equal\": " + std::to_string(specs.size())),
+  EXPECT_NE(json.find("\"keys\": " + std::to_string(n_keys) + ", \"equal\": " + std::to_string(n_keys)),
             std::string::npos)
       << py.out;
   EXPECT_EQ(json.find("\"extra\": 0}"), std::string::npos) << "torchtitan's param_groups / LambdaLR keys";
@@ -297,6 +302,37 @@ TEST_F(DcpE2E, DcpSaveLoadsInPyTorchWithEqualTensors) {
   ASSERT_EQ(la.size(), 3u);
   ASSERT_EQ(lb.size(), 3u);
   EXPECT_EQ(la, lb);
+}
+
+// Tensor parallelism (issue 35): a DCP save of a tp 2 run (2 ranks; the column-split weights
+// gathered to whole rows by tp rank 0, the row-split ones written by both ranks) loads in
+// PyTorch's DCP reader with every tensor equal to the ctitan-format save of the same run, and
+// ctitan resumes it on one process.
+TEST_F(DcpE2E, TensorParallelDcpSaveLoadsInPyTorch) {
+  const std::string common =
+      "--training.steps 2 --checkpoint.interval 2 --checkpoint.last_save_model_only false "
+      "--parallelism.tensor_parallel_degree 2 --training.mixed_precision_param float32 --debug.deterministic true";
+  const std::string a = (root_ / "tp_own").string(), b = (root_ / "tp_dcp").string();
+  ASSERT_TRUE(ctitan::testing::all_ok(train(2, a, common)));
+  ASSERT_TRUE(ctitan::testing::all_ok(train(2, b, common + " --checkpoint.format dcp")));
+  const std::string step_b = ckpt::step_dir(b + "/checkpoint", 2);
+  ASSERT_TRUE(fs::exists(step_b + "/__0_0.distcp") && fs::exists(step_b + "/__1_0.distcp"));
+  const std::string ref = (root_ / "tp_own_reference.pt").string();
+  const size_t n_keys = write_reference(ckpt::step_dir(a + "/checkpoint", 2), ref);
+  auto py = sh(script() + "compare --ckpt " + step_b + " --ref " + ref);
+  EXPECT_EQ(py.code, 0) << py.out;
+  const std::string json = line_with(py.out, "\"keys\"");
+  EXPECT_NE(json.find("\"keys\": " + std::to_string(n_keys) + ", \"equal\": " + std::to_string(n_keys)),
+            std::string::npos)
+      << py.out;
+  std::printf("tp 2 DCP save in PyTorch: %s\n", json.c_str());
+  // ctitan itself resumes the DCP folder on one process (tp 1): step 3 trains.
+  auto c = train(1, b,
+                 "--training.steps 3 --checkpoint.interval 2 --checkpoint.last_save_model_only false "
+                 "--checkpoint.format dcp --training.mixed_precision_param float32");
+  ASSERT_TRUE(ctitan::testing::all_ok(c));
+  EXPECT_NE(c[0].output.find("loaded step 2 from " + step_b), std::string::npos) << c[0].output;
+  EXPECT_EQ(ctitan::testing::jsonl_field(b + "/metrics.jsonl", "loss").size(), 3u);
 }
 
 // The other direction of a torchtitan job: PyTorch resumes a ctitan DCP save the way
