@@ -485,6 +485,34 @@ class HFE2E : public ::testing::Test {
 fs::path HFE2E::root_;
 std::string HFE2E::corpus_, HFE2E::tokenizer_;
 
+// Tensor parallelism (issue 35): a tp 2 run's HF export holds whole tensors (its bytes equal the
+// offline conversion of the same run's ctitan save, which holds the one-process layout), and an
+// HF folder imports into a tp 2 job (each rank cutting its share of the rows or columns) bit
+// for bit.
+TEST_F(HFE2E, TensorParallelRunsExportAndImportWholeTensors) {
+  const std::string tp = " --parallelism.tensor_parallel_degree 2 --training.mixed_precision_param float32";
+  const std::string a = (root_ / "tp_plain").string(), c = (root_ / "tp_hf").string();
+  ASSERT_TRUE(ctitan::testing::all_ok(train(2, a, tp)));
+  auto rc = train(2, c, tp + " --checkpoint.last_save_in_hf");
+  ASSERT_TRUE(ctitan::testing::all_ok(rc));
+  const std::string plain = a + "/checkpoint/step-2", hf = c + "/checkpoint/step-2";
+  CheckpointReader orig(plain);
+  EXPECT_EQ(orig.read_tensor("layers.0.attention.wo.weight").sizes(), at::IntArrayRef({256, 256}));
+  const std::string offline = (root_ / "tp_offline").string();
+  auto conv = ctitan::testing::sh(tool() + " convert " + plain + " " + offline);
+  ASSERT_EQ(conv.code, 0) << conv.out;
+  EXPECT_EQ(ckpt::read_whole_file(offline + "/model.safetensors"), ckpt::read_whole_file(hf + "/model.safetensors"));
+  const std::string dst = (root_ / "tp_import").string(), dump = dst + "/loaded";
+  auto r = train(2, dst,
+                 tp + " --checkpoint.initial_load_in_hf --checkpoint.initial_load_path " + hf + " --training.steps 1",
+                 {{"CTITAN_CHECKPOINT_DUMP_LOADED", dump}});
+  ASSERT_TRUE(ctitan::testing::all_ok(r));
+  CheckpointReader got(dump + "/step-2");
+  ASSERT_EQ(got.meta().entries.size(), orig.meta().entries.size());
+  for (const auto& [fqn, e] : orig.meta().entries)
+    EXPECT_TRUE(torch::equal(got.read_tensor(fqn), orig.read_tensor(fqn))) << fqn;
+}
+
 // Two identical runs on n ranks, one ending with the usual model-only save and one with
 // last_save_in_hf: the HF file holds the first run's tensors under HF names, q/k permuted;
 // it equals the offline conversion byte for byte; imported on the other rank count
