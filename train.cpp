@@ -274,9 +274,8 @@ TPSplitSizes tp_split_sizes(const JobConfig& cfg) {
 }
 
 // The mesh [dp_replicate, dp_shard, tp] on this world size: the degrees' product first
-// (ParallelDims::build), then with tp > 1 the model's sizes and the sequence tp must divide, its
-// mesh shown (`show`, a line at a time: every rank's groups), and what tensor parallelism does
-// not cover yet refused (issue 35): a MoE family's experts. The run and
+// (ParallelDims::build), then with tp > 1 the model's sizes and the sequence tp must divide, and
+// the mesh shown (`show`, a line at a time: every rank's groups). The run and
 // job.validate_only both call this, so both refuse alike.
 ParallelDims build_parallel_dims(const JobConfig& cfg, int64_t world_size,
                                  const std::function<void(const std::string&)>& show) {
@@ -287,10 +286,6 @@ ParallelDims build_parallel_dims(const JobConfig& cfg, int64_t world_size,
   if (!dims.tp_enabled()) return dims;
   check_tp_divides(dims.tp, tp_split_sizes(cfg));
   for (const std::string& line : dims.describe()) show(line);
-  const std::string tp = "parallelism.tensor_parallel_degree = " + std::to_string(dims.tp);
-  if (configured_model_spec(cfg).moe)
-    throw UserError("not supported yet: " + tp + " with model.name = " + cfg.model.name +
-                    ": tensor parallelism of the experts is not built yet (issue 35; dense families only)");
   return dims;
 }
 

@@ -64,8 +64,8 @@ at::Tensor saved_rows(const ShardedParam& p, const at::Tensor& local) {
 // first and this rank's columns from it.
 void read_own(const ShardedParam& p, const std::function<void(const at::Tensor&)>& read_rows, const at::Tensor& local) {
   if (!p.own_columns) return read_rows(local);
-  auto shape = local.sizes().vec();
-  shape.at(1) = p.global_shape.at(1);
+  auto shape = p.global_shape;  // whole rows: every dimension after the first whole
+  shape.at(0) = local.size(0);
   auto whole = at::empty(shape, local.options());
   read_rows(whole);
   local.copy_(p.own_columns(whole));

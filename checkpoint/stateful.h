@@ -30,11 +30,11 @@ struct ShardedParam {
   at::Tensor local;
   std::vector<int64_t> global_shape;
   int64_t begin = 0, end = 0;
-  // Tensor parallelism: a parameter whose columns (dim 1) are split over the tp ranks is
+  // Tensor parallelism: a parameter split over the tp ranks on a dimension after the first is
   // saved and loaded as whole rows [begin, end): `whole_rows` gathers a local tensor's columns
   // (the parameter's, or its optimizer moments') over the tp group — a collective every tp rank
-  // calls — and `own_columns` cuts this rank's columns out of whole rows. Empty: `local`
-  // holds whole rows.
+  // calls — and `own_columns` cuts this rank's share out of whole rows. Empty: `local` holds
+  // whole rows.
   std::function<at::Tensor(const at::Tensor&)> whole_rows, own_columns;
   bool save_here = true;  // false: another rank (tp rank 0) stores the same rows
 };

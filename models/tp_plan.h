@@ -45,9 +45,16 @@ enum class TPStyle {
   // The output projection W [V, D]: input gathered over the sequence, rows (vocabulary) split.
   // With loss parallelism the logits stay split over the vocabulary; without, they are gathered.
   OutputColwise,
-  // Parameters every tp rank holds whole (the norms, which run on sequence shards): their
-  // gradients are partial over the sequence and summed over the tp group after backward.
+  // Parameters every tp rank holds whole (the norms, which run on sequence shards; a MoE
+  // router): their gradients are partial and summed over the tp group after backward.
   Replicated,
+  // A module that needs the whole sequence and returns partial sums (a mixture of experts,
+  // whose experts are split): input all-gathered over the sequence, output reduce-scattered.
+  GatherInputScatterOutput,
+  // Grouped experts [E, out, in] (one projection per expert): split as Colwise / Rowwise are,
+  // on the output units (dim 1) or the input units (dim 2) of every expert.
+  GroupedColwise,
+  GroupedRowwise,
 };
 
 struct TPEntry {
@@ -55,6 +62,10 @@ struct TPEntry {
   TPStyle style = TPStyle::Replicated;
   LayerHooks* hooks = nullptr;      // the module's hooks (null for Replicated)
   std::vector<std::string> params;  // its parameters' FQNs (none for GatherInput)
+  // Called once with the tp degree when the plan is applied (may be empty): what the module must
+  // know beyond its hooks (a MoE: its auxiliary loss's gradient is computed on every tp rank and
+  // summed over them, so each contributes 1/tp of it).
+  std::function<void(int64_t tp)> applied;
 };
 using TPPlan = std::vector<TPEntry>;
 

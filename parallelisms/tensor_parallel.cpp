@@ -130,8 +130,11 @@ int64_t TensorParallel::split_dim(TPStyle style) {
     case TPStyle::Colwise:
     case TPStyle::VocabEmbedding:
     case TPStyle::OutputColwise: return 0;
-    case TPStyle::Rowwise: return 1;
+    case TPStyle::Rowwise:
+    case TPStyle::GroupedColwise: return 1;
+    case TPStyle::GroupedRowwise: return 2;
     case TPStyle::GatherInput:
+    case TPStyle::GatherInputScatterOutput:
     case TPStyle::Replicated: return -1;
   }
   return -1;
@@ -216,16 +219,24 @@ void TensorParallel::install(const TPPlan& plan, int64_t vocab_size) {
   auto gather_seq = [this, group](const at::Tensor& x) { return gather_sequence(x); };
   auto scatter_seq = [this, group](const at::Tensor&, const at::Tensor& y) { return scatter_sequence(y); };
   for (const TPEntry& e : plan) {
+    if (e.applied) e.applied(degree());
     if (e.style == TPStyle::Replicated) {
       replicated_.insert(e.params.begin(), e.params.end());
       continue;
     }
+    if (e.style == TPStyle::GroupedColwise || e.style == TPStyle::GroupedRowwise) continue;  // no hooks
     TORCH_CHECK(e.hooks != nullptr, "[tp] ", e.module, ": no hooks to install");
     LayerHooks& h = *e.hooks;
     switch (e.style) {
       case TPStyle::Colwise: break;  // input whole (gathered by its module), output this rank's units
       case TPStyle::Rowwise: h.output = scatter_seq; break;
       case TPStyle::GatherInput: h.input = gather_seq; break;
+      case TPStyle::GatherInputScatterOutput:
+        h.input = gather_seq;
+        h.output = scatter_seq;
+        break;
+      case TPStyle::GroupedColwise:
+      case TPStyle::GroupedRowwise: break;  // their module gathers and scatters
       case TPStyle::OutputColwise:
         h.input = gather_seq;
         if (!opt_.loss_parallel)

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <array>
 #include <thread>
 #include <utility>
@@ -311,12 +312,14 @@ TEST(ParallelDims, TpDegreesThatDoNotFitTheWorldAreRefusedNamingTheNumbers) {
             "data_parallel_shard_degree = -1 cannot take the rest");
 }
 
-TEST(ParallelDims, TpMustDivideHeadsKvHeadsFfnAndVocab) {
-  const TPSplitSizes ok{"llama3 x", 32, 8, 14336, 128256};
+TEST(ParallelDims, TpMustDivideHeadsKvHeadsFfnVocabAndSequence) {
+  TPSplitSizes ok{"llama3 x", 32, 8, 14336, 128256};
+  ok.seq_len = 8192;
+  ok.validation_seq_len = 4096;
   EXPECT_EQ(tp_error(8, ok), "no error");
   const std::string why =
       "; torchtitan requires tp to divide the attention heads, the kv heads (split over the tp ranks, never "
-      "replicated), the FFN hidden width and the vocabulary";
+      "replicated), the FFN hidden width, the vocabulary and the sequence (sequence parallelism)";
   EXPECT_EQ(tp_error(3, ok), "parallelism: tensor_parallel_degree (3) does not divide llama3 x's n_heads (32)" + why);
   EXPECT_EQ(tp_error(16, ok),
             "parallelism: tensor_parallel_degree (16) does not divide llama3 x's n_kv_heads (8)" + why);
@@ -328,6 +331,64 @@ TEST(ParallelDims, TpMustDivideHeadsKvHeadsFfnAndVocab) {
   vocab.vocab = 128257;
   EXPECT_EQ(tp_error(2, vocab),
             "parallelism: tensor_parallel_degree (2) does not divide llama3 x's vocab_size (128257)" + why);
+  // Sequence parallelism splits the residual stream over the sequence: training's and validation's.
+  TPSplitSizes seq = ok;
+  seq.seq_len = 8190;
+  EXPECT_EQ(tp_error(4, seq), "parallelism: tensor_parallel_degree (4) does not divide training.seq_len (8190)" + why);
+  EXPECT_EQ(tp_error(2, seq), "no error");
+  TPSplitSizes validation = ok;
+  validation.validation_seq_len = 4097;
+  EXPECT_EQ(tp_error(2, validation),
+            "parallelism: tensor_parallel_degree (2) does not divide validation.seq_len (4097)" + why);
+  validation.validation_seq_len = 0;  // no validation: nothing to split
+  EXPECT_EQ(tp_error(8, validation), "no error");
+  // The first that fails is named: the heads before the sequence.
+  TPSplitSizes both = seq;
+  both.n_heads = 30;
+  EXPECT_EQ(tp_error(4, both), "parallelism: tensor_parallel_degree (4) does not divide llama3 x's n_heads (30)" + why);
+}
+
+// shard_tp_groups: the dp_shard × tp ranks of each replicate index, contiguous; by hand for
+// 2 × 2 × 2, then on several meshes against the coordinates counted in mesh_coords: one group
+// per replicate index, holding exactly that index's ranks, the union of its shard groups and of
+// its tp groups.
+TEST(ParallelDims, ShardTpGroupsAreEachReplicateIndexsRanks) {
+  EXPECT_EQ(ParallelDims::build(2, 2, 1, 2, 1, 8).shard_tp_groups(),
+            (std::vector<std::vector<int64_t>>{{0, 1, 2, 3}, {4, 5, 6, 7}}));
+  EXPECT_EQ(ParallelDims::build(1, 2, 1, 2, 1, 4).shard_tp_groups(), (std::vector<std::vector<int64_t>>{{0, 1, 2, 3}}));
+  EXPECT_EQ(ParallelDims::build(3, 1, 1, 2, 1, 6).shard_tp_groups(),
+            (std::vector<std::vector<int64_t>>{{0, 1}, {2, 3}, {4, 5}}));
+  const std::vector<std::array<int64_t, 3>> shapes = {{2, 2, 2}, {1, 2, 4}, {2, 1, 2}, {1, 4, 2},
+                                                      {3, 2, 2}, {1, 1, 4}, {2, 3, 1}, {4, 1, 1}};
+  for (const auto& [rep, shard, tp] : shapes) {
+    const int64_t world = rep * shard * tp;
+    const auto d = ParallelDims::build(rep, shard, 1, tp, 1, world);
+    const auto coords = mesh_coords(rep, shard, tp);
+    const std::string mesh = std::to_string(rep) + "x" + std::to_string(shard) + "x" + std::to_string(tp);
+    const auto groups = d.shard_tp_groups();
+    ASSERT_EQ(groups.size(), static_cast<size_t>(rep)) << mesh;
+    for (int64_t g = 0; g < rep; ++g) {
+      std::vector<int64_t> want;
+      for (int64_t r = 0; r < world; ++r)
+        if (coords[r][0] == g) want.push_back(r);
+      EXPECT_EQ(groups[g], want) << mesh << " replicate index " << g;
+      ASSERT_EQ(groups[g].size(), static_cast<size_t>(shard * tp)) << mesh;
+      for (size_t k = 1; k < groups[g].size(); ++k) EXPECT_EQ(groups[g][k], groups[g][k - 1] + 1) << mesh;
+      std::vector<int64_t> shards, tps;
+      for (int64_t r : groups[g]) {
+        for (int64_t q : d.shard_group(r)) shards.push_back(q);
+        for (int64_t q : d.tp_group(r)) tps.push_back(q);
+      }
+      for (auto* u : {&shards, &tps}) {
+        std::sort(u->begin(), u->end());
+        u->erase(std::unique(u->begin(), u->end()), u->end());
+      }
+      EXPECT_EQ(shards, groups[g]) << mesh << ": the shard groups of replicate index " << g;
+      EXPECT_EQ(tps, groups[g]) << mesh << ": the tp groups of replicate index " << g;
+    }
+    // tp = 1: the shard groups themselves.
+    if (tp == 1) EXPECT_EQ(groups, d.shard_groups()) << mesh;
+  }
 }
 
 // The log's mesh: the degrees, then every group of each kind (here written out by hand).

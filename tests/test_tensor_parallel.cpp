@@ -18,6 +18,7 @@
 
 #include "components/optimizer.h"
 #include "models/llama/model.h"
+#include "models/mixtral/model.h"
 #include "parallelisms/activation_checkpoint.h"
 #include "parallelisms/comm.h"
 #include "parallelisms/fsdp.h"
@@ -40,6 +41,25 @@ llama::TransformerModelArgs tiny_args(int64_t seq = kSeq) {
   return a;
 }
 
+// The family's debug model, initialised from seed 7 (every rank alike). Mixtral keeps its
+// flavor's load-balancing weight (0.01) here: with 0.5 the 20-step runs part after 6 to 17 steps
+// (measured: losses by 3e-6, parameters by up to 3e-2), as a near-tie expert choice flips on a
+// last-bit difference and AdamW amplifies near-zero gradients, while one step's gradients still
+// agree within 7.4e-7 (OneStepsGradientsEqualOneProcesssForLlamaAndMixtral checks them at 0.5).
+std::shared_ptr<DecoderImpl> make_model(const std::string& family, int64_t seq = kSeq) {
+  torch::manual_seed(7);
+  std::shared_ptr<DecoderImpl> m;
+  if (family == "mixtral") {
+    auto a = mixtral::mixtral_flavor("debugmodel");
+    a.max_seq_len = seq;
+    m = mixtral::Transformer(a).ptr();
+  } else {
+    m = llama::Transformer(tiny_args(seq)).ptr();
+  }
+  m->init_weights();
+  return m;
+}
+
 torch::Tensor global_batch(int64_t step) {
   auto g = at::detail::createCPUGenerator(2000 + step);
   return torch::randint(0, 2048, {kGlobalBatch, kSeq + 1}, g, torch::kInt64);
@@ -51,10 +71,8 @@ struct RunResult {
 };
 
 // The reference: one process, the whole batch, no TP.
-RunResult train_reference() {
-  torch::manual_seed(7);
-  llama::Transformer model(tiny_args());
-  model->init_weights();
+RunResult train_reference(const std::string& family) {
+  auto model = make_model(family);
   auto params = model->parameters();
   auto opt = build_optimizer(params, OptimizerSpec{"AdamW", 8e-4, 0.9, 0.95, 1e-8, 0.1});
   RunResult out;
@@ -106,7 +124,7 @@ Groups make_groups(Distributed& d, int64_t replicate, int64_t tp) {
 // The model with TP (and AC, FSDP when the mesh has dp ranks) applied the way train applies
 // them: TP first, then AC's transform and FSDP's runner in their slots.
 struct TPModel {
-  llama::Transformer model{nullptr};
+  std::shared_ptr<DecoderImpl> model;
   std::shared_ptr<TensorParallel> tp;
   std::shared_ptr<ActivationCheckpoint> ac;
   std::shared_ptr<FSDP> fsdp;
@@ -114,11 +132,10 @@ struct TPModel {
   std::vector<torch::Tensor> params, replicated, split;  // the optimizer's tensors
 };
 
-TPModel build(const Groups& g, const std::string& ac_mode, bool loss_parallel, int64_t seq = kSeq) {
+TPModel build(const Groups& g, const std::string& family, const std::string& ac_mode, bool loss_parallel,
+              int64_t seq = kSeq) {
   TPModel m;
-  torch::manual_seed(7);
-  m.model = llama::Transformer(tiny_args(seq));
-  m.model->init_weights();
+  m.model = make_model(family, seq);
   m.plan = *m.model->tp_plan();
   TPOptions o;
   o.loss_parallel = loss_parallel;
@@ -160,8 +177,9 @@ TPStyle style_of(const TPPlan& plan, const std::string& fqn) {
   TORCH_CHECK(false, fqn, " is in no plan entry");
 }
 
-RunResult train_tp(Distributed& d, const Groups& g, const std::string& ac_mode, bool loss_parallel) {
-  TPModel m = build(g, ac_mode, loss_parallel);
+RunResult train_tp(Distributed& d, const Groups& g, const std::string& family, const std::string& ac_mode,
+                   bool loss_parallel) {
+  TPModel m = build(g, family, ac_mode, loss_parallel);
   auto opt = build_optimizer(m.params, OptimizerSpec{"AdamW", 8e-4, 0.9, 0.95, 1e-8, 0.1});
   const int64_t dp = g.dims.dp(), dp_rank = g.dims.dp_rank(d.world->rank()), B = kGlobalBatch / dp;
   RunResult out;
@@ -213,21 +231,25 @@ CTITAN_CHILD(tp_train) {
   auto env = detect_launch_env(environment_map());
   auto d = init_distributed(env, std::chrono::seconds(60));
   const Groups g = make_groups(*d, env_int("TP_REPLICATE", 1), env_int("TP_DEGREE", 2));
-  auto res = train_tp(*d, g, env_str("TP_AC", "none"), env_str("TP_LOSS_PARALLEL", "1") == "1");
+  auto res = train_tp(*d, g, env_str("TP_FAMILY", "llama3"), env_str("TP_AC", "none"),
+                      env_str("TP_LOSS_PARALLEL", "1") == "1");
   if (d->world->rank() == 0) save_result(res, env_str("CTITAN_TEST_OUT", ""));
   d->world->barrier("done");
   return 0;
 }
 
-// (ranks, replicate degree, tp degree, AC mode, loss parallel)
-class TPParity : public ::testing::TestWithParam<std::tuple<int, int, int, std::string, bool>> {};
+// (family, ranks, replicate degree, tp degree, AC mode, loss parallel)
+class TPParity : public ::testing::TestWithParam<std::tuple<std::string, int, int, int, std::string, bool>> {};
 
 TEST_P(TPParity, LossesAndFinalParametersMatchOneProcess) {
-  const auto [n, replicate, tp, ac, loss_parallel] = GetParam();
-  static RunResult reference = train_reference();
+  const auto [family, n, replicate, tp, ac, loss_parallel] = GetParam();
+  static std::map<std::string, RunResult> references;
+  if (!references.count(family)) references[family] = train_reference(family);
+  const RunResult& reference = references.at(family);
   const std::string out = "/tmp/ctitan_tp_" + std::to_string(getpid()) + ".pt";
   auto rs = spawn_ranks("tp_train", n,
                         {{"CTITAN_TEST_OUT", out},
+                         {"TP_FAMILY", family},
                          {"TP_REPLICATE", std::to_string(replicate)},
                          {"TP_DEGREE", std::to_string(tp)},
                          {"TP_AC", ac},
@@ -256,22 +278,93 @@ TEST_P(TPParity, LossesAndFinalParametersMatchOneProcess) {
     worst = std::max(worst, rel);
   }
   std::printf(
-      "%d ranks (replicate %d, tp %d, AC %s, loss parallel %d): worst loss difference %.3g, worst parameter "
+      "%s, %d ranks (replicate %d, tp %d, AC %s, loss parallel %d): worst loss difference %.3g, worst parameter "
       "difference %.3g (relative)\n",
-      n, replicate, tp, ac.c_str(), loss_parallel ? 1 : 0, worst_loss, worst);
+      family.c_str(), n, replicate, tp, ac.c_str(), loss_parallel ? 1 : 0, worst_loss, worst);
   EXPECT_LT(reference.losses.back(), reference.losses.front());  // training moved the parameters
 }
 
 INSTANTIATE_TEST_SUITE_P(Mesh, TPParity,
-                         ::testing::Values(std::make_tuple(2, 1, 2, "none", true),
-                                           std::make_tuple(4, 1, 4, "none", true),
+                         ::testing::Values(std::make_tuple("llama3", 2, 1, 2, "none", true),
+                                           std::make_tuple("llama3", 4, 1, 4, "none", true),
                                            // dp_shard 2 × tp 2 (FSDP over TP-split parameters)
-                                           std::make_tuple(4, 1, 2, "none", true),
-                                           std::make_tuple(2, 1, 2, "full", true), std::make_tuple(2, 1, 2, "op", true),
-                                           std::make_tuple(4, 1, 2, "full", true),
-                                           std::make_tuple(2, 1, 2, "none", false),
+                                           std::make_tuple("llama3", 4, 1, 2, "none", true),
+                                           std::make_tuple("llama3", 2, 1, 2, "full", true),
+                                           std::make_tuple("llama3", 2, 1, 2, "op", true),
+                                           std::make_tuple("llama3", 4, 1, 2, "full", true),
+                                           std::make_tuple("llama3", 2, 1, 2, "none", false),
                                            // HSDP 2 × dp_shard 2 × tp 2
-                                           std::make_tuple(8, 2, 2, "none", true)));
+                                           std::make_tuple("llama3", 8, 2, 2, "none", true),
+                                           // Mixtral: the router replicated, the experts split
+                                           std::make_tuple("mixtral", 2, 1, 2, "none", true),
+                                           std::make_tuple("mixtral", 4, 1, 4, "full", true),
+                                           std::make_tuple("mixtral", 2, 1, 2, "op", true)));
+
+// One step's gradients, whole (gathered from every tp rank's share after the replicated ones'
+// sum), against the one-process model's on the same batch: the gradient itself, before AdamW
+// turns last-bit differences of near-zero entries into visible ones and before a near-tie
+// expert choice can flip. Mixtral's load-balancing loss weighs 0.5 here (0.01 in the flavor), so
+// counting its gradient once per tp rank instead of once in all would show.
+std::map<std::string, torch::Tensor> one_step_gradients(const std::string& family, const Groups* g) {
+  std::optional<TPModel> m;
+  std::shared_ptr<DecoderImpl> model;
+  if (g) {
+    m = build(*g, family, "none", true);
+    model = m->model;
+  } else {
+    model = make_model(family);
+  }
+  if (family == "mixtral")
+    for (auto& mod : model->modules())
+      if (auto* moe = dynamic_cast<mixtral::MoEImpl*>(mod.get())) moe->args.load_balance_loss_coeff = 0.5;
+  auto batch = global_batch(1);
+  auto logits = model->forward(batch.narrow(1, 0, kSeq));
+  auto labels = batch.narrow(1, 1, kSeq).reshape({-1});
+  auto flat = logits.reshape({-1, logits.size(-1)});
+  auto loss = g ? m->tp->vocab_parallel_cross_entropy(flat, labels, 1.0 / labels.numel())
+                : torch::nn::functional::cross_entropy(flat, labels);
+  loss.backward();
+  std::map<std::string, torch::Tensor> out;
+  if (g) m->tp->sum_gradients(m->replicated);
+  for (auto& kv : model->named_parameters()) {
+    const auto grad = kv.value().grad();
+    out[kv.key()] = g ? m->tp->full_parameter(style_of(m->plan, kv.key()), grad) : grad.clone();
+  }
+  return out;
+}
+
+CTITAN_CHILD(tp_grads) {
+  auto env = detect_launch_env(environment_map());
+  auto d = init_distributed(env, std::chrono::seconds(60));
+  const Groups g = make_groups(*d, 1, d->world->size());
+  const std::string family = env_str("TP_FAMILY", "llama3");
+  const auto got = one_step_gradients(family, &g);
+  const auto want = one_step_gradients(family, nullptr);
+  int bad = 0;
+  double worst = 0;
+  for (const auto& [fqn, w] : want) {
+    const double rel = ((got.at(fqn) - w).norm() / w.norm()).item<double>();
+    worst = std::max(worst, rel);
+    if (!(rel <= 1e-5)) {
+      std::fprintf(stderr, "%s: gradient differs by %.3g (relative)\n", fqn.c_str(), rel);
+      ++bad;
+    }
+  }
+  if (d->world->rank() == 0)
+    std::printf("%s tp %lld: worst gradient difference %.3g (relative)\n", family.c_str(),
+                static_cast<long long>(d->world->size()), worst);
+  d->world->barrier("done");
+  return bad;
+}
+
+TEST(TensorParallel, OneStepsGradientsEqualOneProcesssForLlamaAndMixtral) {
+  for (const std::string family : {"llama3", "mixtral"})
+    for (int tp : {2, 4}) {
+      auto rs = spawn_ranks("tp_grads", tp, {{"TP_FAMILY", family}, {"OMP_NUM_THREADS", "1"}});
+      EXPECT_TRUE(all_ok(rs)) << family << " tp " << tp;
+      std::printf("%s", rs[0].output.substr(rs[0].output.find(family + " tp")).c_str());
+    }
+}
 
 // What a tp rank holds: its share of each split parameter (exactly the rows / columns of the
 // one-process parameter), the norms whole; between blocks the residual stream is its share of
@@ -286,7 +379,7 @@ CTITAN_CHILD(tp_layout) {
   whole->init_weights();
   std::map<std::string, torch::Tensor> full;
   for (auto& kv : whole->named_parameters()) full[kv.key()] = kv.value().detach().clone();
-  TPModel m = build(g, "none", true);
+  TPModel m = build(g, "llama3", "none", true);
   int bad = 0;
   for (auto& kv : m.model->named_parameters()) {
     const TPStyle s = style_of(m.plan, kv.key());
@@ -357,7 +450,7 @@ CTITAN_CHILD(tp_largest) {
   const Groups g = make_groups(*d, 1, 2);
   const bool loss_parallel = env_str("TP_LOSS_PARALLEL", "1") == "1";
   constexpr int64_t B = 4, T = 256, V = 2048;
-  TPModel m = build(g, "none", loss_parallel, T);
+  TPModel m = build(g, "llama3", "none", loss_parallel, T);
   auto tokens = torch::randint(0, V, {B, T + 1}, at::detail::createCPUGenerator(5), torch::kInt64);
   const auto labels = tokens.narrow(1, 1, T).reshape({-1}).contiguous();
   const auto inputs = tokens.narrow(1, 0, T).contiguous();

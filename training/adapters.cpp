@@ -20,12 +20,13 @@ void to_whole_parameter(ShardedParam& p, const TensorParallel& tp) {
     return;
   }
   p.save_here = r == 0;  // the tp ranks hold (or gather) the same rows: one stores them
-  if (dim != 1) return;
-  const int64_t cols = p.global_shape.at(1);
-  p.global_shape[1] = cols * n;
+  if (dim < 1) return;
+  const int64_t cols = p.global_shape.at(dim);
+  p.global_shape[dim] = cols * n;
   const TensorParallel* g = &tp;
-  p.whole_rows = [g](const at::Tensor& t) { return g->full_parameter(TPStyle::Rowwise, t); };
-  p.own_columns = [r, cols](const at::Tensor& whole) { return whole.narrow(1, r * cols, cols); };
+  const TPStyle style = tp.style(p.fqn);
+  p.whole_rows = [g, style](const at::Tensor& t) { return g->full_parameter(style, t); };
+  p.own_columns = [r, cols, dim](const at::Tensor& whole) { return whole.narrow(dim, r * cols, cols); };
 }
 
 }  // namespace

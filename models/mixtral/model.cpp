@@ -106,7 +106,8 @@ Routing MoEImpl::route(const torch::Tensor& x) {
   return r;
 }
 
-torch::Tensor MoEImpl::forward(const torch::Tensor& x) {
+torch::Tensor MoEImpl::forward(const torch::Tensor& x_in) {
+  const torch::Tensor x = tp_hooks.pre(x_in);  // tensor parallelism: the whole sequence
   const int64_t D = x.size(-1), k = args.top_k, E = args.num_experts;
   const auto xf = x.reshape({-1, D});  // [N, D]
   const int64_t N = xf.size(0);
@@ -135,9 +136,9 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x) {
     for (int64_t e = 0; e < E; ++e) tpe[e] += static_cast<float>(counts[static_cast<size_t>(e)]);
   });
   // Applied with or without grad mode so the forward and the recompute run the same ops.
-  const double scale = args.load_balance_loss_coeff * aux_loss_scale;
+  const double scale = args.load_balance_loss_coeff * aux_loss_scale * aux_grad_share;
   if (scale != 0) out = AddAuxiliaryLoss::apply(out, aux, scale);
-  return out.view(x.sizes());
+  return tp_hooks.post(x_in, out.view(x.sizes()));
 }
 
 void MoEImpl::init_weights(double init_std) {
@@ -163,6 +164,19 @@ DecoderArgs decoder_args(const TransformerModelArgs& a) {
 TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id, const TransformerModelArgs& a)
     : DecoderBlockImpl(layer_id, decoder_args(a), "moe", MoE(a.dim, a.moe).ptr()) {
   moe = MoE(std::static_pointer_cast<MoEImpl>(ffn_module()));
+}
+
+std::optional<TPPlan> TransformerBlockImpl::ffn_tp_plan(const std::string& m) {
+  MoEImpl* moe_ptr = moe.get();
+  TPPlan plan = {
+      {m, TPStyle::GatherInputScatterOutput, &moe->tp_hooks, {}},
+      {m + ".router", TPStyle::Replicated, nullptr, {m + ".router.gate.weight"}},
+      {m + ".experts.w1", TPStyle::GroupedColwise, nullptr, {m + ".experts.w1"}},
+      {m + ".experts.w2", TPStyle::GroupedRowwise, nullptr, {m + ".experts.w2"}},
+      {m + ".experts.w3", TPStyle::GroupedColwise, nullptr, {m + ".experts.w3"}},
+  };
+  plan[0].applied = [moe_ptr](int64_t tp) { moe_ptr->aux_grad_share = 1.0 / static_cast<double>(tp); };
+  return plan;
 }
 
 TransformerImpl::TransformerImpl(const TransformerModelArgs& a)

@@ -96,6 +96,10 @@ class MoEImpl : public torch::nn::Module {
   std::function<torch::Tensor(const torch::Tensor&)> logits_hook;
   std::function<void(const Routing&)> routing_observer;
   double aux_loss_scale = 1.0;  // gradient of the objective w.r.t. (coeff · aux); 1/micro-batches
+  // This process's share of that gradient: 1/tp under tensor parallelism, where every tp rank
+  // computes aux over the whole sequence and the gradients are summed over the tp ranks.
+  double aux_grad_share = 1.0;
+  LayerHooks tp_hooks;  // tensor parallelism: the sequence gathered in, partial sums scattered out
   Router router{nullptr};
   GroupedExperts experts{nullptr};
   torch::Tensor expert_bias;        // float [E], buffer
@@ -114,6 +118,10 @@ class TransformerBlockImpl : public DecoderBlockImpl {
  protected:
   torch::Tensor ffn_forward(const torch::Tensor& x) override { return moe->forward(x); }
   void ffn_init_weights(double init_std) override { moe->init_weights(init_std); }
+  // The router replicated (every tp rank routes the whole sequence alike), each expert split as
+  // the dense FFN is (w1, w3 over their hidden units, w2 over its inputs), the MoE's input
+  // gathered over the sequence and its partial output reduce-scattered.
+  std::optional<TPPlan> ffn_tp_plan(const std::string& prefix) override;
 };
 TORCH_MODULE(TransformerBlock);
 
