@@ -466,8 +466,9 @@ struct Parallelism {
     v(fsdp_prefetch, "fsdp_prefetch", true,
       "(ctitan) Issue the next FSDP unit's all-gather while the current one computes");
     v(tensor_parallel_degree, "tensor_parallel_degree", 1,
-      "Tensor parallelism degree; 1 = off (> 1: the mesh is checked, then refused: TP is not built yet)", at_least(1));
-    v(disable_loss_parallel, "disable_loss_parallel", false, "Compute the loss without loss parallelism under TP");
+      "Tensor parallelism degree (with sequence parallelism; tp innermost in the mesh); 1 = off", at_least(1));
+    v(disable_loss_parallel, "disable_loss_parallel", false,
+      "Under TP, gather the whole logits and compute the plain loss (default: the vocabulary-split loss)");
     v(enable_async_tensor_parallel, "enable_async_tensor_parallel", false, "Overlap TP communication with compute",
       supported_only({"false"}));
     v(pipeline_parallel_degree, "pipeline_parallel_degree", 1, "Pipeline parallelism degree; 1 = off",
