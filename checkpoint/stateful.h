@@ -26,6 +26,14 @@ class HFCheckpoint;
 // A parameter as this rank holds it: global rows [begin, end) in local[0 : end-begin]
 // (FSDP: the fp32 shard, padded to ceil(rows / N) rows; one process: the full tensor).
 struct ShardedParam {
+  ShardedParam() = default;
+  ShardedParam(std::string fqn_, at::Tensor local_, std::vector<int64_t> global_shape_, int64_t begin_, int64_t end_)
+      : fqn(std::move(fqn_)),
+        local(std::move(local_)),
+        global_shape(std::move(global_shape_)),
+        begin(begin_),
+        end(end_) {}
+
   std::string fqn;
   at::Tensor local;
   std::vector<int64_t> global_shape;

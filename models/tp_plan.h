@@ -12,6 +12,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/Tensor.h>
@@ -58,6 +59,14 @@ enum class TPStyle {
 };
 
 struct TPEntry {
+  TPEntry(std::string module_, TPStyle style_, LayerHooks* hooks_, std::vector<std::string> params_,
+          std::function<void(int64_t)> applied_ = {})
+      : module(std::move(module_)),
+        style(style_),
+        hooks(hooks_),
+        params(std::move(params_)),
+        applied(std::move(applied_)) {}
+
   std::string module;  // "layers.0.attention.wq"
   TPStyle style = TPStyle::Replicated;
   LayerHooks* hooks = nullptr;      // the module's hooks (null for Replicated)

@@ -168,15 +168,14 @@ TransformerBlockImpl::TransformerBlockImpl(int64_t layer_id, const TransformerMo
 
 std::optional<TPPlan> TransformerBlockImpl::ffn_tp_plan(const std::string& m) {
   MoEImpl* moe_ptr = moe.get();
-  TPPlan plan = {
-      {m, TPStyle::GatherInputScatterOutput, &moe->tp_hooks, {}},
+  auto share = [moe_ptr](int64_t tp) { moe_ptr->aux_grad_share = 1.0 / static_cast<double>(tp); };
+  return TPPlan{
+      {m, TPStyle::GatherInputScatterOutput, &moe->tp_hooks, {}, share},
       {m + ".router", TPStyle::Replicated, nullptr, {m + ".router.gate.weight"}},
       {m + ".experts.w1", TPStyle::GroupedColwise, nullptr, {m + ".experts.w1"}},
       {m + ".experts.w2", TPStyle::GroupedRowwise, nullptr, {m + ".experts.w2"}},
       {m + ".experts.w3", TPStyle::GroupedColwise, nullptr, {m + ".experts.w3"}},
   };
-  plan[0].applied = [moe_ptr](int64_t tp) { moe_ptr->aux_grad_share = 1.0 / static_cast<double>(tp); };
-  return plan;
 }
 
 TransformerImpl::TransformerImpl(const TransformerModelArgs& a)

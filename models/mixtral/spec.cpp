@@ -31,7 +31,7 @@ struct MoEStep {
 };
 
 StepHooks moe_step_hooks(const Transformer& model) {
-  auto st = std::make_shared<MoEStep>(MoEStep{model});
+  auto st = std::make_shared<MoEStep>(MoEStep{model, 1, 0, 0, torch::Tensor()});
   StepHooks h;
   h.set_micro_batches = [st](int64_t n) {
     st->micro_batches = static_cast<double>(n);
