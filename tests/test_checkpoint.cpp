@@ -891,8 +891,9 @@ TEST_F(CheckpointE2E, ReshardsModelAndOptimizerAcrossDegrees) {
 // and 1 → 2 on one dp rank, dp_shard 2 × tp 2 → dp_shard 2 and back (tp changes, dp stays):
 // the resumed run's losses equal the straight run's within 1e-6 relative at every step;
 // dp_shard 2 × tp 2 → dp_shard 4 and back (dp changes too, the dataloader redistributed): the
-// same as the same dp change without TP. Every model and optimizer tensor the resuming job
-// loaded equals the saved one bit for bit. Each first job is stopped at step 4, after step-3.
+// same as the same dp change without TP; Mixtral tp 2 → 1 and 1 → 2 as the first two. Every
+// model and optimizer tensor the resuming job loaded equals the saved one bit for bit. Each
+// first job is stopped at step 4, after step-3.
 TEST_F(CheckpointE2E, TensorParallelCheckpointsResumeOnOtherMeshes) {
   struct Mesh {
     int ranks, tp;
@@ -901,8 +902,9 @@ TEST_F(CheckpointE2E, TensorParallelCheckpointsResumeOnOtherMeshes) {
   const std::string common =
       " --checkpoint.interval 3 --checkpoint.keep_latest_k 0 --checkpoint.no_last_save_model_only"
       " --checkpoint.dataloader_reshard redistribute --debug.deterministic true --lr_scheduler.decay_ratio 0";
+  std::string family;  // extra arguments of the family under test ("": llama3)
   auto job = [&](const Mesh& m, const std::string& dump) {
-    return args(dump, 6) + common + " --parallelism.tensor_parallel_degree " + std::to_string(m.tp);
+    return args(dump, 6) + common + family + " --parallelism.tensor_parallel_degree " + std::to_string(m.tp);
   };
   auto losses = [](const std::string& dump) {
     std::vector<double> out;
@@ -911,7 +913,7 @@ TEST_F(CheckpointE2E, TensorParallelCheckpointsResumeOnOtherMeshes) {
   };
   // Saved on `from` (stopped at step 4), resumed on `to`: the losses of steps 1-3 and 4-6.
   auto resume = [&](const Mesh& from, const Mesh& to) {
-    const std::string tag = from.text() + "_to_" + to.text();
+    const std::string tag = (family.empty() ? "" : "moe_") + from.text() + "_to_" + to.text();
     const std::string dump = (root_ / ("tp_" + tag)).string(), loaded = (root_ / ("tp_loaded_" + tag)).string();
     auto first = ranks(from.ranks, job(from, dump), {{"CTITAN_FAULT", "raise:0:4"}});
     EXPECT_NE(first[0].exit_code, 0) << tag;
@@ -930,7 +932,8 @@ TEST_F(CheckpointE2E, TensorParallelCheckpointsResumeOnOtherMeshes) {
     return losses(dump);
   };
   auto straight = [&](const Mesh& m) {
-    const std::string dump = (root_ / ("tp_straight_" + m.text())).string();
+    const std::string dump =
+        (root_ / (std::string("tp_straight_") + (family.empty() ? "" : "moe_") + m.text())).string();
     EXPECT_TRUE(ctitan::testing::all_ok(ranks(m.ranks, job(m, dump)))) << m.text();
     return losses(dump);
   };
@@ -949,6 +952,12 @@ TEST_F(CheckpointE2E, TensorParallelCheckpointsResumeOnOtherMeshes) {
   expect_close(resume(dp2, dp2tp2), s2, "dp_shard 2 -> dp_shard 2 x tp 2");
   expect_close(resume(dp2tp2, dp4), resume(dp2, dp4), "dp_shard 2 x tp 2 -> dp_shard 4");
   expect_close(resume(dp4, dp2tp2), resume(dp4, dp2), "dp_shard 4 -> dp_shard 2 x tp 2");
+  // Mixtral: its experts split on two dimensions (w1, w3 over their hidden units, w2 over its
+  // inputs), the router replicated.
+  family = " --model.name mixtral --model.flavor debugmodel";
+  const auto m1 = straight(one);
+  expect_close(resume(tp2, one), m1, "mixtral tp 2 -> 1");
+  expect_close(resume(one, tp2), m1, "mixtral tp 1 -> 2");
 }
 
 // A rank raising, or killed, while writing: every rank stops non-zero naming it, promptly; the
