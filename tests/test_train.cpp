@@ -271,10 +271,10 @@ TEST_F(TrainE2E, TensorParallelDegreeIsCheckedAndItsMeshShown) {
 // Every rank, the one-process reference too, runs one intra-op thread (spawn_processes), so
 // that what differs between two runs is the split, not how many threads shared a matmul.
 struct LossRun {
-  std::vector<double> loss, state_gib;  // per step, from rank 0's metrics.jsonl
-  std::vector<double> state_mib;        // per rank: "training state on this rank" of logs/rank<r>.log
-  std::string log0;                     // logs/rank0.log: what was applied
-  std::string console0;                 // rank 0's console (the mesh, shown before the log begins)
+  std::vector<double> loss, state_gib, activation_gib;  // per step, from rank 0's metrics.jsonl
+  std::vector<double> state_mib;                        // per rank: "training state on this rank" of logs/rank<r>.log
+  std::string log0;                                     // logs/rank0.log: what was applied
+  std::string console0;                                 // rank 0's console (the mesh, shown before the log begins)
 };
 
 std::vector<double> jsonl_numbers(const std::string& path, const std::string& field) {
@@ -305,6 +305,7 @@ LossRun parity_run(const fs::path& root, const std::string& name, int ranks, con
   LossRun run;
   run.loss = jsonl_numbers(dump + "/metrics.jsonl", "loss");
   run.state_gib = jsonl_numbers(dump + "/metrics.jsonl", "state_gib");
+  run.activation_gib = jsonl_numbers(dump + "/metrics.jsonl", "activation_gib");
   for (int r = 0; r < ranks; ++r)
     run.state_mib.push_back(logged_state_mib(dump + "/logs/rank" + std::to_string(r) + ".log"));
   run.log0 = ctitan::testing::read_file(dump + "/logs/rank0.log");
@@ -360,6 +361,13 @@ TEST_F(TensorParallelE2E, MatchesOneProcessStepByStep) {
   const LossRun tp2 = parity_run(root_, "tp2", 2, common(), " --parallelism.tensor_parallel_degree 2");
   expect_losses_match(tp2, one, "tp 2");
   expect_state_split(tp2, one, 2, "tp 2");
+  // Sequence parallelism: the activations a forward leaves for backward (the metrics' heap
+  // growth, max over ranks) shrink with tp, though not to 1/tp (each block keeps its gathered
+  // inputs whole; docs/performance.md "TP memory").
+  ASSERT_FALSE(one.activation_gib.empty());
+  ASSERT_FALSE(tp2.activation_gib.empty());
+  EXPECT_LT(tp2.activation_gib.back(), 0.7 * one.activation_gib.back())
+      << "tp 2 " << tp2.activation_gib.back() << " GiB, one process " << one.activation_gib.back();
   EXPECT_NE(tp2.log0.find("tensor parallelism: 2 ranks (tp rank 0)"), std::string::npos) << tp2.log0;
   EXPECT_NE(tp2.log0.find("loss parallel on"), std::string::npos) << tp2.log0;
 
