@@ -27,17 +27,8 @@ run() {  # run <name> <nproc> <prefetch>
     || { echo "bench: run $name failed:" >&2; tail -20 "$OUT/$name.log" >&2; exit 1; }
 }
 
-# field <name> <key>: value of key in the last metrics line; time: mean step time of steps 2..N.
-field() { /usr/bin/python3 -c '
-import json,sys
-rows=[json.loads(l) for l in open(sys.argv[1])]
-k=sys.argv[2]
-if k=="step_time":
-    print((rows[-1]["elapsed_s"]-rows[0]["elapsed_s"])/(len(rows)-1))
-elif k=="comm_per_step":
-    print(sum(r.get("comm_wait_s",0.0) for r in rows[1:])/(len(rows)-1))
-else:
-    print(rows[-1][k])' "$OUT/$1/metrics.jsonl" "$2"; }
+# field <name> <key>: scripts/common.sh's ctitan_metrics_field on that run's metrics.
+field() { ctitan_metrics_field "$OUT/$1/metrics.jsonl" "$2"; }
 
 for n in 1 2 4; do run "n$n" "$n" true; done
 run "n2_noprefetch" 2 false

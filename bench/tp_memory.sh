@@ -30,15 +30,8 @@ run() {  # run <tp>
     || { echo "bench: run tp $tp failed:" >&2; tail -20 "$OUT/tp$tp.log" >&2; exit 1; }
 }
 
-# field <name> <key>: value of key in the last metrics line; step_time: mean of steps 2..N.
-field() { /usr/bin/python3 -c '
-import json,sys
-rows=[json.loads(l) for l in open(sys.argv[1])]
-k=sys.argv[2]
-if k=="step_time":
-    print((rows[-1]["elapsed_s"]-rows[0]["elapsed_s"])/(len(rows)-1))
-else:
-    print(rows[-1][k])' "$OUT/$1/metrics.jsonl" "$2"; }
+# field <name> <key>: scripts/common.sh's ctitan_metrics_field on that run's metrics.
+field() { ctitan_metrics_field "$OUT/$1/metrics.jsonl" "$2"; }
 
 for tp in 1 2 4; do run "$tp"; done
 

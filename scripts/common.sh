@@ -51,3 +51,19 @@ ctitan_ensure_default_corpus() {
       "$CTITAN_DEFAULT_TOKENIZER" 2048
   fi
 }
+
+# ctitan_metrics_field <metrics.jsonl> <key>: the key's value in the last metrics line;
+# step_time: the mean step time of steps 2..N; comm_per_step: comm_wait_s summed over steps
+# 2..N, per step (the benchmarks' tables).
+ctitan_metrics_field() {
+  /usr/bin/python3 -c '
+import json,sys
+rows=[json.loads(l) for l in open(sys.argv[1])]
+k=sys.argv[2]
+if k=="step_time":
+    print((rows[-1]["elapsed_s"]-rows[0]["elapsed_s"])/(len(rows)-1))
+elif k=="comm_per_step":
+    print(sum(r.get("comm_wait_s",0.0) for r in rows[1:])/(len(rows)-1))
+else:
+    print(rows[-1][k])' "$1" "$2"
+}

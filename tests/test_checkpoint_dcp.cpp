@@ -265,6 +265,20 @@ size_t write_reference(const std::string& step_dir, const std::string& path) {
   return specs.size();
 }
 
+// PyTorch's DCP reader loads `dcp_step` and compares every tensor with the ctitan-format
+// `own_step` (written to `ref` by write_reference): all must be present and equal. Returns the
+// script's JSON summary line.
+std::string equal_in_pytorch(const std::string& own_step, const std::string& dcp_step, const std::string& ref) {
+  const size_t n_keys = write_reference(own_step, ref);
+  auto py = sh(script() + "compare --ckpt " + dcp_step + " --ref " + ref);
+  EXPECT_EQ(py.code, 0) << py.out;
+  const std::string json = line_with(py.out, "\"keys\"");
+  EXPECT_NE(json.find("\"keys\": " + std::to_string(n_keys) + ", \"equal\": " + std::to_string(n_keys)),
+            std::string::npos)
+      << py.out;
+  return json;
+}
+
 TEST_F(DcpE2E, DcpSaveLoadsInPyTorchWithEqualTensors) {
   const std::string common = "--training.steps 2 --checkpoint.interval 2 --checkpoint.last_save_model_only false";
   const std::string a = (root_ / "own").string(), b = (root_ / "dcp").string();
@@ -278,14 +292,8 @@ TEST_F(DcpE2E, DcpSaveLoadsInPyTorchWithEqualTensors) {
   EXPECT_EQ(ckpt::incomplete_reason(step_b, 2), "");
 
   // The reference: the ctitan-format save, every entry as a tensor (bytes as uint8).
-  const std::string ref = (root_ / "own_reference.pt").string();
-  const size_t n_keys = write_reference(ckpt::step_dir(a + "/checkpoint", 2), ref);
-  auto py = sh(script() + "compare --ckpt " + step_b + " --ref " + ref);
-  EXPECT_EQ(py.code, 0) << py.out;
-  const std::string json = line_with(py.out, "\"keys\"");
-  EXPECT_NE(json.find("\"keys\": " + std::to_string(n_keys) + ", \"equal\": " + std::to_string(n_keys)),
-            std::string::npos)
-      << py.out;
+  const std::string json =
+      equal_in_pytorch(ckpt::step_dir(a + "/checkpoint", 2), step_b, (root_ / "own_reference.pt").string());
   EXPECT_EQ(json.find("\"extra\": 0}"), std::string::npos) << "torchtitan's param_groups / LambdaLR keys";
   std::printf("%s\n", json.c_str());
 
@@ -317,14 +325,8 @@ TEST_F(DcpE2E, TensorParallelDcpSaveLoadsInPyTorch) {
   ASSERT_TRUE(ctitan::testing::all_ok(train(2, b, common + " --checkpoint.format dcp")));
   const std::string step_b = ckpt::step_dir(b + "/checkpoint", 2);
   ASSERT_TRUE(fs::exists(step_b + "/__0_0.distcp") && fs::exists(step_b + "/__1_0.distcp"));
-  const std::string ref = (root_ / "tp_own_reference.pt").string();
-  const size_t n_keys = write_reference(ckpt::step_dir(a + "/checkpoint", 2), ref);
-  auto py = sh(script() + "compare --ckpt " + step_b + " --ref " + ref);
-  EXPECT_EQ(py.code, 0) << py.out;
-  const std::string json = line_with(py.out, "\"keys\"");
-  EXPECT_NE(json.find("\"keys\": " + std::to_string(n_keys) + ", \"equal\": " + std::to_string(n_keys)),
-            std::string::npos)
-      << py.out;
+  const std::string json =
+      equal_in_pytorch(ckpt::step_dir(a + "/checkpoint", 2), step_b, (root_ / "tp_own_reference.pt").string());
   std::printf("tp 2 DCP save in PyTorch: %s\n", json.c_str());
   // ctitan itself resumes the DCP folder on one process (tp 1): step 3 trains.
   auto c = train(1, b,

@@ -144,8 +144,9 @@ TPModel build(const Groups& g, const std::string& family, const std::string& ac_
   UnitSlots slots;
   if (ac_mode != "none") {
     ACOptions a;
+    // full; op: selective per op; layer: selective every 2nd block (torchtitan's "2")
     a.mode = ac_mode == "full" ? ACMode::Full : ACMode::Selective;
-    a.selective_ac_option = ac_mode == "op" ? "op" : "1";
+    a.selective_ac_option = ac_mode == "op" ? "op" : "2";
     m.ac = std::make_shared<ActivationCheckpoint>(a, m.model->units());
     slots.transform = m.ac->transform();
   }
@@ -292,7 +293,7 @@ INSTANTIATE_TEST_SUITE_P(Mesh, TPParity,
                                            std::make_tuple("llama3", 2, 1, 2, "full", true),
                                            std::make_tuple("llama3", 2, 1, 2, "op", true),
                                            std::make_tuple("llama3", 4, 1, 2, "full", true),
-                                           std::make_tuple("llama3", 2, 1, 2, "none", false),
+                                           std::make_tuple("llama3", 2, 1, 2, "none", false), std::make_tuple("llama3", 2, 1, 2, "layer", true),
                                            // HSDP 2 × dp_shard 2 × tp 2
                                            std::make_tuple("llama3", 8, 2, 2, "none", true),
                                            // Mixtral: the router replicated, the experts split
@@ -364,6 +365,38 @@ TEST(TensorParallel, OneStepsGradientsEqualOneProcesssForLlamaAndMixtral) {
       EXPECT_TRUE(all_ok(rs)) << family << " tp " << tp;
       std::printf("%s", rs[0].output.substr(rs[0].output.find(family + " tp")).c_str());
     }
+}
+
+// Mixtral under tp: every tp rank routes the whole gathered sequence and picks the same experts
+// for every token in every layer (the chosen indices of each rank's forward, gathered over the
+// tp group, are equal).
+CTITAN_CHILD(tp_routing) {
+  auto env = detect_launch_env(environment_map());
+  auto d = init_distributed(env, std::chrono::seconds(60));
+  const Groups g = make_groups(*d, 1, d->world->size());
+  TPModel m = build(g, "mixtral", "none", true);
+  std::vector<torch::Tensor> chosen;
+  for (auto& mod : m.model->modules())
+    if (auto* moe = dynamic_cast<mixtral::MoEImpl*>(mod.get()))
+      moe->routing_observer = [&chosen](const mixtral::Routing& r) { chosen.push_back(r.indices.clone()); };
+  auto logits = m.model->forward(global_batch(1).narrow(0, 0, 4).narrow(1, 0, kSeq));
+  int bad = chosen.size() == 6 ? 0 : 1;
+  const int64_t tp = g.tp->size();
+  for (const auto& idx : chosen) {
+    if (idx.size(0) != 4 * kSeq) ++bad;  // the whole sequence, not this rank's share
+    auto all = torch::empty({tp * idx.numel()}, idx.options());
+    g.tp->all_gather_flat(idx.contiguous(), all, "routing").wait();
+    const auto per_rank = all.view({tp, idx.numel()});
+    for (int64_t r = 1; r < tp; ++r)
+      if (!torch::equal(per_rank[r], per_rank[0])) ++bad;
+  }
+  d->world->barrier("done");
+  return bad;
+}
+
+TEST(TensorParallel, MixtralRoutesAlikeOnEveryTpRank) {
+  EXPECT_TRUE(all_ok(spawn_ranks("tp_routing", 2)));
+  EXPECT_TRUE(all_ok(spawn_ranks("tp_routing", 4)));
 }
 
 // What a tp rank holds: its share of each split parameter (exactly the rows / columns of the
