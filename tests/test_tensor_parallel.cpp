@@ -293,7 +293,8 @@ INSTANTIATE_TEST_SUITE_P(Mesh, TPParity,
                                            std::make_tuple("llama3", 2, 1, 2, "full", true),
                                            std::make_tuple("llama3", 2, 1, 2, "op", true),
                                            std::make_tuple("llama3", 4, 1, 2, "full", true),
-                                           std::make_tuple("llama3", 2, 1, 2, "none", false), std::make_tuple("llama3", 2, 1, 2, "layer", true),
+                                           std::make_tuple("llama3", 2, 1, 2, "none", false),
+                                           std::make_tuple("llama3", 2, 1, 2, "layer", true),
                                            // HSDP 2 × dp_shard 2 × tp 2
                                            std::make_tuple("llama3", 8, 2, 2, "none", true),
                                            // Mixtral: the router replicated, the experts split
