@@ -214,7 +214,8 @@ at::Tensor TensorParallel::full_parameter(TPStyle style, const at::Tensor& local
 }
 
 void TensorParallel::install(const TPPlan& plan, int64_t vocab_size) {
-  // The hooks hold this object's group (shared): what the autograd collectives address.
+  // The hooks call this object, which must outlive the model's forwards (train and the tests
+  // hold it beside the model), and keep its group alive: what the autograd collectives address.
   const auto group = group_;
   auto gather_seq = [this, group](const at::Tensor& x) { return gather_sequence(x); };
   auto scatter_seq = [this, group](const at::Tensor&, const at::Tensor& y) { return scatter_sequence(y); };
