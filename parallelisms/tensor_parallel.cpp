@@ -153,7 +153,14 @@ void TensorParallel::shard_parameter(TPStyle style, const at::Tensor& t) const {
     t.set_data(at::zeros(sizes, t.options()));
     return;
   }
-  t.set_data(t.narrow(dim, rank() * len, len).clone());
+  t.set_data(share_of(style, t).clone());
+}
+
+at::Tensor TensorParallel::share_of(TPStyle style, const at::Tensor& whole) const {
+  const int64_t dim = split_dim(style);
+  if (dim < 0) return whole;
+  const int64_t len = whole.size(dim) / degree();
+  return whole.narrow(dim, rank() * len, len);
 }
 
 at::Tensor TensorParallel::gather_sequence(const at::Tensor& x) const {
@@ -175,9 +182,8 @@ at::Tensor TensorParallel::vocab_parallel_cross_entropy(const at::Tensor& logits
 
 void TensorParallel::apply(const std::vector<ModelUnit>& units, const TPPlan& plan,
                            const std::function<void(size_t)>& init_unit) {
-  std::map<std::string, TPStyle>& style = style_;
   for (const TPEntry& e : plan)
-    for (const std::string& fqn : e.params) style[fqn] = e.style;
+    for (const std::string& fqn : e.params) style_[fqn] = e.style;
   int64_t vocab = 0;
   for (size_t i = 0; i < units.size(); ++i) {
     bool deferred = false;
@@ -187,8 +193,8 @@ void TensorParallel::apply(const std::vector<ModelUnit>& units, const TPPlan& pl
       init_unit(i);
     }
     for (const auto& [fqn, t] : units[i].params) {
-      const auto it = style.find(fqn);
-      TORCH_CHECK(it != style.end(), "[tp] parameter ", fqn, " is in no entry of the model's tensor-parallel plan");
+      const auto it = style_.find(fqn);
+      TORCH_CHECK(it != style_.end(), "[tp] parameter ", fqn, " is in no entry of the model's tensor-parallel plan");
       if (it->second == TPStyle::VocabEmbedding) vocab = t.size(0);
       shard_parameter(it->second, t);
     }
@@ -225,8 +231,9 @@ void TensorParallel::install(const TPPlan& plan, int64_t vocab_size) {
       replicated_.insert(e.params.begin(), e.params.end());
       continue;
     }
-    if (e.style == TPStyle::GroupedColwise || e.style == TPStyle::GroupedRowwise) continue;  // no hooks
-    TORCH_CHECK(e.hooks != nullptr, "[tp] ", e.module, ": no hooks to install");
+    const bool grouped = e.style == TPStyle::GroupedColwise || e.style == TPStyle::GroupedRowwise;
+    TORCH_CHECK(grouped || e.hooks != nullptr, "[tp] ", e.module, ": no hooks to install");
+    if (grouped) continue;  // their module (GatherInputScatterOutput) gathers and scatters
     LayerHooks& h = *e.hooks;
     switch (e.style) {
       case TPStyle::Colwise: break;  // input whole (gathered by its module), output this rank's units
@@ -237,7 +244,8 @@ void TensorParallel::install(const TPPlan& plan, int64_t vocab_size) {
         h.output = scatter_seq;
         break;
       case TPStyle::GroupedColwise:
-      case TPStyle::GroupedRowwise: break;  // their module gathers and scatters
+      case TPStyle::GroupedRowwise:
+      case TPStyle::Replicated: break;  // handled above
       case TPStyle::OutputColwise:
         h.input = gather_seq;
         if (!opt_.loss_parallel)
@@ -255,7 +263,6 @@ void TensorParallel::install(const TPPlan& plan, int64_t vocab_size) {
         };
         break;
       }
-      case TPStyle::Replicated: break;
     }
   }
 }

@@ -49,6 +49,9 @@ class TensorParallel {
 
   // The dimension a style splits its parameters on (0 or 1), or -1: kept whole.
   static int64_t split_dim(TPStyle style);
+  // This rank's share of a whole tensor under `style` (a view; the tensor itself when the style
+  // keeps it whole): what shard_parameter keeps and what a checkpoint load cuts out of whole rows.
+  at::Tensor share_of(TPStyle style, const at::Tensor& whole) const;
   // Cuts `t` to this rank's share under `style` in place (set_data). A parameter without
   // storage (built deferred, nothing to draw into it) becomes zeros of the local shape.
   void shard_parameter(TPStyle style, const at::Tensor& t) const;

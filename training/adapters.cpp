@@ -11,7 +11,8 @@ namespace {
 
 // A tp rank's share of a parameter in the whole parameter's coordinates (sharded_params).
 void to_whole_parameter(ShardedParam& p, const TensorParallel& tp) {
-  const int64_t dim = TensorParallel::split_dim(tp.style(p.fqn)), n = tp.degree(), r = tp.rank();
+  const TPStyle style = tp.style(p.fqn);
+  const int64_t dim = TensorParallel::split_dim(style), n = tp.degree(), r = tp.rank();
   if (dim == 0) {  // this rank's rows are a block of the whole parameter's
     const int64_t rows = p.global_shape.at(0);
     p.global_shape[0] = rows * n;
@@ -24,9 +25,8 @@ void to_whole_parameter(ShardedParam& p, const TensorParallel& tp) {
   const int64_t cols = p.global_shape.at(dim);
   p.global_shape[dim] = cols * n;
   const TensorParallel* g = &tp;
-  const TPStyle style = tp.style(p.fqn);
   p.whole_rows = [g, style](const at::Tensor& t) { return g->full_parameter(style, t); };
-  p.own_columns = [r, cols, dim](const at::Tensor& whole) { return whole.narrow(dim, r * cols, cols); };
+  p.own_columns = [g, style](const at::Tensor& whole) { return g->share_of(style, whole); };
 }
 
 }  // namespace
