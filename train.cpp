@@ -628,7 +628,7 @@ ModelArgs setup_data(Job& j) {
 }
 
 // Everything validated: from here on the run writes its outputs (log file, effective config).
-void announce_run(const Job& j, const ModelArgs& margs, gemm::Backend matmuls) {
+void announce_run(const Job& j, const ModelArgs& margs) {
   const JobConfig& cfg = j.cfg;
   const LaunchEnv& launch = j.launch;
   const Tokenizer& tok = *j.data.tokenizer;
@@ -645,7 +645,7 @@ void announce_run(const Job& j, const ModelArgs& margs, gemm::Backend matmuls) {
       "launch: {} rank {} of {} (local {} of {}); intra-op threads: {} (OpenMP wait policy: {}); "
       "matmuls: {}; seed: {}{}; LibTorch {}",
       launch.launcher, launch.rank, launch.world_size, launch.local_rank, launch.local_world_size, threads,
-      wait_policy.empty() ? "libgomp default" : wait_policy, gemm::backend_name(matmuls), j.seed,
+      wait_policy.empty() ? "libgomp default" : wait_policy, gemm::backend_choice(), j.seed,
       cfg.debug.seed ? "" : " (random: set debug.seed to repeat this run)", TORCH_VERSION);
   spdlog::info("device: {} ({})", j.device.name(), j.device.why);
   if (launch.elastic())
@@ -915,7 +915,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
   Job j(cfg, checkpoint, at);
   setup_environment(j);                   // process groups, device, seed
   const ModelArgs margs = setup_data(j);  // tokenizer, data, model size, memory estimate
-  announce_run(j, margs, matmuls);        // the run's outputs begin
+  announce_run(j, margs);                 // the run's outputs begin
   setup_model(j, margs);                  // build, AC, FSDP (initialising unit by unit)
   setup_optimizer(j);
   if (!setup_checkpointing(j)) return 0;  // a seed checkpoint ends the run

@@ -2,14 +2,17 @@
 """GEMM micro-benchmark (not a test): the 33M model's projection shapes in the three layouts a
 linear layer multiplies in (forward Y = X·Wᵀ, dX = dY·W, dW = dYᵀ·X), through ATen (torch.mm)
 and through the plain GEMM entry points of the MKL that PyTorch's wheel links and exports
-(sgemm_ for fp32, cblas_gemm_bf16bf16f32 for bf16: what models/gemm.h calls), side by side in
-one process, best of 5 rounds each. Prints a Markdown table.
+(sgemm_ for fp32, cblas_gemm_bf16bf16f32 for bf16) and of the oneDNN that scripts/install_deps.sh
+puts in the venv (PyPI's onednn-cpu-gomp: dnnl_sgemm, dnnl_gemm_bf16bf16f32) — the two libraries
+kernels/gemm.h chooses between — side by side in one process, best of 5 rounds each. Prints a
+Markdown table. The machine is shared: read rows of one run against each other, and run it twice.
 
     .venv/bin/python bench/gemm_bench.py [--threads N] [--tokens 2048]
 """
 import argparse
 import ctypes
 import os
+import sys
 import time
 
 import torch
@@ -25,6 +28,11 @@ lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch
 i32, f32, ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 lib.cblas_gemm_bf16bf16f32.argtypes = [i32, i32, i32, i32, i32, i32, f32, ptr, i32, ptr, i32, f32, ptr, i32]
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
+# oneDNN: <venv>/lib/libdnnl.so.3, on the libgomp.so.1 torch already loaded (same soname).
+dnnl = ctypes.CDLL(os.path.join(sys.prefix, "lib", "libdnnl.so.3"))
+i64, char = ctypes.c_int64, ctypes.c_char
+for fn in (dnnl.dnnl_sgemm, dnnl.dnnl_gemm_bf16bf16f32):
+    fn.argtypes = [char, char, i64, i64, i64, f32, ptr, i64, ptr, i64, f32, ptr, i64]
 
 
 def mkl_sgemm(ta, tb, m, n, k, a, lda, b, ldb, c, ldc):
@@ -41,6 +49,13 @@ def mkl_bf16(ta, tb, m, n, k, a, lda, b, ldb, c, ldc):
                                a, lda, b, ldb, 0.0, c, ldc)
 
 
+def onednn(fn):
+    def call(ta, tb, m, n, k, a, lda, b, ldb, c, ldc):
+        rc = fn(b"T" if ta else b"N", b"T" if tb else b"N", m, n, k, 1.0, a, lda, b, ldb, 0.0, c, ldc)
+        assert rc == 0, f"oneDNN gemm {m}x{n}x{k}: status {rc}"
+    return call
+
+
 def best_seconds(f, reps=10, rounds=5):
     f()
     best = float("inf")
@@ -55,10 +70,10 @@ def best_seconds(f, reps=10, rounds=5):
 M = args.tokens
 # (name, in, out) of the 33M model's projections (dim 512, 4 kv heads of 64, FFN 1536, vocab 8192)
 layers = [("wq/wo", 512, 512), ("wk/wv", 512, 256), ("w1/w3", 512, 1536), ("w2", 1536, 512), ("output", 512, 8192)]
-print(f"| layer | layout | m×k×n | dtype | ATen GFLOP/s | MKL GEMM GFLOP/s | GEMM / ATen |")
-print("|---|---|---|---|---:|---:|---:|")
+print(f"| layer | layout | m×k×n | dtype | ATen GFLOP/s | MKL GFLOP/s | oneDNN GFLOP/s | MKL / ATen | oneDNN / MKL |")
+print("|---|---|---|---|---:|---:|---:|---:|---:|")
 for dt in (torch.float32, torch.bfloat16):
-    gemm = mkl_sgemm if dt == torch.float32 else mkl_bf16
+    libs = [mkl_sgemm, onednn(dnnl.dnnl_sgemm)] if dt == torch.float32 else [mkl_bf16, onednn(dnnl.dnnl_gemm_bf16bf16f32)]
     for name, fin, fout in layers:
         x = torch.randn(M, fin).to(dt)
         w = torch.randn(fout, fin).to(dt)
@@ -70,13 +85,16 @@ for dt in (torch.float32, torch.bfloat16):
         for label, a, ta, b, tb, m, k, n in cases:
             opa, opb = (a.t() if ta else a), (b.t() if tb else b)
             out = torch.empty(m, n, dtype=dt)
-            c = torch.empty(m, n)
             t_aten = best_seconds(lambda: torch.mm(opa, opb, out=out))
-            t_gemm = best_seconds(lambda: gemm(ta, tb, m, n, k, a.data_ptr(), a.shape[1], b.data_ptr(), b.shape[1],
-                                               c.data_ptr(), n))
             ref = opa.double() @ opb.double()
-            err = ((c.double() - ref).abs().max() / ref.abs().max()).item()
-            assert err < (1e-5 if dt == torch.float32 else 1e-2), f"{name} {label}: GEMM result off by {err:.1e}"
+            t_lib = []
+            for gemm in libs:
+                c = torch.empty(m, n)
+                t_lib.append(best_seconds(lambda: gemm(ta, tb, m, n, k, a.data_ptr(), a.shape[1], b.data_ptr(),
+                                                       b.shape[1], c.data_ptr(), n)))
+                err = ((c.double() - ref).abs().max() / ref.abs().max()).item()
+                assert err < (1e-5 if dt == torch.float32 else 1e-2), f"{name} {label}: GEMM result off by {err:.1e}"
             flop = 2.0 * m * n * k
             print(f"| {name} | {label} | {m}×{k}×{n} | {str(dt)[6:]} | {flop / t_aten / 1e9:.0f} | "
-                  f"{flop / t_gemm / 1e9:.0f} | {t_aten / t_gemm:.2f}x |")
+                  f"{flop / t_lib[0] / 1e9:.0f} | {flop / t_lib[1] / 1e9:.0f} | {t_aten / t_lib[0]:.2f}x | "
+                  f"{t_lib[0] / t_lib[1]:.2f}x |")

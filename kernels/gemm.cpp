@@ -28,8 +28,10 @@ using RowMajorBf16Gemm = void (*)(char ta, char tb, int64_t m, int64_t n, int64_
                                   int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
 // oneDNN's C API (oneapi/dnnl/dnnl.h): row-major, dnnl_dim_t = int64_t, returns dnnl_status_t.
-// Debian's LibTorch 1.13 linked libdnnl.so.2 and exported these; a LibTorch built that way
-// still does.
+// Two ways it gets here: linked from PyPI's onednn-cpu-gomp (CTITAN_ONEDNN: CMake found its
+// libdnnl.so.3 in the venv, scripts/install_deps.sh puts it there; it runs on the libgomp the
+// process already has, the one LibTorch's wheel carries: same soname), or exported by a LibTorch
+// built against a shared libdnnl (Debian's 1.13).
 using DnnlSgemm = int (*)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*, int64_t,
                           float, float*, int64_t);
 using DnnlBf16 = int (*)(char, char, int64_t, int64_t, int64_t, float, const uint16_t*, int64_t, const uint16_t*,
@@ -47,26 +49,47 @@ F lookup(const char* name) {
   return reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));
 }
 
+#ifdef CTITAN_ONEDNN
+}  // namespace
+}  // namespace ctitan::gemm
+extern "C" int dnnl_sgemm(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*, int64_t,
+                          float, float*, int64_t);
+extern "C" int dnnl_gemm_bf16bf16f32(char, char, int64_t, int64_t, int64_t, float, const uint16_t*, int64_t,
+                                     const uint16_t*, int64_t, float, float*, int64_t);
+namespace ctitan::gemm {
+namespace {
+DnnlSgemm dnnl_sgemm_entry() { return &::dnnl_sgemm; }
+DnnlBf16 dnnl_bf16_entry() { return &::dnnl_gemm_bf16bf16f32; }
+#else
+DnnlSgemm dnnl_sgemm_entry() {
+  static const auto f = lookup<DnnlSgemm>("dnnl_sgemm");
+  return f;
+}
+DnnlBf16 dnnl_bf16_entry() {
+  static const auto f = lookup<DnnlBf16>("dnnl_gemm_bf16bf16f32");
+  return f;
+}
+#endif
+
 struct Library {
   Backend backend = Backend::ATen;
   RowMajorSgemm sgemm = nullptr;
   RowMajorBf16Gemm bf16 = nullptr;
+  const char* why = "neither oneDNN's nor MKL's GEMM found";
 };
 
 // oneDNN implements the bf16 GEMM only from AVX-512 on: elsewhere (an AVX2 CPU running bf16
 // by request) it answers dnnl_unimplemented (3, C untouched); the caller then falls back.
 std::atomic<bool> g_bf16_unimplemented{false};
 
-void dnnl_sgemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float al, const float* a, int64_t lda,
-                const float* b, int64_t ldb, float be, float* c, int64_t ldc) {
-  static const auto f = lookup<DnnlSgemm>("dnnl_sgemm");
-  const int rc = f(ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
+void onednn_sgemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float al, const float* a, int64_t lda,
+                  const float* b, int64_t ldb, float be, float* c, int64_t ldc) {
+  const int rc = dnnl_sgemm_entry()(ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
   TORCH_CHECK(rc == 0, "[models] oneDNN sgemm ", m, "x", n, "x", k, " failed with dnnl status ", rc);
 }
-void dnnl_bf16(char ta, char tb, int64_t m, int64_t n, int64_t k, float al, const uint16_t* a, int64_t lda,
-               const uint16_t* b, int64_t ldb, float be, float* c, int64_t ldc) {
-  static const auto f = lookup<DnnlBf16>("dnnl_gemm_bf16bf16f32");
-  const int rc = f(ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
+void onednn_bf16(char ta, char tb, int64_t m, int64_t n, int64_t k, float al, const uint16_t* a, int64_t lda,
+                 const uint16_t* b, int64_t ldb, float be, float* c, int64_t ldc) {
+  const int rc = dnnl_bf16_entry()(ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
   if (rc == 3) {
     g_bf16_unimplemented = true;
     return;
@@ -93,18 +116,42 @@ void mkl_bf16(char ta, char tb, int64_t m, int64_t n, int64_t k, float al, const
     i32(k), al, a, i32(lda), b, i32(ldb), be, c, i32(ldc));
 }
 
+// With both libraries at hand and no CTITAN_GEMM: MKL on an Intel CPU, oneDNN on any other.
+// MKL dispatches on the CPU's vendor and takes slower code paths off Intel: on a 2-core AMD
+// EPYC (Zen 4) the LibTorch 1.13 build's projections on oneDNN's sgemm ran the 33M fp32 step at
+// 90.9% of the measured peak, the 2.13 build's on MKL at 68.8% (issue 36). On an Intel Xeon
+// (AMX) the two measured alike in alternating 33M fp32 runs (bench/gemm_bench.py has both): MKL
+// stays, the library PyTorch itself calls there. A rule, not a timing at start-up: the same
+// machine always runs the same library, so repeated runs stay bitwise alike.
+Backend preferred_library() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel") ? Backend::MKL : Backend::OneDNN;
+#else
+  return Backend::OneDNN;
+#endif
+}
+
 Library find_library(Backend want) {
-  const bool dnnl = lookup<void*>("dnnl_sgemm") && lookup<void*>("dnnl_gemm_bf16bf16f32");
+  const bool dnnl = dnnl_sgemm_entry() != nullptr && dnnl_bf16_entry() != nullptr;
   const bool mkl = lookup<void*>("sgemm_") && lookup<void*>("cblas_gemm_bf16bf16f32");
-  if ((want == Backend::OneDNN || want == Backend::ATen) && dnnl) return {Backend::OneDNN, dnnl_sgemm, dnnl_bf16};
-  if ((want == Backend::MKL || want == Backend::ATen) && mkl) return {Backend::MKL, mkl_sgemm, mkl_bf16};
-  return {};
+  Library onednn{Backend::OneDNN, onednn_sgemm, onednn_bf16, "CTITAN_GEMM"};
+  Library intel_mkl{Backend::MKL, mkl_sgemm, mkl_bf16, "CTITAN_GEMM"};
+  if (want == Backend::OneDNN) return dnnl ? onednn : Library{};
+  if (want == Backend::MKL) return mkl ? intel_mkl : Library{};
+  if (dnnl && mkl) {
+    onednn.why = "not an Intel CPU: oneDNN's rather than MKL's, CTITAN_GEMM=mkl for MKL";
+    intel_mkl.why = "an Intel CPU: MKL's rather than oneDNN's, CTITAN_GEMM=onednn for oneDNN";
+    return preferred_library() == Backend::MKL ? intel_mkl : onednn;
+  }
+  onednn.why = intel_mkl.why = "the only GEMM library found";
+  return dnnl ? onednn : mkl ? intel_mkl : Library{};
 }
 
 const Library& library() {
   static const Library lib = [] {
     const std::string& want = runtime_env().gemm;
-    if (want == "aten") return Library{};
+    if (want == "aten") return Library{Backend::ATen, nullptr, nullptr, "CTITAN_GEMM"};
     const Backend w = want == "onednn" ? Backend::OneDNN : want == "mkl" ? Backend::MKL : Backend::ATen;
     if (!want.empty() && w == Backend::ATen)
       throw std::runtime_error("CTITAN_GEMM=" + want + " is not one of: aten, mkl, onednn");
@@ -174,6 +221,8 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
 }  // namespace
 
 Backend backend() { return library().backend; }
+
+std::string backend_choice() { return std::string(backend_name(backend())) + " (" + library().why + ")"; }
 
 const char* backend_name(Backend b) {
   return b == Backend::OneDNN ? "oneDNN GEMM" : b == Backend::MKL ? "MKL GEMM" : "ATen matmul";

@@ -5,17 +5,20 @@
 // copies), the softmax scale rides in alpha and dK/dV accumulate in fp32 with beta = 1 (no
 // partial-product tensors, no bf16 rounding of the partial sums). Which library depends on
 // the LibTorch: PyTorch 2.x's x86-64 wheels link MKL statically and export its sgemm_ and
-// cblas_gemm_bf16bf16f32 (bf16 operands, fp32 result); a LibTorch built against a shared
-// libdnnl (Debian's 1.13) exports oneDNN's dnnl_sgemm / dnnl_gemm_bf16bf16f32.
-// bench/gemm_bench.py puts MKL's entry points beside torch.mm on the 33M model's shapes.
+// cblas_gemm_bf16bf16f32 (bf16 operands, fp32 result). oneDNN's dnnl_sgemm /
+// dnnl_gemm_bf16bf16f32 come from PyPI's onednn-cpu-gomp, linked when CMake finds it in the venv
+// (CTITAN_ONEDNN), or from a LibTorch built against a shared libdnnl (Debian's 1.13).
+// bench/gemm_bench.py puts both libraries' entry points beside torch.mm on the 33M model's shapes.
 //
-// Backend, chosen once per process: oneDNN when its symbols are found, else MKL, else ATen
-// (at::mm, what at::linear would run). CTITAN_GEMM=aten forces ATen (A/B measurements, and a
-// way out should a library misbehave); CTITAN_GEMM=onednn or =mkl insists on that one (error
-// if absent).
+// Backend, chosen once per process: with both libraries, MKL on an Intel CPU and oneDNN on any
+// other (MKL takes slow paths off Intel; gemm.cpp's preferred_library has the numbers); with
+// one, that one; with neither, ATen (at::mm, what at::linear would run). CTITAN_GEMM=aten
+// forces ATen (A/B measurements, and a way out should a library misbehave); CTITAN_GEMM=onednn
+// or =mkl insists on that one (error if absent).
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <string>
 
 #include <ATen/core/Tensor.h>
 
@@ -24,6 +27,8 @@ namespace ctitan::gemm {
 enum class Backend { OneDNN, MKL, ATen };
 Backend backend();
 const char* backend_name(Backend b);
+// The backend's name and why it was chosen, for the start-up log.
+std::string backend_choice();
 
 // A matrix operand in row-major storage: element (i, j) of op(M) is
 //   p[i * ld + j] (trans false) or p[j * ld + i] (trans true).

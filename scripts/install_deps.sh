@@ -9,7 +9,8 @@
 #     parity scripts and benchmarks compare with, and whose torchrun the launcher tests run;
 #     TensorBoard's Python package beside it, whose event-file reader the TensorBoard tests
 #     read ctitan's event files with (scripts/tb_read.py); Hugging Face transformers, the
-#     reference of the HF parity checks (scripts/hf_parity.py).
+#     reference of the HF parity checks (scripts/hf_parity.py); oneDNN's libraries
+#     (onednn-cpu-gomp), whose GEMM ctitan links beside LibTorch's MKL (kernels/gemm.h).
 #   scripts/install_deps.sh            # build + run + test dependencies
 #   scripts/install_deps.sh --check    # exit 0 when nothing is missing, 1 otherwise
 #   scripts/install_deps.sh --venv-only  # only the virtual environment
@@ -25,6 +26,9 @@ TENSORBOARD_VERSION="2.21.0"
 # reference scripts/hf_parity.py compares ctitan's loading, logits, generate and export with.
 TRANSFORMERS_VERSION="5.24.0"
 SAFETENSORS_VERSION="0.8.0"
+# oneDNN (its GEMM, built on libgomp like LibTorch's wheel): kernels/gemm.h runs the CPU's
+# projections on it where MKL is slow (CPUs not made by Intel). 39 MB, libraries only.
+ONEDNN_VERSION="2023.2.0"
 
 PACKAGES=(
   build-essential cmake ccache pkg-config
@@ -64,10 +68,10 @@ read -r -a missing <<< "${missing[*]}"
 # (importing torch and tensorboard took seconds, in every launch of scripts/run_train.sh).
 venv_ok() {
   [[ -x "$CTITAN_VENV/bin/python" ]] && "$CTITAN_VENV/bin/python" - "$TORCH_VERSION" "$TOKENIZERS_VERSION" \
-    "$TENSORBOARD_VERSION" "$TRANSFORMERS_VERSION" "$SAFETENSORS_VERSION" 2>/dev/null <<'PY'
+    "$TENSORBOARD_VERSION" "$TRANSFORMERS_VERSION" "$SAFETENSORS_VERSION" "$ONEDNN_VERSION" 2>/dev/null <<'PY'
 import sys
 from importlib.metadata import version
-names = ["torch", "tokenizers", "tensorboard", "transformers", "safetensors"]
+names = ["torch", "tokenizers", "tensorboard", "transformers", "safetensors", "onednn-cpu-gomp"]
 sys.exit(any(version(n).split("+")[0] != want for n, want in zip(names, sys.argv[1:])))
 PY
 }
@@ -75,7 +79,7 @@ PY
 if [[ "${1:-}" == "--check" ]]; then
   status=0
   if ((${#missing[@]})); then echo "missing: ${missing[*]}"; status=1; fi
-  if ! venv_ok; then echo "missing: torch==$TORCH_VERSION, tokenizers==$TOKENIZERS_VERSION, tensorboard==$TENSORBOARD_VERSION, transformers==$TRANSFORMERS_VERSION or safetensors==$SAFETENSORS_VERSION in $CTITAN_VENV"; status=1; fi
+  if ! venv_ok; then echo "missing: torch==$TORCH_VERSION, tokenizers==$TOKENIZERS_VERSION, tensorboard==$TENSORBOARD_VERSION, transformers==$TRANSFORMERS_VERSION, safetensors==$SAFETENSORS_VERSION or onednn-cpu-gomp==$ONEDNN_VERSION in $CTITAN_VENV"; status=1; fi
   exit $status
 fi
 
@@ -89,10 +93,10 @@ if [[ "${1:-}" != "--venv-only" ]] && ((${#missing[@]})); then
 fi
 
 if ! venv_ok; then
-  echo "install_deps: PyTorch $TORCH_VERSION (its LibTorch), tokenizers $TOKENIZERS_VERSION, TensorBoard $TENSORBOARD_VERSION, transformers $TRANSFORMERS_VERSION into $CTITAN_VENV"
+  echo "install_deps: PyTorch $TORCH_VERSION (its LibTorch), tokenizers $TOKENIZERS_VERSION, TensorBoard $TENSORBOARD_VERSION, transformers $TRANSFORMERS_VERSION, oneDNN $ONEDNN_VERSION into $CTITAN_VENV"
   [[ -x "$CTITAN_VENV/bin/python" ]] || python3 -m venv "$CTITAN_VENV"
   "$CTITAN_VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" numpy \
     "tokenizers==$TOKENIZERS_VERSION" "tensorboard==$TENSORBOARD_VERSION" \
-    "transformers==$TRANSFORMERS_VERSION" "safetensors==$SAFETENSORS_VERSION"
+    "transformers==$TRANSFORMERS_VERSION" "safetensors==$SAFETENSORS_VERSION" "onednn-cpu-gomp==$ONEDNN_VERSION"
 fi
 echo "install_deps: all dependencies present"

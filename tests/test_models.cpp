@@ -10,7 +10,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <chrono>
+#include <fstream>
 #include <limits>
+#include <set>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -1013,23 +1015,59 @@ TEST(Gemm, PeakRateTimesASizeThatFitsTheSpeed) {
   EXPECT_GT(gemm::peak_flops(torch::kFloat, 512), 1e8);  // any CPU of the last decades
 }
 
-TEST(Gemm, LibTorchsOwnGemmIsUsedWhenExported) {
+TEST(Gemm, TheLibraryIsChosenByTheRule) {
   const char* env = std::getenv("CTITAN_GEMM");
-  if (env != nullptr && std::string(env) == "aten") {
+  const std::string want = env != nullptr ? env : "";
+  if (want == "aten") {
     EXPECT_EQ(gemm::backend(), gemm::Backend::ATen);
     return;
   }
-  // The GEMM entry points the loaded LibTorch exports: oneDNN's (a LibTorch linking
-  // libdnnl, as Debian's) first, else MKL's (PyTorch's x86-64 wheels link MKL statically and
-  // export it). ATen only when neither is there.
+  // The GEMM entry points in the process: oneDNN's (PyPI's libdnnl linked by CMake, or a
+  // LibTorch linking libdnnl, as Debian's) and MKL's (PyTorch's x86-64 wheels link MKL
+  // statically and export it). Both: MKL on an Intel CPU, oneDNN elsewhere. ATen only when
+  // neither is there.
   auto has = [](const char* s) { return dlsym(RTLD_DEFAULT, s) != nullptr; };
-  const auto expected = has("dnnl_sgemm") && has("dnnl_gemm_bf16bf16f32") ? gemm::Backend::OneDNN
-                        : has("sgemm_") && has("cblas_gemm_bf16bf16f32")  ? gemm::Backend::MKL
-                                                                          : gemm::Backend::ATen;
-  EXPECT_EQ(gemm::backend(), expected) << gemm::backend_name(gemm::backend());
+  const bool dnnl = has("dnnl_sgemm") && has("dnnl_gemm_bf16bf16f32");
+  const bool mkl = has("sgemm_") && has("cblas_gemm_bf16bf16f32");
+  __builtin_cpu_init();
+  const bool intel = __builtin_cpu_is("intel");
+  const auto expected = want == "onednn" ? gemm::Backend::OneDNN
+                        : want == "mkl"  ? gemm::Backend::MKL
+                        : dnnl && mkl    ? (intel ? gemm::Backend::MKL : gemm::Backend::OneDNN)
+                        : dnnl           ? gemm::Backend::OneDNN
+                        : mkl            ? gemm::Backend::MKL
+                                         : gemm::Backend::ATen;
+  EXPECT_EQ(gemm::backend(), expected) << gemm::backend_choice();
+  const std::string choice = gemm::backend_choice();
+  EXPECT_EQ(choice.rfind(gemm::backend_name(expected), 0), 0u) << choice;
+  if (want.empty() && dnnl && mkl) {
+    EXPECT_NE(choice.find(intel ? "an Intel CPU" : "not an Intel CPU"), std::string::npos) << choice;
+  }
 #if defined(__x86_64__)
   // Every LibTorch ctitan is built and tested on here (PyTorch 2.13's wheel) exports MKL's.
-  EXPECT_NE(gemm::backend(), gemm::Backend::ATen);
+  EXPECT_TRUE(mkl);
+#endif
+#ifdef CTITAN_ONEDNN
+  EXPECT_TRUE(dnnl) << "CMake linked PyPI's libdnnl.so.3";
+#endif
+}
+
+// PyPI's oneDNN is built on libgomp.so.1, as LibTorch's wheel is: linking it must not bring a
+// second OpenMP runtime (a second thread pool fighting the first for the cores).
+TEST(Gemm, OneOpenMPRuntimeInTheProcess) {
+  std::ifstream maps("/proc/self/maps");
+  std::set<std::string> gomps, dnnls;
+  for (std::string line; std::getline(maps, line);) {
+    const auto slash = line.find('/');
+    if (slash == std::string::npos) continue;
+    const std::string path = line.substr(slash);
+    const std::string base = path.substr(path.rfind('/') + 1);
+    if (base.rfind("libgomp", 0) == 0 || base.rfind("libiomp", 0) == 0) gomps.insert(path);
+    if (base.rfind("libdnnl", 0) == 0) dnnls.insert(path);
+  }
+  EXPECT_EQ(gomps.size(), 1u) << "OpenMP runtimes mapped: " << gomps.size();
+#ifdef CTITAN_ONEDNN
+  EXPECT_EQ(dnnls.size(), 1u);
 #endif
 }
 
