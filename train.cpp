@@ -582,6 +582,7 @@ struct Job {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<LRScheduler> lr;
   std::function<double(double)> grad_sq_all_reduce;
+  std::vector<torch::Tensor> grad_counted_elsewhere;  // of params: squares another rank adds to the norm
   TrainState train_state;
   std::unique_ptr<Checkpointing> ckpt;
 };
@@ -763,15 +764,13 @@ void setup_model(Job& j, const ModelArgs& margs) {
 
 // Tensor parallelism's gradients: the replicated parameters' (norms) are summed over the tp
 // group before the norm (the trainer's sync), and the norm's squares add up over dp_shard × tp,
-// each replicated parameter counted once (on tp rank 0: the others take their squares out).
+// each replicated parameter counted once: tp rank 0 adds its squares, the others leave them out.
 void setup_tp_gradients(Job& j) {
   const auto named = j.model.module->named_parameters();
   for (const std::string& fqn : j.tp->replicated())
     j.tp_replicated.push_back(j.fsdp ? j.fsdp->local_shard(fqn) : named[fqn]);
-  j.grad_sq_all_reduce = [group = j.par.shard_tp, replicated = j.tp_replicated, tp_rank = j.tp->rank()](double v) {
-    if (tp_rank != 0)
-      for (const auto& p : replicated)
-        if (p.grad().defined()) v -= read_to_host(p.grad().to(torch::kFloat64).square().sum()).item<double>();
+  if (j.tp->rank() != 0) j.grad_counted_elsewhere = j.tp_replicated;
+  j.grad_sq_all_reduce = [group = j.par.shard_tp](double v) {
     auto t = torch::tensor({v}, torch::kFloat64);
     if (group->size() > 1) group->all_reduce_sum(t, "grad_norm").wait();
     return t.item<double>();
@@ -875,6 +874,7 @@ int train_job(Job& j, gemm::Backend matmuls) {
                                *j.optimizer,
                                j.params,
                                j.grad_sq_all_reduce,
+                               j.grad_counted_elsewhere,
                                *j.lr,
                                *j.data.batches,
                                j.data.setup_s,

@@ -2,6 +2,7 @@
 
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -245,20 +246,26 @@ namespace {
 // clip_grad_norm_tensor and grad_norm_for_step: with `apply_on_gpu` false, GPU gradients are
 // left as they are and the factor to divide them by is returned instead.
 GradNorm grad_norm_impl(const std::vector<torch::Tensor>& params, double max_norm,
-                        const std::function<double(double)>& all_reduce_sum, bool apply_on_gpu) {
+                        const std::function<double(double)>& all_reduce_sum, bool apply_on_gpu,
+                        const std::vector<torch::Tensor>& counted_elsewhere = {}) {
   RECORD_FUNCTION("ctitan::clip_grad_norm", std::vector<c10::IValue>());
   torch::NoGradGuard no_grad;
+  std::unordered_set<const c10::TensorImpl*> skip;
+  for (const auto& p : counted_elsewhere) skip.insert(p.unsafeGetTensorImpl());
   // Sum of squares in fp64 so the norm does not depend on how the sum is split (shards).
   double sq = 0.0;
   // GPU gradients: each tensor's norm where it is (no float64 copy of a gradient on the device;
   // one multi-tensor kernel for all of them), squared and summed in float64 on the device.
-  std::vector<torch::Tensor> gpu_grads;
+  std::vector<torch::Tensor> gpu_grads, gpu_counted;
   for (const auto& p : params)
     if (p.grad().defined()) {
-      if (on_gpu(p.grad()))
+      const bool counted = skip.count(p.unsafeGetTensorImpl()) == 0;
+      if (on_gpu(p.grad())) {
         gpu_grads.push_back(p.grad());
-      else
+        if (counted) gpu_counted.push_back(p.grad());
+      } else if (counted) {
         sq += sum_of_squares(p.grad());
+      }
     }
   if (gpu_grads.empty()) {  // the CPU: the sum is host memory already
     if (all_reduce_sum) sq = all_reduce_sum(sq);
@@ -271,7 +278,8 @@ GradNorm grad_norm_impl(const std::vector<torch::Tensor>& params, double max_nor
     }
     return {torch::tensor(norm, torch::kFloat64), torch::Tensor()};
   }
-  auto sq_dev = at::stack(at::_foreach_norm(gpu_grads, 2)).to(torch::kFloat64).square().sum();
+  auto sq_dev = gpu_counted.empty() ? torch::zeros({}, gpu_grads[0].options().dtype(torch::kFloat64))
+                                    : at::stack(at::_foreach_norm(gpu_counted, 2)).to(torch::kFloat64).square().sum();
   if (all_reduce_sum)  // through the host (Gloo): the one read of a step with sharded gradients
     sq_dev = torch::full({}, all_reduce_sum(read_to_host(sq_dev).item<double>() + sq), sq_dev.options());
   GradNorm out{sq_dev.sqrt(), torch::Tensor()};
@@ -299,8 +307,9 @@ torch::Tensor clip_grad_norm_tensor(const std::vector<torch::Tensor>& params, do
 }
 
 GradNorm grad_norm_for_step(const std::vector<torch::Tensor>& params, double max_norm,
-                            const std::function<double(double)>& all_reduce_sum) {
-  return grad_norm_impl(params, max_norm, all_reduce_sum, /*apply_on_gpu=*/false);
+                            const std::function<double(double)>& all_reduce_sum,
+                            const std::vector<torch::Tensor>& counted_elsewhere) {
+  return grad_norm_impl(params, max_norm, all_reduce_sum, /*apply_on_gpu=*/false, counted_elsewhere);
 }
 
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,

@@ -49,8 +49,11 @@ torch::Tensor clip_grad_norm_tensor(const std::vector<torch::Tensor>& params, do
 struct GradNorm {
   torch::Tensor norm, grad_scale;
 };
+// counted_elsewhere: parameters among params whose gradients are clipped here but whose
+// squares another rank adds to the sum (tensor parallelism's replicated norms: tp rank 0's).
 GradNorm grad_norm_for_step(const std::vector<torch::Tensor>& params, double max_norm,
-                            const std::function<double(double)>& all_reduce_sum = nullptr);
+                            const std::function<double(double)>& all_reduce_sum = nullptr,
+                            const std::vector<torch::Tensor>& counted_elsewhere = {});
 // The same, the norm read to the host.
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
                       const std::function<double(double)>& all_reduce_sum = nullptr);

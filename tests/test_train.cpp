@@ -271,10 +271,10 @@ TEST_F(TrainE2E, TensorParallelDegreeIsCheckedAndItsMeshShown) {
 // Every rank, the one-process reference too, runs one intra-op thread (spawn_processes), so
 // that what differs between two runs is the split, not how many threads shared a matmul.
 struct LossRun {
-  std::vector<double> loss, state_gib, activation_gib;  // per step, from rank 0's metrics.jsonl
-  std::vector<double> state_mib;                        // per rank: "training state on this rank" of logs/rank<r>.log
-  std::string log0;                                     // logs/rank0.log: what was applied
-  std::string console0;                                 // rank 0's console (the mesh, shown before the log begins)
+  std::vector<double> loss, grad_norm, state_gib, activation_gib;  // per step, from rank 0's metrics.jsonl
+  std::vector<double> state_mib;  // per rank: "training state on this rank" of logs/rank<r>.log
+  std::string log0;               // logs/rank0.log: what was applied
+  std::string console0;           // rank 0's console (the mesh, shown before the log begins)
 };
 
 std::vector<double> jsonl_numbers(const std::string& path, const std::string& field) {
@@ -304,6 +304,7 @@ LossRun parity_run(const fs::path& root, const std::string& name, int ranks, con
   EXPECT_TRUE(all_ok(rs)) << name;
   LossRun run;
   run.loss = jsonl_numbers(dump + "/metrics.jsonl", "loss");
+  run.grad_norm = jsonl_numbers(dump + "/metrics.jsonl", "grad_norm");
   run.state_gib = jsonl_numbers(dump + "/metrics.jsonl", "state_gib");
   run.activation_gib = jsonl_numbers(dump + "/metrics.jsonl", "activation_gib");
   for (int r = 0; r < ranks; ++r)
@@ -313,13 +314,18 @@ LossRun parity_run(const fs::path& root, const std::string& name, int ranks, con
   return run;
 }
 
-// Each step's loss within 1e-5 relative of the reference's, and the run learned something (the
+// Each step's loss within 1e-5 relative of the reference's, its gradient norm within 1e-4 (what clipping
+// saw: tensor parallelism counts each replicated norm once), and the run learned something (the
 // parity is not that of two untrained models).
 void expect_losses_match(const LossRun& got, const LossRun& want, const std::string& what) {
   ASSERT_EQ(want.loss.size(), 20u) << what << ": the reference";
   ASSERT_EQ(got.loss.size(), 20u) << what;
   for (size_t i = 0; i < got.loss.size(); ++i)
     EXPECT_NEAR(got.loss[i], want.loss[i], 1e-5 * std::abs(want.loss[i])) << what << ", step " << i + 1;
+  ASSERT_EQ(got.grad_norm.size(), want.grad_norm.size()) << what;
+  for (size_t i = 0; i < got.grad_norm.size(); ++i)
+    EXPECT_NEAR(got.grad_norm[i], want.grad_norm[i], 1e-4 * std::abs(want.grad_norm[i]))
+        << what << ", gradient norm of step " << i + 1;
   EXPECT_LT(got.loss.back(), got.loss.front() - 1.0)
       << what << ": step 1 " << got.loss.front() << ", step 20 " << got.loss.back();
 }

@@ -239,7 +239,8 @@ void Trainer::train_step(int64_t step) {
                             : v.loss_sum;
   // Where the loss is (the compute device), so the step's values sit together for settle().
   // On a GPU the clip itself happens inside the optimizer's pass (grad_scale).
-  const GradNorm g = grad_norm_for_step(p_.params, p_.cfg.training.max_norm, p_.grad_sq_all_reduce);
+  const GradNorm g =
+      grad_norm_for_step(p_.params, p_.cfg.training.max_norm, p_.grad_sq_all_reduce, p_.grad_counted_elsewhere);
   v.grad_norm = g.norm.to(v.loss_sum.device());
   v.lr = p_.lr.current_lr();
   apply_update(v, g.grad_scale);

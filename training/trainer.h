@@ -38,8 +38,9 @@ struct TrainerParts {
   TrainModel& model;
   FSDP* fsdp;  // null without FSDP
   torch::optim::Optimizer& optimizer;
-  std::vector<torch::Tensor> params;                 // the optimizer's (FSDP's local shards)
-  std::function<double(double)> grad_sq_all_reduce;  // empty: this rank's norm is the norm
+  std::vector<torch::Tensor> params;                  // the optimizer's (FSDP's local shards)
+  std::function<double(double)> grad_sq_all_reduce;   // empty: this rank's norm is the norm
+  std::vector<torch::Tensor> grad_counted_elsewhere;  // of params: squares another rank adds (TP)
   LRScheduler& lr;
   BatchPrefetcher& batches;    // the DataLoader's batches, read ahead by training.prefetch_batches
   double data_setup_s;         // tokenizer and corpus opened (first-batch line)
