@@ -30,6 +30,9 @@
 #     — "did a change slow the CPU path down":
 #       git worktree add /tmp/old <commit> && (cd /tmp/old && scripts/test.sh -R none)
 #       PARTS=ab BASELINE=/tmp/old/build bench/perf.sh
+#     against the LibTorch 1.13 build (e41dd51, Debian's LibTorch with its shared oneDNN), built
+#     in a prefix of its own so that nothing of 1.13 reaches this tree's build:
+#       bench/build_baseline_113.sh && PARTS=ab BASELINE=/tmp/ctitan-e41dd51/build bench/perf.sh
 set -euo pipefail
 source "$(dirname "$0")/../scripts/common.sh"
 cd "$CTITAN_ROOT"
