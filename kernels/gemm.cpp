@@ -204,11 +204,14 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
     std::vector<int64_t> shape = x.sizes().vec();
     shape.back() = out;
     // oneDNN's sgemm reads a transposed B slower than a plain one when the output is
-    // narrow (measured, M = 2048: 167-169 vs 182-192 GFLOP/s for out <= in, the other way
-    // round for out 1536 and 8192); Wᵀ is one small copy (out·in, not M·anything).
+    // narrow (measured on a Zen 4, M = 2048: 167-169 vs 182-192 GFLOP/s for out <= in, the
+    // other way round for out 1536 and 8192); Wᵀ is one small copy (out·in, not M·anything).
+    // MKL's does not: on the Intel Xeon (AMX) the copy plus a plain B took 2-15% longer than
+    // the transposed B in 23 of 24 timings of the debug and 33M narrow shapes (M 2048, 4096).
     // _unsafe_view, as ATen's matmul: the output is a fresh tensor, not a view autograd would
     // forbid to modify in place (a view made inside a custom function).
-    if (out <= in) return at::_unsafe_view(mm_f32(x2, w.t().contiguous()), shape);
+    if (out <= in && backend() == Backend::OneDNN)
+      return at::_unsafe_view(mm_f32(x2, w.t().contiguous()), shape);
     return at::_unsafe_view(mm_f32(x2, w.t()), shape);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
