@@ -120,8 +120,9 @@ void mkl_bf16(char ta, char tb, int64_t m, int64_t n, int64_t k, float al, const
 // MKL dispatches on the CPU's vendor and takes slower code paths off Intel: on a 2-core AMD
 // EPYC (Zen 4) the LibTorch 1.13 build's projections on oneDNN's sgemm ran the 33M fp32 step at
 // 90.9% of the measured peak, the 2.13 build's on MKL at 68.8% (issue 36). On an Intel Xeon
-// (AMX) the two measured alike in alternating 33M fp32 runs (bench/gemm_bench.py has both): MKL
-// stays, the library PyTorch itself calls there. A rule, not a timing at start-up: the same
+// (AMX) the two measured alike in alternating 33M fp32 runs, and oneDNN 3.2's bf16 GEMM ran
+// attention's tiles 3-4x slower than MKL's (bench/kernel_bench with CTITAN_GEMM; gemm_bench.py
+// has both per shape): MKL stays, the library PyTorch itself calls there. A rule, not a timing at start-up: the same
 // machine always runs the same library, so repeated runs stay bitwise alike.
 Backend preferred_library() {
 #if defined(__x86_64__) || defined(__i386__)
