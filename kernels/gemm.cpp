@@ -211,8 +211,7 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
     // the transposed B in 23 of 24 timings of the debug and 33M narrow shapes (M 2048, 4096).
     // _unsafe_view, as ATen's matmul: the output is a fresh tensor, not a view autograd would
     // forbid to modify in place (a view made inside a custom function).
-    if (out <= in && backend() == Backend::OneDNN)
-      return at::_unsafe_view(mm_f32(x2, w.t().contiguous()), shape);
+    if (out <= in && backend() == Backend::OneDNN) return at::_unsafe_view(mm_f32(x2, w.t().contiguous()), shape);
     return at::_unsafe_view(mm_f32(x2, w.t()), shape);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
