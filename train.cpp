@@ -762,6 +762,18 @@ void setup_model(Job& j, const ModelArgs& margs) {
   choose_attention(j, margs);
 }
 
+// The gradient norm's sum of squares added up over `group` (through the host: Gloo). Empty for
+// no group or a group of one: this rank's sum is the norm's, and on a GPU it is then never read
+// back to the host (a device synchronisation per step, gpu_check.sh (f)).
+std::function<double(double)> squares_summed_over(const std::shared_ptr<Comm>& group) {
+  if (!group || group->size() <= 1) return nullptr;
+  return [group](double v) {
+    auto t = torch::tensor({v}, torch::kFloat64);
+    group->all_reduce_sum(t, "grad_norm").wait();
+    return t.item<double>();
+  };
+}
+
 // Tensor parallelism's gradients: the replicated parameters' (norms) are summed over the tp
 // group before the norm (the trainer's sync), and the norm's squares add up over dp_shard × tp,
 // each replicated parameter counted once: tp rank 0 adds its squares, the others leave them out.
@@ -770,11 +782,7 @@ void setup_tp_gradients(Job& j) {
   for (const std::string& fqn : j.tp->replicated())
     j.tp_replicated.push_back(j.fsdp ? j.fsdp->local_shard(fqn) : named[fqn]);
   if (j.tp->rank() != 0) j.grad_counted_elsewhere = j.tp_replicated;
-  j.grad_sq_all_reduce = [group = j.par.shard_tp](double v) {
-    auto t = torch::tensor({v}, torch::kFloat64);
-    if (group->size() > 1) group->all_reduce_sum(t, "grad_norm").wait();
-    return t.item<double>();
-  };
+  j.grad_sq_all_reduce = squares_summed_over(j.par.shard_tp);
 }
 
 std::function<void()> tp_gradient_sync(const Job& j) {
@@ -791,15 +799,9 @@ void setup_optimizer(Job& j) {
   j.lr = std::make_unique<LRScheduler>(cfg.optimizer.lr, lr_spec(cfg));
   spdlog::info("lr schedule: warmup {} / stable {} / decay {} ({}), min_lr_factor {}", j.lr->warmup_steps(),
                j.lr->stable_steps(), j.lr->decay_steps(), cfg.lr_scheduler.decay_type, cfg.lr_scheduler.min_lr_factor);
-  // Sharded gradients: the norm's sum of squares over the shard group. A group of one (bf16
-  // on one GPU goes through FSDP's machinery) has nothing to add, and on a GPU the sum would
-  // otherwise be read to the host every step: a device synchronisation (gpu_check.sh (f)).
-  if (j.fsdp && j.par.shard && j.par.shard->size() > 1)
-    j.grad_sq_all_reduce = [shard = j.par.shard](double v) {
-      auto t = torch::tensor({v}, torch::kFloat64);
-      shard->all_reduce_sum(t, "grad_norm").wait();
-      return t.item<double>();
-    };
+  // Sharded gradients: the norm's sum of squares over the shard group (a group of one, as bf16
+  // on one GPU through FSDP's machinery, has nothing to add); with tp over dp_shard × tp.
+  if (j.fsdp) j.grad_sq_all_reduce = squares_summed_over(j.par.shard);
   if (j.tp) setup_tp_gradients(j);
 }
 
