@@ -22,12 +22,13 @@ constexpr int64_t kChunk = 1 << 16;
 
 struct AdamWCoefs {
   float decay, b1, b2, c1, c2, sqrt_bc2, eps, step_size;
+  float grad_coef;  // the clip's factor, read with each gradient (1: none; g · 1 is g, bitwise)
 };
 
 // One AdamW update of elements [begin, end) (formula above the class below).
 CTITAN_KERNEL void adamw_range(float* P, const float* G, float* M, float* V, AdamWCoefs k, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
-    const float gi = G[i];
+    const float gi = G[i] * k.grad_coef;
     const float pi = P[i] * k.decay;
     const float mi = M[i] * k.b1 + gi * k.c1;
     const float vi = V[i] * k.b2 + gi * gi * k.c2;
@@ -67,8 +68,9 @@ class FusedAdamW : public torch::optim::AdamW {
   // takes it as its found_inf and skips on the device, so the host never waits for it.
   // grad_scale (a float32 0-d tensor, or undefined): the gradients are divided by it first; on
   // a GPU inside torch's fused kernel (its grad_scale, made for AMP's unscaling), saving a
-  // separate pass over them.
-  void step_unless(const torch::Tensor& skip, const torch::Tensor& grad_scale = {}) {
+  // separate pass over them. cpu_grad_coef: CPU gradients are multiplied by it as the update
+  // reads them (the clip, without a pass of its own; the gradients themselves stay as they are).
+  void step_unless(const torch::Tensor& skip, const torch::Tensor& grad_scale = {}, double cpu_grad_coef = 1.0) {
     RECORD_FUNCTION("ctitan::fused_adamw_step", std::vector<c10::IValue>());
     torch::NoGradGuard no_grad;
     const bool cpu_skip = skip.defined() && !on_gpu(skip) && skip.item<bool>();
@@ -88,7 +90,7 @@ class FusedAdamW : public torch::optim::AdamW {
                     "[optimizer] FusedAdamW needs contiguous float32 parameters and gradients");
         auto& st = state_for(p);
         st.step(st.step() + 1);
-        update(p, p.grad(), st.exp_avg(), st.exp_avg_sq(), o, st.step());
+        update(p, p.grad(), st.exp_avg(), st.exp_avg_sq(), o, st.step(), cpu_grad_coef);
       }
     }
   }
@@ -161,7 +163,7 @@ class FusedAdamW : public torch::optim::AdamW {
   }
 
   static void update(const torch::Tensor& p, const torch::Tensor& g, const torch::Tensor& m, const torch::Tensor& v,
-                     const torch::optim::AdamWOptions& o, int64_t step) {
+                     const torch::optim::AdamWOptions& o, int64_t step, double grad_coef) {
     const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
     const float decay = static_cast<float>(1.0 - o.lr() * o.weight_decay());
     const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2);
@@ -175,7 +177,9 @@ class FusedAdamW : public torch::optim::AdamW {
     const float* G = g.data_ptr<float>();
     float* M = m.data_ptr<float>();
     float* V = v.data_ptr<float>();
-    const AdamWCoefs k{decay, fb1, fb2, c1, c2, sqrt_bc2, eps, step_size};
+    // float(grad_coef), as ATen's mul_(double) on a float32 tensor rounds it: the same bits as
+    // clipping the gradient in place before the update.
+    const AdamWCoefs k{decay, fb1, fb2, c1, c2, sqrt_bc2, eps, step_size, static_cast<float>(grad_coef)};
     at::parallel_for(0, p.numel(), kChunk, [&](int64_t begin, int64_t end) { adamw_range(P, G, M, V, k, begin, end); });
   }
 };
@@ -243,10 +247,11 @@ TrainingStateBytes training_state_bytes(torch::optim::Optimizer& opt) {
 
 namespace {
 
-// clip_grad_norm_tensor and grad_norm_for_step: with `apply_on_gpu` false, GPU gradients are
-// left as they are and the factor to divide them by is returned instead.
+// clip_grad_norm_tensor and grad_norm_for_step: with `apply` false the gradients are left as
+// they are and the clip is returned instead: the factor to divide GPU gradients by, or the one
+// to multiply CPU gradients by (as the fused AdamW reads them).
 GradNorm grad_norm_impl(const std::vector<torch::Tensor>& params, double max_norm,
-                        const std::function<double(double)>& all_reduce_sum, bool apply_on_gpu,
+                        const std::function<double(double)>& all_reduce_sum, bool apply,
                         const std::vector<torch::Tensor>& counted_elsewhere = {}) {
   RECORD_FUNCTION("ctitan::clip_grad_norm", std::vector<c10::IValue>());
   torch::NoGradGuard no_grad;
@@ -270,13 +275,15 @@ GradNorm grad_norm_impl(const std::vector<torch::Tensor>& params, double max_nor
   if (gpu_grads.empty()) {  // the CPU: the sum is host memory already
     if (all_reduce_sum) sq = all_reduce_sum(sq);
     const double norm = std::sqrt(sq);
+    GradNorm out{torch::tensor(norm, torch::kFloat64), torch::Tensor()};
     if (max_norm > 0 && std::isfinite(norm)) {
       const double coef = max_norm / (norm + 1e-6);
-      if (coef < 1.0)
+      if (coef < 1.0 && apply)
         for (const auto& p : params)
           if (p.grad().defined()) p.grad().mul_(coef);
+      if (coef < 1.0 && !apply) out.cpu_grad_coef = coef;
     }
-    return {torch::tensor(norm, torch::kFloat64), torch::Tensor()};
+    return out;
   }
   auto sq_dev = gpu_counted.empty() ? torch::zeros({}, gpu_grads[0].options().dtype(torch::kFloat64))
                                     : at::stack(at::_foreach_norm(gpu_counted, 2)).to(torch::kFloat64).square().sum();
@@ -288,7 +295,7 @@ GradNorm grad_norm_impl(const std::vector<torch::Tensor>& params, double max_nor
     // 1 and the norm is finite, else stay (x · 1 = x).
     const auto& norm = out.norm;
     const auto finite = norm.isfinite();
-    if (apply_on_gpu) {
+    if (apply) {
       const auto coef = (max_norm / (norm + 1e-6)).clamp_max(1.0);
       at::_foreach_mul_(gpu_grads, at::where(finite, coef, at::ones_like(coef)).to(torch::kFloat));
     } else {
@@ -303,13 +310,13 @@ GradNorm grad_norm_impl(const std::vector<torch::Tensor>& params, double max_nor
 
 torch::Tensor clip_grad_norm_tensor(const std::vector<torch::Tensor>& params, double max_norm,
                                     const std::function<double(double)>& all_reduce_sum) {
-  return grad_norm_impl(params, max_norm, all_reduce_sum, /*apply_on_gpu=*/true).norm;
+  return grad_norm_impl(params, max_norm, all_reduce_sum, /*apply=*/true).norm;
 }
 
 GradNorm grad_norm_for_step(const std::vector<torch::Tensor>& params, double max_norm,
                             const std::function<double(double)>& all_reduce_sum,
                             const std::vector<torch::Tensor>& counted_elsewhere) {
-  return grad_norm_impl(params, max_norm, all_reduce_sum, /*apply_on_gpu=*/false, counted_elsewhere);
+  return grad_norm_impl(params, max_norm, all_reduce_sum, /*apply=*/false, counted_elsewhere);
 }
 
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
@@ -317,11 +324,18 @@ double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
   return read_to_host(clip_grad_norm_tensor(params, max_norm, all_reduce_sum)).item<double>();
 }
 
-void step_unless(torch::optim::Optimizer& opt, const torch::Tensor& skip, const torch::Tensor& grad_scale) {
-  if (auto* fused = dynamic_cast<FusedAdamW*>(&opt)) return fused->step_unless(skip, grad_scale);
+void step_unless(torch::optim::Optimizer& opt, const torch::Tensor& skip, const torch::Tensor& grad_scale,
+                 double cpu_grad_coef) {
+  if (auto* fused = dynamic_cast<FusedAdamW*>(&opt)) return fused->step_unless(skip, grad_scale, cpu_grad_coef);
   // torch::optim's other optimizers decide on the host: one read of the flag.
   if (skip.defined() && read_to_host(skip).item<bool>()) return;
   if (grad_scale.defined()) divide_gradients(opt, grad_scale);
+  if (cpu_grad_coef != 1.0) {
+    torch::NoGradGuard no_grad;
+    for (auto& group : opt.param_groups())
+      for (auto& p : group.params())
+        if (p.grad().defined() && !on_gpu(p.grad())) p.grad().mul_(cpu_grad_coef);
+  }
   opt.step();
 }
 

@@ -40,14 +40,17 @@ TrainingStateBytes training_state_bytes(torch::optim::Optimizer& opt);
 // rank so the norm is the global one.
 torch::Tensor clip_grad_norm_tensor(const std::vector<torch::Tensor>& params, double max_norm,
                                     const std::function<double(double)>& all_reduce_sum = nullptr);
-// The norm of clip_grad_norm_tensor, for an optimizer step that follows at once: CPU
-// gradients are clipped here as there, GPU gradients are left as they are and grad_scale (a
-// float32 0-d tensor on their device: (norm + 1e-6) / max_norm when that is above 1 and the
-// norm finite, else 1; undefined on the CPU or when max_norm <= 0) is what step_unless divides
-// them by — inside the fused AdamW's own pass over them, one read and write of every gradient
-// fewer than clipping them first.
+// The norm of clip_grad_norm_tensor, for an optimizer step that follows at once. The gradients
+// are left as they are and the clip goes to step_unless, which applies it inside the fused
+// AdamW's own pass over them: one read and write of every gradient fewer than clipping them
+// first. GPU gradients: grad_scale (a float32 0-d tensor on their device: (norm + 1e-6) /
+// max_norm when that is above 1 and the norm finite, else 1; undefined on the CPU or when
+// max_norm <= 0) is what they are divided by. CPU gradients: cpu_grad_coef (max_norm / (norm +
+// 1e-6) when that is below 1 and the norm finite, else 1) is what they are multiplied by, the
+// factor clip_grad_norm multiplies them by, so the update has its bits.
 struct GradNorm {
   torch::Tensor norm, grad_scale;
+  double cpu_grad_coef = 1.0;
 };
 // counted_elsewhere: parameters among params whose gradients are clipped here but whose
 // squares another rank adds to the sum (tensor parallelism's replicated norms: tp rank 0's).
@@ -60,9 +63,12 @@ double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
 
 // opt.step(), skipped when `skip` (a bool 0-d tensor on the parameters' device; undefined:
 // never) is true, without reading `skip` back from a GPU for the fused AdamW (torch's fused
-// kernel skips on the device). Other optimizers read it (one read_to_host). grad_scale
-// (grad_norm_for_step's; undefined: none): the gradients are divided by it before the update.
-void step_unless(torch::optim::Optimizer& opt, const torch::Tensor& skip, const torch::Tensor& grad_scale = {});
+// kernel skips on the device). Other optimizers read it (one read_to_host). grad_scale and
+// cpu_grad_coef (grad_norm_for_step's; undefined / 1: none): the gradients divided by the one,
+// CPU gradients multiplied by the other, before the update (by the fused AdamW as it reads
+// them, leaving the gradient tensors as they are; other optimizers' gradients are changed).
+void step_unless(torch::optim::Optimizer& opt, const torch::Tensor& skip, const torch::Tensor& grad_scale = {},
+                 double cpu_grad_coef = 1.0);
 // `n` steps that step_unless skipped, learnt by the caller later: the fused AdamW's host step
 // counts of GPU parameters go back down by n (on the CPU a skip is exact at once).
 void note_skipped_steps(torch::optim::Optimizer& opt, int64_t n);

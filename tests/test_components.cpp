@@ -221,14 +221,46 @@ TEST(Optimizer, ClipAsTheFusedAdamWsGradScaleIsTheClipThenTheStep) {
   step_unless(*opt_a, torch::tensor(false), scale);
   opt_b->step();
   EXPECT_TRUE(torch::equal(a, b));
-  // On the CPU grad_norm_for_step clips as clip_grad_norm does and leaves no factor.
-  auto c = init.clone().requires_grad_(true), d = init.clone().requires_grad_(true);
-  c.mutable_grad() = g.clone();
-  d.mutable_grad() = g.clone();
-  const GradNorm gn = grad_norm_for_step({c}, 1.0);
-  EXPECT_FALSE(gn.grad_scale.defined());
-  EXPECT_EQ(gn.norm.item<double>(), clip_grad_norm({d}, 1.0));
-  EXPECT_TRUE(torch::equal(c.grad(), d.grad()));
+}
+
+// The CPU step's clip: grad_norm_for_step leaves CPU gradients as they are and returns the
+// factor clip_grad_norm multiplies them by; step_unless applies it inside the fused AdamW's
+// pass (or, for other optimizers, to the gradients first). Either way the update is bitwise the
+// clip-then-step one, and with no clip (norm under max_norm) the factor is exactly 1.
+TEST(Optimizer, CpuClipInsideTheStepIsBitwiseTheClipThenTheStep) {
+  torch::manual_seed(7);
+  const auto init = torch::randn({70001});  // not a multiple of the fused loop's chunk
+  for (const char* name : {"AdamW", "Adam"}) {
+    for (const double scale : {3.0, 1e-4}) {  // norm ~794: clipped; norm ~0.03: not
+      auto a = init.clone().requires_grad_(true), b = init.clone().requires_grad_(true);
+      auto opt_a = build_optimizer({a}, OptimizerSpec{name, 1e-2, 0.9, 0.95, 1e-8, 0.1});
+      auto opt_b = build_optimizer({b}, OptimizerSpec{name, 1e-2, 0.9, 0.95, 1e-8, 0.1});
+      for (int step = 1; step <= 3; ++step) {
+        const auto g = torch::randn({70001}) * scale;
+        a.mutable_grad() = g.clone();
+        b.mutable_grad() = g.clone();
+        const GradNorm gn = grad_norm_for_step({a}, 1.0);
+        EXPECT_FALSE(gn.grad_scale.defined());
+        EXPECT_EQ(gn.norm.item<double>(), clip_grad_norm({b}, 1.0)) << name;
+        if (scale > 1) {
+          EXPECT_LT(gn.cpu_grad_coef, 1e-2) << name;
+          if (std::string(name) == "AdamW") {
+            EXPECT_TRUE(torch::equal(a.grad(), g)) << "the gradient was clipped before the fused step";
+          }
+        } else {
+          EXPECT_EQ(gn.cpu_grad_coef, 1.0) << name;
+        }
+        step_unless(*opt_a, torch::tensor(false), gn.grad_scale, gn.cpu_grad_coef);
+        opt_b->step();
+        EXPECT_TRUE(torch::equal(a, b)) << name << " step " << step << " scale " << scale;
+      }
+      if (std::string(name) == "AdamW") {
+        const auto& x = static_cast<torch::optim::AdamWParamState&>(*opt_a->state().at(a.unsafeGetTensorImpl()));
+        const auto& y = static_cast<torch::optim::AdamWParamState&>(*opt_b->state().at(b.unsafeGetTensorImpl()));
+        EXPECT_TRUE(torch::equal(x.exp_avg(), y.exp_avg()) && torch::equal(x.exp_avg_sq(), y.exp_avg_sq()));
+      }
+    }
+  }
 }
 
 TEST(Metrics, JsonLineHasTheContractFields) {

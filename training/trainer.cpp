@@ -238,12 +238,12 @@ void Trainer::train_step(int64_t step) {
                                           v.loss_sum.options())
                             : v.loss_sum;
   // Where the loss is (the compute device), so the step's values sit together for settle().
-  // On a GPU the clip itself happens inside the optimizer's pass (grad_scale).
+  // The clip itself happens inside the optimizer's pass (grad_scale, cpu_grad_coef).
   const GradNorm g =
       grad_norm_for_step(p_.params, p_.cfg.training.max_norm, p_.grad_sq_all_reduce, p_.grad_counted_elsewhere);
   v.grad_norm = g.norm.to(v.loss_sum.device());
   v.lr = p_.lr.current_lr();
-  apply_update(v, g.grad_scale);
+  apply_update(v, g);
   p_.lr.step();
   if (p_.model.step.after_optimizer_step)
     p_.model.step.after_optimizer_step([this](torch::Tensor& t, const char* tag) {
@@ -254,9 +254,9 @@ void Trainer::train_step(int64_t step) {
 
 // The optimizer step, skipped on the device when the loss or the norm is not finite;
 // training.on_nonfinite's policy follows when settle() reads the flag back.
-void Trainer::apply_update(StepValues& v, const torch::Tensor& grad_scale) {
+void Trainer::apply_update(StepValues& v, const GradNorm& clip) {
   v.skipped = (v.loss_mean.isfinite() & v.grad_norm.isfinite()).logical_not();
-  step_unless(p_.optimizer, v.skipped, grad_scale);
+  step_unless(p_.optimizer, v.skipped, clip.grad_scale, clip.cpu_grad_coef);
 }
 
 StepResult Trainer::settle() {

@@ -30,6 +30,8 @@
 
 namespace ctitan {
 
+struct GradNorm;  // components/optimizer.h
+
 // Everything the loop runs on, built by train.cpp; references outlive the Trainer.
 struct TrainerParts {
   const JobConfig& cfg;
@@ -101,7 +103,7 @@ class Trainer {
 
  private:
   void next_batch(int64_t step, int64_t micro, torch::Tensor& inputs, torch::Tensor& labels);
-  void apply_update(StepValues& v, const torch::Tensor& grad_scale);
+  void apply_update(StepValues& v, const GradNorm& clip);
   void settle_one(int64_t step, double loss_mean, double grad_norm, bool skipped);
   void after_first_step();
   void maybe_log_metrics(int64_t step, const StepResult& r);
