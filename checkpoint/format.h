@@ -106,6 +106,11 @@ struct ChunkMeta {
   // (TorchSave) or of a Python int read as an int64 scalar (PickledInt); crc is unused (the
   // archive records carry their own).
   enum class Encoding { Raw, TorchSave, PickledInt } encoding = Encoding::Raw;
+  // DCP folders only: a chunk that does not span dims 1.. whole (tensor parallelism:
+  // torchtitan's RowwiseParallel splits dim 1, FSDP + TP dims 0 and 1) holds, of its rows, the
+  // box inner_offsets[i] + [0, inner_sizes[i]) of dim i + 1. Empty: whole rows (every chunk of
+  // ctitan's own format).
+  std::vector<int64_t> inner_offsets, inner_sizes;
 };
 
 struct EntryMeta {

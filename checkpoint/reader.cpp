@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <set>
+#include <tuple>
 
 #include <torch/torch.h>
 
@@ -58,8 +59,60 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
 
 namespace {
 
-// A DCP tensor item as ctitan's entry: its chunks, dim-0 slices covering its rows exactly once
-// (replicated when one chunk holds them all); the items' files are added to `files`.
+// Elements per row of a chunk: the entry's row, or the width of the chunk's box.
+int64_t chunk_row_numel(const EntryMeta& e, const ChunkMeta& c) {
+  if (c.inner_sizes.empty()) return e.row_numel();
+  int64_t n = 1;
+  for (int64_t s : c.inner_sizes) n *= s;
+  return n;
+}
+
+// "offsets [o0, o1, ...] sizes [s0, s1, ...]": where a chunk lies, for errors.
+std::string box_str(const ChunkMeta& c, const EntryMeta& e) {
+  std::vector<int64_t> o = {c.row_begin}, n = {c.row_end - c.row_begin};
+  for (size_t d = 1; d < e.shape.size(); ++d) {
+    o.push_back(c.inner_offsets.empty() ? 0 : c.inner_offsets[d - 1]);
+    n.push_back(c.inner_sizes.empty() ? e.shape[d] : c.inner_sizes[d - 1]);
+  }
+  return "offsets " + shape_str(o) + " sizes " + shape_str(n);
+}
+
+// True when the boxes of a and b share an element (their rows are known to intersect).
+bool inner_overlap(const EntryMeta& e, const ChunkMeta& a, const ChunkMeta& b) {
+  for (size_t i = 0; i + 1 < e.shape.size(); ++i) {
+    const int64_t ao = a.inner_offsets.empty() ? 0 : a.inner_offsets[i];
+    const int64_t bo = b.inner_offsets.empty() ? 0 : b.inner_offsets[i];
+    const int64_t ae = a.inner_sizes.empty() ? e.shape[i + 1] : ao + a.inner_sizes[i];
+    const int64_t be = b.inner_sizes.empty() ? e.shape[i + 1] : bo + b.inner_sizes[i];
+    if (std::max(ao, bo) >= std::min(ae, be)) return false;
+  }
+  return true;
+}
+
+// The chunks (sorted by first row) must tile the tensor exactly once: none overlaps another,
+// and their elements add up to the tensor's (so none is missing). Chunks sharing rows are
+// compared pairwise; a dim-0 sharding compares each chunk with its successor only.
+void check_tiling(const std::string& dir, const EntryMeta& e) {
+  const int64_t numel = e.rows() * e.row_numel();
+  int64_t total = 0;
+  for (size_t i = 0; i < e.chunks.size(); ++i) {
+    const ChunkMeta& a = e.chunks[i];
+    total += (a.row_end - a.row_begin) * chunk_row_numel(e, a);
+    for (size_t j = i + 1; j < e.chunks.size() && e.chunks[j].row_begin < a.row_end; ++j)
+      if (inner_overlap(e, a, e.chunks[j]))
+        throw RuntimeFailure("checkpoint " + dir + " is corrupt: two chunks of " + e.key + " overlap (" +
+                             box_str(a, e) + " and " + box_str(e.chunks[j], e) + ")");
+  }
+  if (total != numel)
+    throw RuntimeFailure("checkpoint " + dir + " is corrupt: the chunks of " + e.key + " do not cover its shape " +
+                         shape_str(e.shape) + " exactly once (they hold " + std::to_string(total) + " of its " +
+                         std::to_string(numel) + " elements)");
+}
+
+// A DCP tensor item as ctitan's entry: its chunks, boxes tiling it exactly once (replicated
+// when one chunk holds it all). A chunk spanning dims 1.. whole is a dim-0 slice (FSDP),
+// re-sliced like ctitan's own chunks; others (tensor parallelism) keep their box in
+// inner_offsets / inner_sizes. The items' files are added to `files`.
 EntryMeta dcp_tensor_entry(const std::string& dir, const std::string& key, const dcp::Item& it,
                            std::set<std::string>& files) {
   EntryMeta e;
@@ -67,10 +120,7 @@ EntryMeta dcp_tensor_entry(const std::string& dir, const std::string& key, const
   e.dtype = it.dtype;
   e.shape = it.size;
   for (const auto& c : it.chunks) {
-    for (size_t d = 1; d < it.size.size(); ++d)
-      if (c.offsets[d] != 0 || c.sizes[d] != it.size[d])
-        throw RuntimeFailure("checkpoint " + dir + ": " + key + " is split along dimension " + std::to_string(d) +
-                             " (tensor parallel?); ctitan re-slices tensors sharded along dimension 0 (FSDP) only");
+    files.insert(c.file);
     ChunkMeta cm;
     cm.file = c.file;
     cm.offset = c.offset;
@@ -78,19 +128,26 @@ EntryMeta dcp_tensor_entry(const std::string& dir, const std::string& key, const
     cm.encoding = ChunkMeta::Encoding::TorchSave;
     cm.row_begin = it.size.empty() ? 0 : c.offsets[0];
     cm.row_end = it.size.empty() ? 1 : c.offsets[0] + c.sizes[0];
-    if (cm.row_end > cm.row_begin) e.chunks.push_back(cm);
-    files.insert(c.file);
+    bool whole_rows = true, empty = cm.row_end <= cm.row_begin;
+    for (size_t d = 0; d < it.size.size(); ++d) {
+      if (c.offsets[d] < 0 || c.sizes[d] < 0 || c.offsets[d] + c.sizes[d] > it.size[d])
+        throw RuntimeFailure("checkpoint " + dir + " is corrupt: a chunk of " + key + " at offsets " +
+                             shape_str(c.offsets) + " sizes " + shape_str(c.sizes) + " lies outside its shape " +
+                             shape_str(it.size));
+      if (d > 0 && (c.offsets[d] != 0 || c.sizes[d] != it.size[d])) whole_rows = false;
+      if (c.sizes[d] == 0) empty = true;
+    }
+    if (empty) continue;  // FSDP's share of a rank past the last row
+    if (!whole_rows) {
+      cm.inner_offsets.assign(c.offsets.begin() + 1, c.offsets.end());
+      cm.inner_sizes.assign(c.sizes.begin() + 1, c.sizes.end());
+    }
+    e.chunks.push_back(std::move(cm));
   }
-  std::sort(e.chunks.begin(), e.chunks.end(),
-            [](const ChunkMeta& a, const ChunkMeta& b) { return a.row_begin < b.row_begin; });
-  int64_t next = 0;
-  for (const auto& c : e.chunks) {
-    if (c.row_begin != next) break;
-    next = c.row_end;
-  }
-  if (next != e.rows())
-    throw RuntimeFailure("checkpoint " + dir + " is corrupt: the chunks of " + key + " do not cover its " +
-                         std::to_string(e.rows()) + " rows exactly once");
+  std::sort(e.chunks.begin(), e.chunks.end(), [](const ChunkMeta& a, const ChunkMeta& b) {
+    return std::tie(a.row_begin, a.inner_offsets) < std::tie(b.row_begin, b.inner_offsets);
+  });
+  check_tiling(dir, e);
   e.rule = e.chunks.size() > 1 ? Rule::Sharded : Rule::Replicated;
   return e;
 }
@@ -98,7 +155,7 @@ EntryMeta dcp_tensor_entry(const std::string& dir, const std::string& key, const
 }  // namespace
 
 // A DCP folder as ctitan's metadata: one entry per key, its chunks pointing at the items'
-// torch.save archives (dim-0 slices: FSDP's sharding, the only one re-sliced here).
+// torch.save archives (dim-0 slices, FSDP's, or boxes, tensor parallelism's).
 void CheckpointReader::open_dcp() {
   dcp_ = true;
   const fs::path p(dir_);
@@ -206,9 +263,10 @@ std::string CheckpointReader::read_chunk(const EntryMeta& e, const ChunkMeta& c)
       throw RuntimeFailure(item_where(e, c) + ": holds " + pickle::describe(*v) + ", not a byte string");
     return v->s;
   }
-  const size_t n = c.encoding == ChunkMeta::Encoding::Raw
-                       ? c.nbytes
-                       : static_cast<size_t>((c.row_end - c.row_begin) * e.row_numel()) * ckpt::dtype_size(e.dtype);
+  const size_t n =
+      c.encoding == ChunkMeta::Encoding::Raw
+          ? c.nbytes
+          : static_cast<size_t>((c.row_end - c.row_begin) * chunk_row_numel(e, c)) * ckpt::dtype_size(e.dtype);
   std::string buf(n, '\0');
   read_chunk_into(e, c, buf.data());
   return buf;
@@ -225,6 +283,7 @@ void CheckpointReader::read_chunk_into(const EntryMeta& e, const ChunkMeta& c, v
   if (c.encoding == ChunkMeta::Encoding::TorchSave) {
     std::vector<int64_t> sizes = e.shape;
     if (!sizes.empty()) sizes[0] = c.row_end - c.row_begin;
+    if (!c.inner_sizes.empty()) std::copy(c.inner_sizes.begin(), c.inner_sizes.end(), sizes.begin() + 1);
     dcp::read_tensor_item(read_item(c), item_where(e, c), e.dtype, sizes, dst);
     return;
   }
@@ -282,6 +341,16 @@ void CheckpointReader::read_rows(const std::string& key, int64_t begin, int64_t 
   for (const ChunkMeta& c : e.chunks) {
     const int64_t s = std::max(begin, c.row_begin), t = std::min(end, c.row_end);
     if (s >= t) continue;
+    if (!c.inner_sizes.empty()) {  // a box (tensor parallel): its part of rows [s, t), strided
+      std::string bytes = read_chunk(e, c);
+      std::vector<int64_t> box = {c.row_end - c.row_begin}, whole = e.shape;
+      box.insert(box.end(), c.inner_sizes.begin(), c.inner_sizes.end());
+      whole[0] = d2.size(0);
+      at::Tensor to = d2.view(whole).narrow(0, s - begin, t - s);
+      for (size_t i = 0; i < c.inner_offsets.size(); ++i) to = to.narrow(i + 1, c.inner_offsets[i], c.inner_sizes[i]);
+      to.copy_(torch::from_blob(bytes.data(), box, torch::TensorOptions().dtype(st)).narrow(0, s - c.row_begin, t - s));
+      continue;
+    }
     if (s == c.row_begin && t == c.row_end && st == d2.scalar_type()) {
       // The whole chunk lands in the destination as stored: read it there (no staging copy).
       read_chunk_into(e, c, d2.narrow(0, s - begin, t - s).data_ptr());

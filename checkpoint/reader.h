@@ -19,8 +19,9 @@ namespace ctitan {
 // A folder with a .metadata file is read as a torch.distributed.checkpoint (DCP) folder
 // (checkpoint/dcp.h): written by ctitan (checkpoint.format = "dcp", its COMPLETE marker
 // checked) or by PyTorch / torchtitan (no marker: DCP writes .metadata last). Its keys are
-// ctitan's (torchtitan flattens the same way); tensors must be sharded along dim 0 (FSDP),
-// and are re-sliced like ctitan's own. torchtitan's Python ints (train_state.step,
+// ctitan's (torchtitan flattens the same way); a tensor's chunks may be any boxes that tile it
+// exactly once (FSDP's dim-0 slices, tensor parallelism's dim-1 ones, both on a 2-D mesh),
+// re-sliced like ctitan's own. torchtitan's Python ints (train_state.step,
 // train_state.ntokens_seen, lr_scheduler.last_epoch = ctitan's lr_scheduler.last_step,
 // dataloader.world_size) read as integer scalars; every item's archive is checked (zip
 // structure, CRC-32 of its records) and unpickled with exactly the classes torch.save
@@ -37,7 +38,9 @@ class CheckpointReader {
   void require_tensor(const std::string& key, const std::vector<int64_t>& shape) const;
 
   // Global rows [begin, end) of `key` into dest[0 : end-begin] (any saved sharding; dtype
-  // converted), dest rows past that zeroed (FSDP padding). dest: [>= end-begin, ...].
+  // converted), dest rows past that zeroed (FSDP padding). dest: [>= end-begin, ...]. A whole
+  // chunk of whole rows is read straight into dest; a box (a DCP chunk split along dims 1..)
+  // goes through a buffer.
   void read_rows(const std::string& key, int64_t begin, int64_t end, const at::Tensor& dest) const;
   at::Tensor read_tensor(const std::string& key) const;  // the whole tensor, saved dtype
   int64_t read_int(const std::string& key) const;        // a scalar integer entry

@@ -10,6 +10,12 @@ which torch.distributed.checkpoint flattens to "optimizer.state.<fqn>.exp_avg", 
 
   save       spawns --ranks Gloo ranks, trains --steps steps on random tokens, dcp.save()s
              to --out and writes --out/../reference.pt (the full tensors, torch.save).
+             --tp T: tensor parallelism as torchtitan's Llama plan applies it (parallelize_module
+             on a "tp" mesh dimension: ColwiseParallel wq/wk/wv/w1/w3 and the output,
+             RowwiseParallel wo/w2 (weights split along dim 1) and the embedding (dim 0),
+             SequenceParallel norms); with --dp-shard D too, a D x T mesh ("dp_shard", "tp")
+             and FSDP2 over dp_shard on top, so wo/w2 are split along dims 0 and 1. The world
+             is D x T ranks (--ranks is ignored); tp ranks of one dp rank see the same batch.
   continue   one process: dcp.load()s --ckpt into a fresh model / optimizer / scheduler and
              trains on the windows a ctitan run traced (CTITAN_TRACE_WINDOWS prefix, all of
              its ranks' files); prints one JSON line {"losses": [...], "lrs": [...]}.
@@ -73,44 +79,97 @@ def build(a):
     return model, opt, sched
 
 
-def step(model, opt, sched, inputs, labels):
+def step(model, opt, sched, inputs, labels, clip=torch.nn.utils.clip_grad_norm_):
     opt.zero_grad(set_to_none=True)
     logits = model(inputs)
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    clip(list(model.parameters()), 1.0)
     lr = opt.param_groups[0]["lr"]
     opt.step()
     sched.step()
     return loss.item(), lr
 
 
+def apply_tp(model, tp_mesh):
+    """torchtitan's Llama tensor-parallel plan (parallelize_llama's apply_tp, loss not parallel):
+    activations between blocks are sequence-sharded (Shard(1)), each block's attention and
+    feed-forward get whole sequences."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for blk in model.layers:
+        parallelize_module(blk, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+
+
+def clip_grads(params, max_norm):
+    """Gradient-norm clipping over DTensor gradients: the norm made whole (a plain tensor) first,
+    as torchtitan's clip_grad_norm_ does, so sharded and replicated gradients mix."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+
+
+def world_size(a):
+    """Ranks of a save: --ranks (FSDP), or the dp_shard x tp mesh."""
+    return a.dp_shard * a.tp if a.tp > 1 else a.ranks
+
+
 def save_rank(rank, a, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(a.ranks))
+    world = world_size(a)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=a.ranks)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(a.seed)  # the same initial weights on every rank; FSDP keeps each rank's rows
     model, _, _ = build(a)
-    for blk in model.layers:
-        fully_shard(blk)
-    fully_shard(model)
+    dp_rank, dp, fsdp_mesh = rank, world, None
+    if a.tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (a.dp_shard, a.tp), mesh_dim_names=("dp_shard", "tp"))
+        apply_tp(model, mesh["tp"])
+        dp_rank, dp = mesh["dp_shard"].get_local_rank(), a.dp_shard
+        fsdp_mesh = mesh["dp_shard"] if a.dp_shard > 1 else None
+    if a.tp == 1 or fsdp_mesh is not None:
+        for blk in model.layers:
+            fully_shard(blk, mesh=fsdp_mesh)
+        fully_shard(model, mesh=fsdp_mesh)
     # The optimizer over the sharded (DTensor) parameters, as torchtitan builds it after FSDP.
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, functools.partial(lr_factor, steps=a.total_steps, warmup=a.warmup, decay_ratio=a.decay_ratio,
                                min_lr=a.min_lr))
-    g = torch.Generator().manual_seed(1000 + rank)
+    g = torch.Generator().manual_seed(1000 + dp_rank)
+    clip = clip_grads if a.tp > 1 else torch.nn.utils.clip_grad_norm_
     for _ in range(a.steps):
         toks = torch.randint(0, 2048, (a.batch, a.seq + 1), generator=g)
-        step(model, opt, sched, toks[:, :-1], toks[:, 1:])
+        step(model, opt, sched, toks[:, :-1], toks[:, 1:], clip)
     state = dict(get_model_state_dict(model))
     state["optimizer"] = get_optimizer_state_dict(model, opt, options=FLAT)
     state["lr_scheduler"] = sched.state_dict()
-    state["train_state"] = {"step": a.steps, "ntokens_seen": a.steps * a.ranks * a.batch * a.seq}
+    state["train_state"] = {"step": a.steps, "ntokens_seen": a.steps * dp * a.batch * a.seq}
     # torchtitan's ParallelAwareDataloader: a pickled StatefulDataLoader state per dp rank.
-    state["dataloader"] = {f"dp_rank_{rank}": pickle.dumps({"_num_yielded": a.steps, "dp_rank": rank}),
-                           "world_size": a.ranks}
+    state["dataloader"] = {f"dp_rank_{dp_rank}": pickle.dumps({"_num_yielded": a.steps, "dp_rank": dp_rank}),
+                           "world_size": dp}
     dcp.save(state, checkpoint_id=a.out)
     # The reference: every tensor whole, under its flattened key.
     ref = {}
@@ -133,8 +192,9 @@ def cmd_save(a):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(save_rank, args=(a, port), nprocs=a.ranks, join=True)
-    print(json.dumps({"saved": a.out, "ranks": a.ranks, "steps": a.steps}))
+    world = world_size(a)
+    mp.spawn(save_rank, args=(a, port), nprocs=world, join=True)
+    print(json.dumps({"saved": a.out, "ranks": world, "tp": a.tp, "steps": a.steps}))
 
 
 def read_traced(prefix, seq):
@@ -228,6 +288,8 @@ def main():
     p.add_argument("--ref")
     p.add_argument("--windows")
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1, help="save: tensor-parallel degree (torchtitan's Llama plan)")
+    p.add_argument("--dp-shard", type=int, default=1, help="save with --tp: FSDP degree of the 2-D mesh")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--total-steps", type=int, default=5, help="training.steps of the run the schedule is for")
     p.add_argument("--warmup", type=int, default=2)

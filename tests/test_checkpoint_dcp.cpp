@@ -1,5 +1,6 @@
 // torch.distributed.checkpoint (DCP) folders against the venv's real PyTorch (2.13.0):
-// torchtitan-format checkpoints written by PyTorch resume in ctitan on 1, 2 and 3 ranks,
+// torchtitan-format checkpoints written by PyTorch resume in ctitan on 1, 2 and 3 ranks (FSDP
+// saves) and on 1, 2 and tp 2 (tensor-parallel saves, alone and with FSDP on a 2-D mesh),
 // ctitan's checkpoint.format = "dcp" saves load with torch.distributed.checkpoint.load, and
 // hostile or damaged folders are one-line errors with nothing executed. The PyTorch side is
 // scripts/dcp_torchtitan.py; these tests fail (not skip) without the venv.
@@ -9,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <regex>
 #include <set>
@@ -71,12 +73,20 @@ class DcpE2E : public ::testing::Test {
   // steps, once per test process (ctest runs each test in its own): <root>/torchtitan<ranks>/
   // step-3 and reference.pt beside it (every tensor whole, torch.save).
   static std::string torchtitan_checkpoint(int ranks) {
-    const fs::path dir = root_ / ("torchtitan" + std::to_string(ranks));
+    return torchtitan_save("torchtitan" + std::to_string(ranks), "--ranks " + std::to_string(ranks));
+  }
+  // The same with torchtitan's Llama tensor-parallel plan on a dp_shard x tp mesh (dp_shard 1:
+  // TP alone): wo / w2 split along dim 1, and along dims 0 and 1 with FSDP on top.
+  static std::string torchtitan_tp_checkpoint(int dp_shard, int tp) {
+    return torchtitan_save("torchtitan_dp" + std::to_string(dp_shard) + "_tp" + std::to_string(tp),
+                           "--dp-shard " + std::to_string(dp_shard) + " --tp " + std::to_string(tp));
+  }
+  static std::string torchtitan_save(const std::string& name, const std::string& layout) {
+    const fs::path dir = root_ / name;
     const std::string out = (dir / "step-3").string();
     if (!fs::exists(dir / "reference.pt")) {
       fs::create_directories(dir);
-      auto s = sh(script() + "save --out " + out + " --ranks " + std::to_string(ranks) +
-                  " --steps 3 --total-steps 5 --seq 32 --batch 2");
+      auto s = sh(script() + "save --out " + out + " " + layout + " --steps 3 --total-steps 5 --seq 32 --batch 2");
       EXPECT_EQ(s.code, 0) << s.out;
     }
     return out;
@@ -108,9 +118,11 @@ class DcpE2E : public ::testing::Test {
            " --training.mixed_precision_param float32";
   }
 
-  // Resumes `src` (reference tensors in `ref`) on n ranks and checks tensors, step, LR and
-  // the losses of steps 4 and 5 against PyTorch's; see the test below.
-  static void check_resume(const std::string& src, const std::string& ref_path, int n, const std::string& tag);
+  // Resumes `src` (reference tensors in `ref`) on n ranks (`extra`: more of train's options)
+  // and checks tensors, step, LR and the losses of steps 4 and 5 against PyTorch's; see the
+  // test below.
+  static void check_resume(const std::string& src, const std::string& ref_path, int n, const std::string& tag,
+                           const std::string& extra = "");
 
   static fs::path root_;
   static std::string corpus_, tokenizer_;
@@ -123,13 +135,14 @@ std::string DcpE2E::corpus_, DcpE2E::tokenizer_;
 // hook, compared with the full tensors PyTorch saved beside the checkpoint); step and LR
 // continue; the losses of steps 4 and 5 equal PyTorch's own steps 4 and 5 (the checkpoint
 // loaded by dcp.load into one process) on the batches ctitan traced, within 1e-5 relative.
-void DcpE2E::check_resume(const std::string& src, const std::string& ref_path, int n, const std::string& tag) {
-  SCOPED_TRACE(tag + ", ranks " + std::to_string(n));
+void DcpE2E::check_resume(const std::string& src, const std::string& ref_path, int n, const std::string& tag,
+                          const std::string& extra) {
+  SCOPED_TRACE(tag + ", ranks " + std::to_string(n) + (extra.empty() ? "" : ", " + extra));
   const auto ref = load_pt(ref_path);
   ASSERT_GT(ref.size(), 100u);
   const fs::path dir = root_ / ("resume_" + tag + "_" + std::to_string(n));
   const std::string dump = (dir / "loaded").string(), win = (dir / "windows").string();
-  auto rs = train(n, dir.string(), resume_args(src) + " --checkpoint.exclude_from_loading dataloader",
+  auto rs = train(n, dir.string(), resume_args(src) + " --checkpoint.exclude_from_loading dataloader " + extra,
                   {{"CTITAN_CHECKPOINT_DUMP_LOADED", dump}, {"CTITAN_TRACE_WINDOWS", win}});
   ASSERT_TRUE(ctitan::testing::all_ok(rs));
   EXPECT_NE(rs[0].output.find("loaded step 3 from " + src), std::string::npos) << rs[0].output;
@@ -188,6 +201,84 @@ TEST_F(DcpE2E, TorchtitanCheckpointResumesOnOneTwoAndThreeRanks) {
   for (int n : {1, 2, 3}) check_resume(tt, reference_of(tt), n, "saved_on_2");
   // Uneven shards the other way: saved on 3 ranks, resumed on 2.
   check_resume(tt3, reference_of(tt3), 2, "saved_on_3");
+}
+
+namespace {
+// The chunk offsets .metadata records for `key`, sorted.
+std::set<std::vector<int64_t>> chunk_offsets(const std::string& dir, const std::string& key) {
+  std::set<std::vector<int64_t>> out;
+  const dcp::Metadata m = dcp::read_metadata(dir);
+  for (const auto& c : m.items.at(key).chunks) out.insert(c.offsets);
+  return out;
+}
+using Offsets = std::set<std::vector<int64_t>>;
+}  // namespace
+
+// Tensor parallelism: torchtitan's Llama plan (PyTorch's parallelize_module on 2 Gloo ranks)
+// saves wo and w2 and their moments split along dim 1 (RowwiseParallel) and wq / w1 / the
+// embedding / output along dim 0. ctitan resumes it on 1 rank, on 2 (FSDP: each rank's rows
+// cut out of the column boxes) and with its own tp 2 (whole rows read, its columns kept): every
+// parameter and moment bit-equal to PyTorch's full tensors, and the losses of steps 4 and 5
+// PyTorch's own within 1e-5, as the FSDP test above.
+TEST_F(DcpE2E, TorchtitanTensorParallelCheckpointResumes) {
+  const std::string tt = torchtitan_tp_checkpoint(1, 2);
+  // The folder really is split along dim 1 (what this test is about).
+  EXPECT_EQ(chunk_offsets(tt, "layers.0.attention.wo.weight"), (Offsets{{0, 0}, {0, 128}}));
+  EXPECT_EQ(chunk_offsets(tt, "optimizer.state.layers.5.feed_forward.w2.weight.exp_avg_sq"),
+            (Offsets{{0, 0}, {0, 384}}));
+  EXPECT_EQ(chunk_offsets(tt, "layers.0.attention.wq.weight"), (Offsets{{0, 0}, {128, 0}}));
+  for (int n : {1, 2}) check_resume(tt, reference_of(tt), n, "tt_tp2");
+  check_resume(tt, reference_of(tt), 2, "tt_tp2_on_tp2", "--parallelism.tensor_parallel_degree 2");
+}
+
+// FSDP + TP on a 2 x 2 mesh (4 Gloo ranks): wo / w2 (and moments) in four boxes split along
+// dims 0 and 1, wq / w1 in four row ranges in the order FSDP's strided sharding lays out. The
+// same resumes as above, and on 3 ranks, whose rows (86 + 86 + 84 of 256) cut the boxes.
+TEST_F(DcpE2E, TorchtitanFsdpTensorParallelCheckpointResumes) {
+  const std::string tt = torchtitan_tp_checkpoint(2, 2);
+  EXPECT_EQ(chunk_offsets(tt, "layers.0.attention.wo.weight"), (Offsets{{0, 0}, {0, 128}, {128, 0}, {128, 128}}));
+  EXPECT_EQ(chunk_offsets(tt, "optimizer.state.layers.5.feed_forward.w2.weight.exp_avg"),
+            (Offsets{{0, 0}, {0, 384}, {128, 0}, {128, 384}}));
+  for (int n : {1, 2, 3}) check_resume(tt, reference_of(tt), n, "tt_dp2tp2");
+  check_resume(tt, reference_of(tt), 2, "tt_dp2tp2_on_tp2", "--parallelism.tensor_parallel_degree 2");
+}
+
+// A tensor-parallel folder whose .metadata was rewritten so that two chunks of a tensor
+// overlap (wo's second box moved from column 128 to 64: the same number of elements) or one
+// is missing (a w2 moment's second box dropped): each is one line naming the folder and the
+// key, and the run exits 1 before training.
+TEST_F(DcpE2E, TensorParallelChunksThatOverlapOrLeaveAGapAreOneLineErrors) {
+  const std::string tt = torchtitan_tp_checkpoint(1, 2);
+  auto damaged = [&](const std::string& name, const std::string& key, const std::function<void(dcp::Item&)>& edit) {
+    const fs::path d = root_ / "bad_tp" / name / "step-3";
+    fs::create_directories(d.parent_path());
+    fs::copy(tt, d, fs::copy_options::recursive);
+    dcp::Metadata m = dcp::read_metadata(d.string());
+    edit(m.items.at(key));
+    ckpt::write_file_durable((d / dcp::kMetadataFile).string(), dcp::metadata_pickle(m));
+    auto rs = train(1, (d.parent_path() / "run").string(),
+                    resume_args(d.string()) + " --checkpoint.exclude_from_loading dataloader");
+    EXPECT_EQ(rs[0].exit_code, 1) << rs[0].output;  // RuntimeFailure
+    return std::make_pair(d.string(), rs[0].output);
+  };
+  const std::string wo = "layers.0.attention.wo.weight";
+  const auto [ov, ov_out] = damaged("overlap", wo, [](dcp::Item& it) {
+    for (auto& c : it.chunks)
+      if (c.offsets[1] == 128) c.offsets[1] = 64;
+  });
+  EXPECT_NE(line_with(ov_out, "overlap")
+                .find("checkpoint " + ov + " is corrupt: two chunks of " + wo +
+                      " overlap (offsets [0, 0] sizes [256, 128] and offsets [0, 64] sizes [256, 128])"),
+            std::string::npos)
+      << ov_out;
+  const std::string w2 = "optimizer.state.layers.1.feed_forward.w2.weight.exp_avg";
+  const auto [gap, gap_out] = damaged("gap", w2, [](dcp::Item& it) { it.chunks.pop_back(); });
+  EXPECT_NE(line_with(gap_out, "exactly once")
+                .find("checkpoint " + gap + " is corrupt: the chunks of " + w2 +
+                      " do not cover its shape [256, 768] exactly once (they hold 98304 of its 196608 elements)"),
+            std::string::npos)
+      << gap_out;
+  std::printf("%s\n%s\n", line_with(ov_out, "overlap").c_str(), line_with(gap_out, "exactly once").c_str());
 }
 
 // torchtitan's dataloader state is a pickled Python object: loading it is refused before
