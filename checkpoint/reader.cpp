@@ -214,6 +214,12 @@ void CheckpointReader::open_dcp() {
   for (const auto& kv : meta_.entries)
     if (kv.first.rfind("optimizer.", 0) == 0) meta_.model_only = false;
   if (!dcp_by_ctitan_) meta_.step = has("train_state.step") ? read_int("train_state.step") : 0;
+  // torchtitan's dataloader.world_size is its data-parallel degree: under tensor parallelism
+  // fewer than the ranks that wrote files (what "saved by N ranks, dp ..." reports).
+  if (!dcp_by_ctitan_ && has("dataloader.world_size")) {
+    const int64_t dp = read_int("dataloader.world_size");
+    if (dp >= 1 && meta_.world_size % dp == 0) meta_.dp_shard = dp;
+  }
 }
 
 std::string CheckpointReader::read_item(const ChunkMeta& c) const {
