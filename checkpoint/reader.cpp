@@ -67,24 +67,29 @@ int64_t chunk_row_numel(const EntryMeta& e, const ChunkMeta& c) {
   return n;
 }
 
+// The chunk's {offset, size} in dim d >= 1 (no box: the whole dim).
+std::pair<int64_t, int64_t> extent_in(const EntryMeta& e, const ChunkMeta& c, size_t d) {
+  if (c.inner_sizes.empty()) return {0, e.shape[d]};
+  return {c.inner_offsets[d - 1], c.inner_sizes[d - 1]};
+}
+
 // "offsets [o0, o1, ...] sizes [s0, s1, ...]": where a chunk lies, for errors.
 std::string box_str(const ChunkMeta& c, const EntryMeta& e) {
   std::vector<int64_t> o = {c.row_begin}, n = {c.row_end - c.row_begin};
   for (size_t d = 1; d < e.shape.size(); ++d) {
-    o.push_back(c.inner_offsets.empty() ? 0 : c.inner_offsets[d - 1]);
-    n.push_back(c.inner_sizes.empty() ? e.shape[d] : c.inner_sizes[d - 1]);
+    const auto [off, size] = extent_in(e, c, d);
+    o.push_back(off);
+    n.push_back(size);
   }
   return "offsets " + shape_str(o) + " sizes " + shape_str(n);
 }
 
 // True when the boxes of a and b share an element (their rows are known to intersect).
 bool inner_overlap(const EntryMeta& e, const ChunkMeta& a, const ChunkMeta& b) {
-  for (size_t i = 0; i + 1 < e.shape.size(); ++i) {
-    const int64_t ao = a.inner_offsets.empty() ? 0 : a.inner_offsets[i];
-    const int64_t bo = b.inner_offsets.empty() ? 0 : b.inner_offsets[i];
-    const int64_t ae = a.inner_sizes.empty() ? e.shape[i + 1] : ao + a.inner_sizes[i];
-    const int64_t be = b.inner_sizes.empty() ? e.shape[i + 1] : bo + b.inner_sizes[i];
-    if (std::max(ao, bo) >= std::min(ae, be)) return false;
+  for (size_t d = 1; d < e.shape.size(); ++d) {
+    const auto [ao, an] = extent_in(e, a, d);
+    const auto [bo, bn] = extent_in(e, b, d);
+    if (std::max(ao, bo) >= std::min(ao + an, bo + bn)) return false;
   }
   return true;
 }

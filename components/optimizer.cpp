@@ -38,12 +38,18 @@ CTITAN_KERNEL void adamw_range(float* P, const float* G, float* M, float* V, Ada
   }
 }
 
-// Every gradient of opt's parameters divided by the 0-d `scale` (where the gradients are).
-void divide_gradients(torch::optim::Optimizer& opt, const torch::Tensor& scale) {
+// f(gradient) for every defined gradient of opt's parameters.
+template <class F>
+void for_each_gradient(torch::optim::Optimizer& opt, F f) {
   torch::NoGradGuard no_grad;
   for (auto& group : opt.param_groups())
     for (auto& p : group.params())
-      if (p.grad().defined()) p.grad().div_(scale.to(p.grad().device()));
+      if (p.grad().defined()) f(p.mutable_grad());
+}
+
+// Every gradient of opt's parameters divided by the 0-d `scale` (where the gradients are).
+void divide_gradients(torch::optim::Optimizer& opt, const torch::Tensor& scale) {
+  for_each_gradient(opt, [&](torch::Tensor& g) { g.div_(scale.to(g.device())); });
 }
 
 // torch::optim::AdamW's update in one pass over (param, grad, exp_avg, exp_avg_sq) instead
@@ -278,10 +284,12 @@ GradNorm grad_norm_impl(const std::vector<torch::Tensor>& params, double max_nor
     GradNorm out{torch::tensor(norm, torch::kFloat64), torch::Tensor()};
     if (max_norm > 0 && std::isfinite(norm)) {
       const double coef = max_norm / (norm + 1e-6);
-      if (coef < 1.0 && apply)
+      if (coef < 1.0 && !apply) {
+        out.cpu_grad_coef = coef;  // applied inside the optimizer's pass
+      } else if (coef < 1.0) {
         for (const auto& p : params)
           if (p.grad().defined()) p.grad().mul_(coef);
-      if (coef < 1.0 && !apply) out.cpu_grad_coef = coef;
+      }
     }
     return out;
   }
@@ -330,12 +338,10 @@ void step_unless(torch::optim::Optimizer& opt, const torch::Tensor& skip, const 
   // torch::optim's other optimizers decide on the host: one read of the flag.
   if (skip.defined() && read_to_host(skip).item<bool>()) return;
   if (grad_scale.defined()) divide_gradients(opt, grad_scale);
-  if (cpu_grad_coef != 1.0) {
-    torch::NoGradGuard no_grad;
-    for (auto& group : opt.param_groups())
-      for (auto& p : group.params())
-        if (p.grad().defined() && !on_gpu(p.grad())) p.grad().mul_(cpu_grad_coef);
-  }
+  if (cpu_grad_coef != 1.0)
+    for_each_gradient(opt, [&](torch::Tensor& g) {
+      if (!on_gpu(g)) g.mul_(cpu_grad_coef);
+    });
   opt.step();
 }
 

@@ -228,8 +228,9 @@ TEST_F(DcpE2E, TorchtitanTensorParallelCheckpointResumes) {
             (Offsets{{0, 0}, {0, 384}}));
   EXPECT_EQ(chunk_offsets(tt, "layers.0.attention.wq.weight"), (Offsets{{0, 0}, {128, 0}}));
   // Two ranks wrote it, one data-parallel replica (torchtitan's dataloader.world_size).
-  EXPECT_EQ(CheckpointReader(tt).meta().world_size, 2);
-  EXPECT_EQ(CheckpointReader(tt).meta().dp(), 1);
+  const ckpt::Metadata saved = CheckpointReader(tt).meta();
+  EXPECT_EQ(saved.world_size, 2);
+  EXPECT_EQ(saved.dp(), 1);
   for (int n : {1, 2}) check_resume(tt, reference_of(tt), n, "tt_tp2");
   check_resume(tt, reference_of(tt), 2, "tt_tp2_on_tp2", "--parallelism.tensor_parallel_degree 2");
 }
@@ -242,8 +243,9 @@ TEST_F(DcpE2E, TorchtitanFsdpTensorParallelCheckpointResumes) {
   EXPECT_EQ(chunk_offsets(tt, "layers.0.attention.wo.weight"), (Offsets{{0, 0}, {0, 128}, {128, 0}, {128, 128}}));
   EXPECT_EQ(chunk_offsets(tt, "optimizer.state.layers.5.feed_forward.w2.weight.exp_avg"),
             (Offsets{{0, 0}, {0, 384}, {128, 0}, {128, 384}}));
-  EXPECT_EQ(CheckpointReader(tt).meta().world_size, 4);
-  EXPECT_EQ(CheckpointReader(tt).meta().dp(), 2);
+  const ckpt::Metadata saved = CheckpointReader(tt).meta();
+  EXPECT_EQ(saved.world_size, 4);
+  EXPECT_EQ(saved.dp(), 2);
   for (int n : {1, 2, 3}) check_resume(tt, reference_of(tt), n, "tt_dp2tp2");
   check_resume(tt, reference_of(tt), 2, "tt_dp2tp2_on_tp2", "--parallelism.tensor_parallel_degree 2");
 }
