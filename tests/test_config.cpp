@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include "config/config_value.h"
 #include "config/errors.h"
@@ -49,9 +51,18 @@ std::string supported_error(const JobConfig& cfg) {
 }
 
 // A file under the test's temporary directory holding `text`.
+// A config file in the test's temp folder, removed when the test program exits.
 std::string write_temp(const std::string& name, const std::string& text) {
+  struct Made {
+    std::vector<std::string> paths;
+    ~Made() {
+      for (const auto& p : paths) std::remove(p.c_str());
+    }
+  };
+  static Made made;
   const std::string path = testing::TempDir() + "ctitan_cfg_" + std::to_string(getpid()) + "_" + name;
   std::ofstream(path) << text;
+  made.paths.push_back(path);
   return path;
 }
 
