@@ -58,6 +58,10 @@ ctitan_log "build took $(( $(date +%s) - start )) s"
 cd "$CTITAN_BUILD_DIR"
 # Tests run nproc at a time, at least two: many of them wait on
 # process start-up, sockets and sleeps, and the whole suite must fit CI's 30 minutes.
+# The free space, for reading a failed run: at peak two tests at a time hold ~1.5 GB of the
+# temp folder's disk (measured: 1.06 GB for the TP checkpoint test alone).
+tmp="${TMPDIR:-/tmp}"
+ctitan_log "free space before the tests: $(df -h --output=avail "$tmp" | tail -1 | tr -d ' ') in $tmp, $(df -h --output=avail "$CTITAN_ROOT" | tail -1 | tr -d ' ') in $CTITAN_ROOT"
 status=0
 ctest --output-on-failure --timeout 900 --parallel "$(( $(nproc) < 2 ? 2 : $(nproc) ))" "$@" || status=$?
 if [[ "$cuda" != 0 ]]; then
