@@ -39,6 +39,7 @@
 #include "datasets/tokenizer.h"
 #include "models/init.h"
 #include "kernels/gemm.h"
+#include "kernels/fused_cuda.h"
 #include "kernels/sdpa_choice.h"
 #include "models/hf_adapter.h"
 #include "models/registry.h"
@@ -75,6 +76,18 @@ gemm::Backend gemm_backend_checked() {
   } catch (const std::runtime_error& e) {
     throw UserError(std::string("environment error: ") + e.what());
   }
+}
+
+// CTITAN_GPU_KERNELS (CUDA build; kernels/fused_cuda.h): neither aten nor ctitan is an
+// environment error, before anything is written, whatever the device.
+void gpu_kernels_checked() {
+#ifdef CTITAN_WITH_CUDA
+  try {
+    own_gpu_kernels();
+  } catch (const std::runtime_error& e) {
+    throw UserError(std::string("environment error: ") + e.what());
+  }
+#endif
 }
 
 // Console + <dump_folder>/logs/rank<r>.log. The file sink is added once the dump folder
@@ -711,6 +724,12 @@ void choose_attention(const Job& j, const ModelArgs& margs) {
   spdlog::info(
       "attention: {} ({}; model.sdpa_backend {}{})", c.name(), c.summary(), key_name(asked),
       asked == SdpaBackend::Auto ? ": the first of cudnn, flash, efficient that takes " + what : ", on " + what);
+#ifdef CTITAN_WITH_CUDA
+  spdlog::info("SwiGLU and cross-entropy: {}",
+               own_gpu_kernels() ? "ctitan's own CUDA kernels (CTITAN_GPU_KERNELS=ctitan; not yet measured against "
+                                   "ATen's on a GPU: bench/gpu_kernel_check)"
+                                 : "ATen's ops (CTITAN_GPU_KERNELS=ctitan: ctitan's own CUDA kernels)");
+#endif
 }
 
 // The model: built without storage, AC applied, then FSDP, which initialises unit by unit.
@@ -909,6 +928,7 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
   const CheckpointOptions checkpoint = checkpoint_options(cfg);  // checkpoint.*'s checks and translation
   check_validation_config(cfg);
   const gemm::Backend matmuls = gemm_backend_checked();
+  gpu_kernels_checked();
   build_model_args_check(cfg);
   if (cfg.job.validate_only) return validate_only(cfg, checkpoint, out);
   // Before any thread exists: SIGTERM / SIGINT / SIGUSR1 become a stop request.

@@ -1,5 +1,6 @@
 #include "kernels/fused_ops.h"
 #include "kernels/device_route.h"
+#include "kernels/fused_cuda.h"
 #include "kernels/kernel_math.h"
 
 #include <ATen/Dispatch.h>
@@ -395,7 +396,13 @@ torch::Tensor rotary_emb_aten(const torch::Tensor& x, const torch::Tensor& freqs
 torch::Tensor fused_swiglu(const torch::Tensor& a, const torch::Tensor& b) {
   TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(), "[models] fused_swiglu: a ", a.sizes(),
               " and b ", b.sizes(), " differ in shape or dtype");
-  if (on_gpu(a)) return at::silu(a) * b;
+  if (on_gpu(a)) {
+#ifdef CTITAN_WITH_CUDA
+    if (own_gpu_kernels() && (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16))
+      return swiglu_cuda(a, b);
+#endif
+    return at::silu(a) * b;
+  }
   return SwiGLUFn::apply(a, b);
 }
 
@@ -403,7 +410,13 @@ torch::Tensor fused_cross_entropy(const torch::Tensor& logits, const torch::Tens
   TORCH_CHECK(logits.dim() == 2 && labels.dim() == 1 && labels.size(0) == logits.size(0),
               "[models] cross-entropy expects logits [N, V] and labels [N], got ", logits.sizes(), " and ",
               labels.sizes());
-  if (on_gpu(logits)) return chunked_cross_entropy(logits, labels, scale);
+  if (on_gpu(logits)) {
+#ifdef CTITAN_WITH_CUDA
+    if (own_gpu_kernels() && (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16))
+      return cross_entropy_cuda(logits, labels, scale);
+#endif
+    return chunked_cross_entropy(logits, labels, scale);
+  }
   return CrossEntropyFn::apply(logits, labels, scale);
 }
 

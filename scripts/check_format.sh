@@ -10,10 +10,10 @@ if ! command -v clang-format >/dev/null; then
   exit 1
 fi
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
-  mapfile -t files < <(git ls-files --cached --others --exclude-standard '*.cpp' '*.h')
+  mapfile -t files < <(git ls-files --cached --others --exclude-standard '*.cpp' '*.h' '*.cu')
 else
   mapfile -t files < <(find . -path ./build -prune -o -path './build-*' -prune -o -path ./.venv -prune -o \
-    \( -name '*.cpp' -o -name '*.h' \) -print | sort)
+    \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' \) -print | sort)
 fi
 if [[ "${1:-}" == "--fix" ]]; then
   clang-format -i --style=file "${files[@]}"

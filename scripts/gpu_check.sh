@@ -34,11 +34,16 @@
 #       with CTITAN_SYNC_CHECK=1 (CUDA's sync debug mode as errors in steps 2-5 and 7-11, which
 #       log and save nothing: a synchronising operation fails the run, naming it) and
 #       CTITAN_TRACE_HOST_READS (those steps read nothing back);
+#   (g) ctitan's own CUDA kernels (kernels/fused_cuda.h: SwiGLU, the cross-entropy):
+#       build-gpu/gpu_kernel_check checks each against ATen's route (forward and backward,
+#       float32 and bf16, odd and misaligned shapes, the 150M and 8B shapes) and times both;
+#       then the debug model with CTITAN_GPU_KERNELS=ctitan, 20 steps: float32 within 1e-4
+#       relative of (a)'s GPU run, and with the start-up line saying the kernels ran;
 # Each part prints PASS or FAIL with its numbers, a failed run one line naming the part, the
 # run and its last log line; the last line sums up. The runs' folders and logs go to
-# outputs/gpu_check/ (git-ignored). Exit 0 only when (a)-(c), (e) and (f) pass and (d) ran.
+# outputs/gpu_check/ (git-ignored). Exit 0 only when (a)-(c), (e)-(g) pass and (d) ran.
 #   scripts/gpu_check.sh --prepare                # step 1, on the CPU machine
-#   scripts/gpu_check.sh                          # everything (parts a b c e f d)
+#   scripts/gpu_check.sh                          # everything (parts a b c e f g d)
 #   CTITAN_GPU_PARTS="a b" scripts/gpu_check.sh   # some parts
 #   CTITAN_GPU_CONFIGURE_ONLY=1 scripts/gpu_check.sh  # configure the build and stop (no GPU needed)
 set -uo pipefail
@@ -48,7 +53,7 @@ PY="${PYTHON:-python3}"
 DEPS="${CTITAN_BUILD_DEPS:-$ROOT/build-deps}"
 BUILD="${CTITAN_GPU_BUILD_DIR:-$ROOT/build-gpu}"
 OUT="${CTITAN_GPU_OUT:-$ROOT/outputs/gpu_check}"
-PARTS="${CTITAN_GPU_PARTS:-a b c e f d}"
+PARTS="${CTITAN_GPU_PARTS:-a b c e f g d}"
 log() { echo "[gpu_check] $*" >&2; }
 die() { log "$*"; exit 1; }
 
@@ -97,7 +102,7 @@ if [[ ! -f "$BUILD/CMakeCache.txt" ]]; then
     die "configure failed"
 fi
 [[ -z "${CTITAN_GPU_CONFIGURE_ONLY:-}" ]] || exit 0
-cmake --build "$BUILD" -j"$(nproc)" --target train checkpoint_tool test_gpu_plan || die "build failed"
+cmake --build "$BUILD" -j"$(nproc)" --target train checkpoint_tool test_gpu_plan gpu_kernel_check || die "build failed"
 TRAIN="$BUILD/train"
 "$BUILD/test_gpu_plan" --gtest_brief=1 || die "test_gpu_plan failed on the GPU machine"
 
@@ -260,6 +265,24 @@ if part f; then
       status=1
     fi
   done
+fi
+
+if part g; then
+  log "(g) ctitan's own CUDA kernels against ATen's route: checked and timed, then 20 training steps with them"
+  "$BUILD/gpu_kernel_check" >"$OUT/g_kernels.log" 2>&1
+  rc=$?
+  cat "$OUT/g_kernels.log"
+  ((rc == 0)) || fail_line "(g) FAIL: gpu_kernel_check exited $rc: $(tail -1 "$OUT/g_kernels.log")"
+  if run g_f32 CTITAN_GPU_KERNELS=ctitan -- --training.steps 20; then
+    if ! grep -q "SwiGLU and cross-entropy: ctitan's own CUDA kernels" "$OUT/g_f32.log"; then
+      fail_line "(g) FAIL: g_f32 did not say it ran ctitan's kernels: $(grep -m1 'SwiGLU and cross-entropy' "$OUT/g_f32.log")"
+    elif [[ -s "$OUT/a_gpu.losses" ]]; then
+      losses "$OUT/g_f32/metrics.jsonl" >"$OUT/g_f32.losses"
+      report "(g) float32, ctitan's kernels vs ATen's (a)" "$OUT/g_f32.losses" "$OUT/a_gpu.losses" 1e-4 || status=1
+    fi
+  else
+    status=1
+  fi
 fi
 
 if part d; then

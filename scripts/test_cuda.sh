@@ -6,7 +6,8 @@
 #      LibTorch is what this build links), so that "compiles in CI" means "compiles there";
 #      CTITAN_TORCH_CUDA_VERSION picks another (scripts/check_libtorch_range.sh builds newer ones);
 #   2. build-cuda/ configured with -DCTITAN_WITH_CUDA=ON (cmake/torch_cuda.cmake: C++20, the
-#      *_cuda.cpp files, libtorch_cuda + libc10_cuda + NCCL) and built like the CPU build; configured
+#      *_cuda.cpp files, libtorch_cuda + libc10_cuda + NCCL; cmake/cuda_kernels.cmake: ctitan's
+#      own kernels/*_cuda.cu through the venv's nvcc) and built like the CPU build; configured
 #      again when the venv's torch is another than the one it was configured with;
 #   3. the log lines that show it: LibTorch's CUDA version, NCCL's, what `train` links;
 #   4. tests run with the CUDA-built binaries, which must behave as the CPU build's without a
@@ -28,19 +29,22 @@ TORCH_CUDA_VERSION="${CTITAN_TORCH_CUDA_VERSION:-2.11.0}"
 CUDA_TESTS='^((DeviceChoice|FsdpStreamPlan|PinnedStaging|NcclGroups|CudaBuild)\.|TrainE2E\.(TwentyStepsLossFalls|SameSeedGivesBitwiseEqualLosses|BadConfigExitsTwoWithOneLineAndWritesNothing|TwoRanksThroughTheLauncher|StopSignalSavesAndTheRerunResumesExactly)$)'
 
 
-# Step 1: the venv, (re)installed when its torch is not $TORCH_CUDA_VERSION with CUDA or the two
-# header wheels are missing. nvidia-cuda-crt and nvidia-cuda-cccl: crt/host_config.h and
+# Step 1: the venv, (re)installed when its torch is not $TORCH_CUDA_VERSION with CUDA or a
+# toolkit wheel is missing. nvidia-cuda-crt and nvidia-cuda-cccl: crt/host_config.h and
 # nv/target, which cuda_runtime.h and cuda_fp16.h include and PyTorch's wheel does not bring
-# (cmake/torch_cuda.cmake); the versions of the CUDA 13.0 toolkit (13.0.2) that torch 2.11.0's
+# (cmake/torch_cuda.cmake); nvidia-cuda-nvcc with its nvidia-nvvm (cicc): the nvcc that compiles
+# ctitan's own CUDA kernels (cmake/cuda_kernels.cmake; nvvm pinned, as the nvcc wheel alone
+# would take the newest); the versions of the CUDA 13.0 toolkit (13.0.2) that torch 2.11.0's
 # wheel depends on (its nvidia-cuda-nvrtc is 13.0.88, its nvidia-cuda-cupti 13.0.85).
 ensure_cuda_venv() {
   local crt="${CTITAN_CUDA_CRT_VERSION:-13.0.88}" cccl="${CTITAN_CUDA_CCCL_VERSION:-13.0.85}"
+  local nvcc="${CTITAN_CUDA_NVCC_VERSION:-13.0.88}"
   if ! "$CUDA_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_CUDA_VERSION' or not torch.version.cuda)" 2>/dev/null ||
-     ! "$CUDA_VENV/bin/python" -m pip show -q nvidia-cuda-crt nvidia-cuda-cccl >/dev/null 2>&1; then
-    ctitan_log "installing PyTorch $TORCH_CUDA_VERSION (CUDA), nvidia-cuda-crt, nvidia-cuda-cccl into $CUDA_VENV"
+     ! "$CUDA_VENV/bin/python" -m pip show -q nvidia-cuda-crt nvidia-cuda-cccl nvidia-cuda-nvcc nvidia-nvvm >/dev/null 2>&1; then
+    ctitan_log "installing PyTorch $TORCH_CUDA_VERSION (CUDA), nvidia-cuda-crt, nvidia-cuda-cccl, nvidia-cuda-nvcc, nvidia-nvvm into $CUDA_VENV"
     [[ -x "$CUDA_VENV/bin/python" ]] || python3 -m venv "$CUDA_VENV"
     "$CUDA_VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_CUDA_VERSION" \
-      "nvidia-cuda-crt==$crt" "nvidia-cuda-cccl==$cccl"
+      "nvidia-cuda-crt==$crt" "nvidia-cuda-cccl==$cccl" "nvidia-cuda-nvcc==$nvcc" "nvidia-nvvm==$nvcc"
   fi
 }
 build_only=0
@@ -74,9 +78,10 @@ if [[ "$(sed -n 's/^CTITAN_TORCH_ROOT:[A-Z]*=//p' "$CUDA_BUILD/CMakeCache.txt" 2
   cmake -S "$CTITAN_ROOT" -B "$CUDA_BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCTITAN_WITH_CUDA=ON \
     -DCTITAN_TORCH_ROOT="$TORCH_ROOT" | grep -E "^-- ctitan" >&2
 fi
-# Every library and executable, and the two test programs run below (each further test program
-# is another LibTorch translation unit of ~40 s here; the benchmarks are not built either).
-targets=(train checkpoint_tool generate tokenize test_gpu_plan test_train)
+# Every library and executable, the two test programs run below (each further test program is
+# another LibTorch translation unit of ~40 s here; the CPU benchmarks are not built either) and
+# gpu_kernel_check (ctitan's CUDA kernels against ATen: runs on a GPU, scripts/gpu_check.sh (g)).
+targets=(train checkpoint_tool generate tokenize test_gpu_plan test_train gpu_kernel_check)
 cmake --build "$CUDA_BUILD" -j"$(nproc)" --target "${targets[@]}"
 t2=$(date +%s)
 if ((build_only)); then
@@ -86,6 +91,13 @@ fi
 
 # What the binary links: libtorch_cuda (the CUDA kernels, ProcessGroupNCCL), libc10_cuda, NCCL.
 ctitan_log "build-cuda/train links: $(ldd "$CUDA_BUILD/train" | grep -oE 'lib(torch_cuda|c10_cuda|nccl|cudart)[^ ]*' | sort -u | tr '\n' ' ')"
+# ctitan's own CUDA kernels are in it: nvcc's fat binary section.
+fatbin="$(size -A "$CUDA_BUILD/train" | awk '$1 == ".nv_fatbin" {print $2}')"
+if [[ -z "$fatbin" ]]; then
+  ctitan_log "build-cuda/train has no .nv_fatbin section: ctitan's CUDA kernels (kernels/*_cuda.cu) were not linked"
+  exit 1
+fi
+ctitan_log "build-cuda/train carries ctitan's CUDA kernels (.nv_fatbin: $fatbin bytes)"
 
 cd "$CUDA_BUILD"
 if (($#)); then

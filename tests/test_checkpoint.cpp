@@ -221,7 +221,7 @@ TEST(CheckpointFormat, MetadataRoundTripsAndRejectsDamage) {
   e.rule = ckpt::Rule::Sharded;
   e.dtype = "float32";
   e.shape = {5, 2};
-  e.chunks = {{"rank0.bin", 0, 24, 0, 3, 1}, {"rank1.bin", 0, 16, 3, 5, 2}};
+  e.chunks = {{"rank0.bin", 0, 24, 0, 3, 1, {}, {}, {}}, {"rank1.bin", 0, 16, 3, 5, 2, {}, {}, {}}};
   m.entries["w"] = e;
   const std::string text = m.to_text();
   const auto back = ckpt::Metadata::parse(text, "t");

@@ -19,8 +19,10 @@
 #include "parallelisms/launch_env.h"
 
 #ifdef CTITAN_WITH_CUDA
+#include <cuda_runtime_api.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
+#include "kernels/fused_cuda.h"
 #include "parallelisms/nccl.h"
 #endif
 
@@ -438,6 +440,23 @@ TEST(CudaBuild, NcclGroupOfOneRankOrOneLineWithoutGpu) {
     auto g = make_nccl_group(store, 0, 1, std::chrono::seconds(10));
     ASSERT_TRUE(g);
     EXPECT_EQ(g->getBackendName(), "nccl");
+  }
+}
+
+// ctitan's own CUDA kernels (kernels/fused_cuda.h) are linked and answer: without a GPU a launch
+// returns CUDA's error instead of crashing (nothing is launched for no elements); with one,
+// SwiGLU equals ATen's silu(a) · b bit for bit. ATen's route is the default.
+TEST(CudaBuild, OwnKernelsAreLinkedAndAnswer) {
+  EXPECT_FALSE(own_gpu_kernels()) << "CTITAN_GPU_KERNELS unset: ATen's route";
+  EXPECT_EQ(gpu::swiglu_forward(gpu::Elem::BFloat16, nullptr, nullptr, nullptr, 0, nullptr), 0);
+  if (torch::cuda::device_count() == 0) {
+    const int rc = gpu::swiglu_forward(gpu::Elem::Float32, nullptr, nullptr, nullptr, 1000, nullptr);
+    EXPECT_NE(rc, 0) << "a kernel launched without a GPU";
+    EXPECT_FALSE(std::string(cudaGetErrorString(static_cast<cudaError_t>(rc))).empty());
+  } else {
+    const auto opts = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+    const auto a = torch::randn({37, 91}, opts), b = torch::randn({37, 91}, opts);
+    EXPECT_TRUE(torch::equal(swiglu_cuda(a, b), torch::silu(a) * b));
   }
 }
 #endif

@@ -577,6 +577,15 @@ TEST_F(TrainE2E, BadConfigExitsTwoWithOneLineAndWritesNothing) {
     EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << c.extra << ": " << r.out;
     EXPECT_FALSE(fs::exists(dump)) << c.extra;
   }
+#ifdef CTITAN_WITH_CUDA
+  {  // the CUDA build's kernel choice (kernels/fused_cuda.h), checked before anything is written
+    const std::string dump = (root_ / "bad").string();
+    auto r = sh("CTITAN_GPU_KERNELS=triton " + kTrain + args(dump, 5));
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_EQ(r.out, "environment error: CTITAN_GPU_KERNELS=triton is not one of: aten, ctitan\n");
+    EXPECT_FALSE(fs::exists(dump));
+  }
+#endif
   auto missing = sh(kTrain + " --job.config_file /nonexistent/x.toml");
   EXPECT_EQ(missing.code, 2);
   EXPECT_NE(missing.out.find("/nonexistent/x.toml"), std::string::npos) << missing.out;

@@ -16,6 +16,7 @@ RuntimeEnv read_env() {
   e.data_dir = var("CTITAN_DATA_DIR");
   e.spm_shim = var("CTITAN_SPM_SHIM");
   e.gemm = var("CTITAN_GEMM");
+  e.gpu_kernels = var("CTITAN_GPU_KERNELS");
   e.cpu_allocator = var("CTITAN_CPU_ALLOCATOR");
   if (const char* v = std::getenv("CTITAN_CPU_CACHE_MAX_MIB")) e.cpu_cache_max_mib = std::atoll(v);
   e.omp_num_threads = var("OMP_NUM_THREADS");

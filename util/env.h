@@ -25,6 +25,7 @@ struct RuntimeEnv {
   std::string data_dir;                      // CTITAN_DATA_DIR: root of the corpora fetched by scripts/fetch_data.sh
   std::string spm_shim;                      // CTITAN_SPM_SHIM: path of libctitan_spm_shim.so
   std::string gemm;                          // CTITAN_GEMM: aten | mkl | onednn (kernels/gemm.h)
+  std::string gpu_kernels;                   // CTITAN_GPU_KERNELS: aten | ctitan (kernels/fused_cuda.h)
   std::string cpu_allocator;                 // CTITAN_CPU_ALLOCATOR: "system" turns the caching allocator off
   std::optional<int64_t> cpu_cache_max_mib;  // CTITAN_CPU_CACHE_MAX_MIB: its cache's cap
   std::string omp_num_threads;               // OMP_NUM_THREADS

@@ -1,0 +1,51 @@
+// ctitan's own CUDA kernels for the GPU routes of fused_swiglu and fused_cross_entropy
+// (issue 33's fusion): one pass forward and one backward each, where ATen's route takes
+// 2 + 4 kernels (SwiGLU) or a float32 cast, log_softmax, gather and sum per chunk and a
+// softmax, scatter and multiply per chunk backward (the cross-entropy).
+//
+// Compiled into the CUDA build only (kernels/fused_kernels_cuda.cu by nvcc, the torch side in
+// fused_ops_cuda.cpp); chosen with CTITAN_GPU_KERNELS=ctitan. ATen's route stays the default
+// until the two are measured against each other on a GPU: bench/gpu_kernel_check (part (g) of
+// scripts/gpu_check.sh) checks each kernel against ATen and times both.
+//
+// Numerics: as the CPU kernels of fused_ops.h. SwiGLU rounds silu(a) to the input dtype before
+// the product, and its backward rounds where autograd's mul and silu backward round, so it
+// matches at::silu(a) * b. The cross-entropy works in float32 from the logits' own dtype
+// (online max and sum of exp per row), sums the rows in float64, and writes the gradient
+// (softmax − one-hot) · upstream · scale straight in the logits' dtype.
+#pragma once
+#include <cstdint>
+
+namespace ctitan::gpu {
+
+// Element type of a kernel's operands.
+enum class Elem { Float32, BFloat16 };
+
+// The launchers: raw device pointers, `stream` a cudaStream_t. Each returns the launch's
+// cudaError_t as an int (0: launched).
+int swiglu_forward(Elem t, const void* a, const void* b, void* y, int64_t n, void* stream);
+int swiglu_backward(Elem t, const void* a, const void* b, const void* dy, void* da, void* db, int64_t n, void* stream);
+// Per row of logits [rows, V]: lse[r] = logsumexp(x_r), row_loss[r] = lse[r] − x_r[label_r]
+// (NaN for a label outside [0, V): no host check, which would synchronise).
+int cross_entropy_forward(Elem t, const void* logits, const int64_t* labels, int64_t rows, int64_t V, float* lse,
+                          float* row_loss, void* stream);
+// dx[r, j] = (exp(x[r, j] − lse[r]) − [j == label_r]) · coef[0], in the logits' dtype; coef is
+// a device float (the upstream gradient times the scale), read by the kernel.
+int cross_entropy_backward(Elem t, const void* logits, const int64_t* labels, const float* lse, const float* coef,
+                           int64_t rows, int64_t V, void* dx, void* stream);
+
+}  // namespace ctitan::gpu
+
+#ifdef CTITAN_WITH_CUDA
+#include <ATen/core/Tensor.h>
+
+namespace ctitan {
+
+// CTITAN_GPU_KERNELS=ctitan: the GPU routes run the kernels above (read once per process).
+bool own_gpu_kernels();
+// The autograd functions over them (tensors on one CUDA device, float32 or bfloat16).
+at::Tensor swiglu_cuda(const at::Tensor& a, const at::Tensor& b);
+at::Tensor cross_entropy_cuda(const at::Tensor& logits, const at::Tensor& labels, double scale);
+
+}  // namespace ctitan
+#endif

@@ -1,0 +1,113 @@
+// CUDA build only: the autograd functions over ctitan's own CUDA kernels (kernels/fused_cuda.h).
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/torch.h>
+#include <ATen/record_function.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+
+#include <stdexcept>
+
+#include "kernels/fused_cuda.h"
+#include "util/env.h"
+
+namespace ctitan {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+gpu::Elem elem_of(const at::Tensor& t) {
+  TORCH_CHECK(t.is_cuda() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
+              "[kernels] ctitan's CUDA kernels take float32 or bfloat16 tensors on a GPU, got ", t.scalar_type(),
+              " on ", t.device());
+  return t.scalar_type() == at::kBFloat16 ? gpu::Elem::BFloat16 : gpu::Elem::Float32;
+}
+
+// The current stream of t's device: the kernels queue where ATen's ops would.
+void* stream_of(const at::Tensor& t) { return at::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+
+void launched(int rc, const char* what) {
+  TORCH_CHECK(rc == 0, "[kernels] ", what,
+              ": CUDA kernel launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(rc)));
+}
+
+class SwiGLUCudaFn : public torch::autograd::Function<SwiGLUCudaFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a_in, const at::Tensor& b_in) {
+    RECORD_FUNCTION("ctitan::swiglu_forward_cuda", std::vector<c10::IValue>());
+    const c10::cuda::CUDAGuard device_guard(a_in.device());
+    const auto a = a_in.contiguous(), b = b_in.contiguous();
+    auto y = at::empty_like(a);
+    launched(gpu::swiglu_forward(elem_of(a), a.data_ptr(), b.data_ptr(), y.data_ptr(), a.numel(), stream_of(a)),
+             "swiglu forward");
+    ctx->save_for_backward({a, b});
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    RECORD_FUNCTION("ctitan::swiglu_backward_cuda", std::vector<c10::IValue>());
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &a = saved[0], &b = saved[1];
+    const c10::cuda::CUDAGuard device_guard(a.device());
+    const auto dy = grads[0].to(a.scalar_type()).contiguous();
+    auto da = at::empty_like(a), db = at::empty_like(b);
+    launched(gpu::swiglu_backward(elem_of(a), a.data_ptr(), b.data_ptr(), dy.data_ptr(), da.data_ptr(), db.data_ptr(),
+                                  a.numel(), stream_of(a)),
+             "swiglu backward");
+    return {da, db};
+  }
+};
+
+// The loss: Σ rows (lse − x[label]) in float64 on the device, times scale, as float32. The
+// backward reads the upstream gradient on the device (no host read).
+class CrossEntropyCudaFn : public torch::autograd::Function<CrossEntropyCudaFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits_in, const at::Tensor& labels_in,
+                            double scale) {
+    RECORD_FUNCTION("ctitan::cross_entropy_forward_cuda", std::vector<c10::IValue>());
+    const c10::cuda::CUDAGuard device_guard(logits_in.device());
+    const auto logits = logits_in.contiguous();
+    const auto labels = labels_in.to(logits.device(), at::kLong).contiguous();
+    const int64_t N = logits.size(0), V = logits.size(1);
+    const auto f32 = logits.options().dtype(at::kFloat);
+    auto lse = at::empty({N}, f32), row_loss = at::empty({N}, f32);
+    launched(gpu::cross_entropy_forward(elem_of(logits), logits.data_ptr(), labels.data_ptr<int64_t>(), N, V,
+                                        lse.data_ptr<float>(), row_loss.data_ptr<float>(), stream_of(logits)),
+             "cross-entropy forward");
+    ctx->save_for_backward({logits, labels, lse});
+    ctx->saved_data["scale"] = scale;
+    return (row_loss.sum(at::kDouble) * scale).to(at::kFloat);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    RECORD_FUNCTION("ctitan::cross_entropy_backward_cuda", std::vector<c10::IValue>());
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &logits = saved[0], &labels = saved[1], &lse = saved[2];
+    const c10::cuda::CUDAGuard device_guard(logits.device());
+    const auto coef = (grads[0].to(logits.device(), at::kFloat) * ctx->saved_data["scale"].toDouble()).contiguous();
+    auto dx = at::empty_like(logits);
+    launched(gpu::cross_entropy_backward(elem_of(logits), logits.data_ptr(), labels.data_ptr<int64_t>(),
+                                         lse.data_ptr<float>(), coef.data_ptr<float>(), logits.size(0), logits.size(1),
+                                         dx.data_ptr(), stream_of(logits)),
+             "cross-entropy backward");
+    return {dx, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+bool own_gpu_kernels() {
+  static const bool on = [] {
+    const std::string& want = runtime_env().gpu_kernels;
+    if (!want.empty() && want != "aten" && want != "ctitan")
+      throw std::runtime_error("CTITAN_GPU_KERNELS=" + want + " is not one of: aten, ctitan");
+    return want == "ctitan";
+  }();
+  return on;
+}
+
+at::Tensor swiglu_cuda(const at::Tensor& a, const at::Tensor& b) { return SwiGLUCudaFn::apply(a, b); }
+
+at::Tensor cross_entropy_cuda(const at::Tensor& logits, const at::Tensor& labels, double scale) {
+  return CrossEntropyCudaFn::apply(logits, labels, scale);
+}
+
+}  // namespace ctitan
