@@ -9,9 +9,9 @@
 //     the last place of the dtype (the formulas are ATen's; the line says whether all are
 //     bitwise equal);
 //   the cross-entropy against a float64 reference written here (logsumexp, softmax, one-hot):
-//     the loss within 1e-5 relative, each gradient element within 2^-8 relative (bf16: its
-//     rounding) or 1e-5 (float32) of it; ATen's route (chunked_cross_entropy) is measured the
-//     same way and printed beside it.
+//     the loss within 1e-5 relative, each gradient element within 3e-5 relative of it (float32
+//     sums), plus 2^-8 in bf16 (its rounding); ATen's route (chunked_cross_entropy) is measured
+//     the same way and printed beside it.
 // Timings: forward + backward (torch::autograd::grad, nothing accumulated), CUDA events, median
 // of 20 after 3 warm-ups, each route in turn; ratio = ATen's time / ctitan's.
 #include <ATen/cuda/CUDAContext.h>
@@ -139,7 +139,9 @@ void check_cross_entropy(int64_t rows, int64_t V, at::ScalarType t) {
   loss_ref *= scale;
   const double l_mine = std::abs(mine.loss.item<double>() - loss_ref) / std::abs(loss_ref);
   const double l_aten = std::abs(aten.loss.item<double>() - loss_ref) / std::abs(loss_ref);
-  const double grad_bound = t == at::kBFloat16 ? 1.0 / 256 : 1e-5;
+  // float32: each thread sums up to ~250 exps of a row in float32 (and log-sum-exp ~25 has a
+  // float32 ulp of 2e-6); bf16: its rounding (2^-8 relative at most) on top of that.
+  const double grad_bound = (t == at::kBFloat16 ? 1.0 / 256 : 0) + 3e-5;
   char buf[320];
   std::snprintf(buf, sizeof buf,
                 "loss rel. error %.2e (ATen's route %.2e; bound 1e-5), gradient max rel. error %.2e (ATen's route "
