@@ -9,8 +9,9 @@
 #      tokenizers data/tokenizers/moby_dick_{2048,8192}.model (Debian's spm_train);
 #   2. on the GPU machine, with build-deps/ and data/ copied along (the device tool: carry
 #      ["build-deps", "data"]):                   scripts/gpu_check.sh
-# The GPU machine needs only PyTorch with CUDA on the `python3` on PATH (the device image:
-# PyTorch 2.11 + CUDA 13, CMake, ninja, g++; no Debian packages, no network).
+# The GPU machine needs only PyTorch with CUDA on the `python3` on PATH and nvcc (for
+# kernels/*_cuda.cu: on PATH, in CUDA_HOME or /usr/local/cuda; the device image: PyTorch 2.11 +
+# CUDA 13 with nvcc 13.0, CMake, ninja, g++; no Debian packages, no network).
 #
 # It builds ctitan against that PyTorch (build-gpu/) and checks on cuda:0:
 #   (a) 20 steps of the debug model in float32, GPU against CPU (the same binary with
