@@ -13,8 +13,9 @@
 #   CTITAN_BENCH_SHAPES="8B_8L 150M" ...                   # some shapes
 #   CTITAN_BENCH_COMPILE=0 ...                             # no torch.compile column
 #   CTITAN_BENCH_VARIANTS="sdpa_flash sdpa_cudnn" ...     # more ctitan rows per shape, each with
-#       one setting changed (sdpa_<backend>: model.sdpa_backend <backend>), against the same
-#       eager and compile numbers
+#       one setting changed (sdpa_<backend>: model.sdpa_backend <backend>; own_kernels:
+#       CTITAN_GPU_KERNELS=ctitan, ctitan's own SwiGLU and cross-entropy kernels), against the
+#       same eager and compile numbers
 # ctitan runs 12 steps: tokens/s and memory are the log line of step 10 (steps 6-10); step 12 is
 # recorded by the profiler, and its summary (scripts/profile_summary.py: the ops, and on a GPU
 # the kernels and how busy the GPU was) goes to OUT_DIR/<shape>.profile.txt.
@@ -61,14 +62,16 @@ for shape in $SHAPES; do
   [[ $DEVICE == cpu ]] && envs=(CUDA_VISIBLE_DEVICES=)
   for variant in ctitan $VARIANTS; do
     extra=()
+    run_env=("${envs[@]}")
     case $variant in
       ctitan) ;;
       sdpa_*) extra=(--model.sdpa_backend "${variant#sdpa_}") ;;
+      own_kernels) run_env+=(CTITAN_GPU_KERNELS=ctitan) ;;
       *) log "unknown variant $variant"; exit 2 ;;
     esac
     log "$shape: $variant ($flavor, seq $seq, batch $batch)"
     rm -rf "${OUT:?}/$shape.$variant"
-    env "${envs[@]}" "$TRAIN" --job.config_file train_configs/debug_model.toml --model.flavor "$flavor" \
+    env "${run_env[@]}" "$TRAIN" --job.config_file train_configs/debug_model.toml --model.flavor "$flavor" \
       --model.tokenizer_path "$tok" --training.local_batch_size "$batch" --training.seq_len "$seq" \
       --training.steps 12 --metrics.log_freq 5 --debug.seed 42 --metrics.enable_tensorboard false \
       --activation_checkpoint.mode none --training.mixed_precision_param bfloat16 \
@@ -150,7 +153,9 @@ for row in sys.argv[3:]:
             (r.get("peak_gpu_reserved_gib", r.get("peak_rss_gib")) if r else None) for r in (e, k)]
         ratio = lambda x, y: f"{x / y:.2f}×" if x and y else "—"
         label = f"{shape}, seq {seq}, batch {batch}"
-        if variant != "ctitan":
+        if variant == "own_kernels":
+            label += " — ctitan with CTITAN_GPU_KERNELS=ctitan"
+        elif variant != "ctitan":
             label += f" — ctitan with model.sdpa_backend {variant[len('sdpa_'):]}"
         print(f"| {label} | {cell(tps[0], '{:,.0f}')} | {cell(tps[1], '{:,.0f}')} "
               f"| {ratio(tps[0], tps[1])} | {cell(tps[2], '{:,.0f}')} | {ratio(tps[0], tps[2])} "

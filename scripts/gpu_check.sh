@@ -39,7 +39,8 @@
 #       build-gpu/gpu_kernel_check checks each against ATen's route (forward and backward,
 #       float32 and bf16, odd and misaligned shapes, the 150M and 8B shapes) and times both;
 #       then the debug model with CTITAN_GPU_KERNELS=ctitan, 20 steps: float32 within 1e-4
-#       relative of (a)'s GPU run, and with the start-up line saying the kernels ran;
+#       relative of (a)'s GPU run (the start-up line saying the kernels ran), bf16 within 1e-2
+#       of (e)'s AC-none run;
 # Each part prints PASS or FAIL with its numbers, a failed run one line naming the part, the
 # run and its last log line; the last line sums up. The runs' folders and logs go to
 # outputs/gpu_check/ (git-ignored). Exit 0 only when (a)-(c), (e)-(g) pass and (d) ran.
@@ -280,6 +281,17 @@ if part g; then
     elif [[ -s "$OUT/a_gpu.losses" ]]; then
       losses "$OUT/g_f32/metrics.jsonl" >"$OUT/g_f32.losses"
       report "(g) float32, ctitan's kernels vs ATen's (a)" "$OUT/g_f32.losses" "$OUT/a_gpu.losses" 1e-4 || status=1
+    fi
+  else
+    status=1
+  fi
+  # bf16, as (e)'s AC-none run: the precision the kernels are for.
+  # shellcheck disable=SC2046
+  if run g_bf16 CTITAN_GPU_KERNELS=ctitan -- --training.steps 20 --debug.deterministic true \
+    --training.mixed_precision_param bfloat16 $(ac_args none); then
+    if [[ -s "$OUT/e_none.losses" ]]; then
+      losses "$OUT/g_bf16/metrics.jsonl" >"$OUT/g_bf16.losses"
+      report "(g) bf16, ctitan's kernels vs ATen's (e, AC none)" "$OUT/g_bf16.losses" "$OUT/e_none.losses" 1e-2 || status=1
     fi
   else
     status=1

@@ -692,8 +692,13 @@ TEST_F(TrainE2E, StepsReadResultsBackOnlyWhenTheHostNeedsThem) {
 TEST_F(TrainE2E, GpuBenchTableOnTheCpu) {
   const std::string out = (root_ / "gpu_bench").string();
   auto r = sh("TRAIN=" + kTrain + " CTITAN_BENCH_DEVICE=cpu CTITAN_BENCH_SHAPES=tiny CTITAN_BENCH_COMPILE=0 " +
-              "CTITAN_PEAK_TFLOPS=0.001 " + kSrc + "/bench/gpu_bench.sh " + out + " 2>/dev/null");
+              "CTITAN_BENCH_VARIANTS=own_kernels CTITAN_PEAK_TFLOPS=0.001 " + kSrc + "/bench/gpu_bench.sh " + out +
+              " 2>/dev/null");
   ASSERT_EQ(r.code, 0) << r.out;
+  // The variant's row (on the CPU the setting changes nothing; the row and its run are checked).
+  EXPECT_TRUE(std::regex_search(
+      r.out, std::regex("\\| tiny, seq 64, batch 2 — ctitan with CTITAN_GPU_KERNELS=ctitan \\| [0-9,]+ \\|")))
+      << r.out;
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.out, m,
                                 std::regex("\\| tiny, seq 64, batch 2 \\| ([0-9,]+) \\| ([0-9,]+) \\| ([0-9.]+)× \\| — "
