@@ -68,26 +68,16 @@ using Clock = std::chrono::steady_clock;
 namespace ctitan {
 namespace {
 
-// The matmul backend (kernels/gemm.h); a bad CTITAN_GEMM is bad input, reported before any
-// output is written.
-gemm::Backend gemm_backend_checked() {
+// f(), where f reads a kernel choice from the environment (CTITAN_GEMM: kernels/gemm.h;
+// CTITAN_GPU_KERNELS, CUDA build: kernels/fused_cuda.h): a bad value is bad input, reported
+// before any output is written, whatever the device.
+template <class F>
+auto environment_checked(F f) {
   try {
-    return gemm::backend();
+    return f();
   } catch (const std::runtime_error& e) {
     throw UserError(std::string("environment error: ") + e.what());
   }
-}
-
-// CTITAN_GPU_KERNELS (CUDA build; kernels/fused_cuda.h): neither aten nor ctitan is an
-// environment error, before anything is written, whatever the device.
-void gpu_kernels_checked() {
-#ifdef CTITAN_WITH_CUDA
-  try {
-    own_gpu_kernels();
-  } catch (const std::runtime_error& e) {
-    throw UserError(std::string("environment error: ") + e.what());
-  }
-#endif
 }
 
 // Console + <dump_folder>/logs/rank<r>.log. The file sink is added once the dump folder
@@ -927,8 +917,10 @@ int run(const std::vector<std::string>& argv, std::ostream& out, RunProgress& at
   check_supported(cfg);
   const CheckpointOptions checkpoint = checkpoint_options(cfg);  // checkpoint.*'s checks and translation
   check_validation_config(cfg);
-  const gemm::Backend matmuls = gemm_backend_checked();
-  gpu_kernels_checked();
+  const gemm::Backend matmuls = environment_checked([] { return gemm::backend(); });
+#ifdef CTITAN_WITH_CUDA
+  environment_checked([] { return own_gpu_kernels(); });
+#endif
   build_model_args_check(cfg);
   if (cfg.job.validate_only) return validate_only(cfg, checkpoint, out);
   // Before any thread exists: SIGTERM / SIGINT / SIGUSR1 become a stop request.

@@ -43,6 +43,9 @@ namespace ctitan {
 
 // CTITAN_GPU_KERNELS=ctitan: the GPU routes run the kernels above (read once per process).
 bool own_gpu_kernels();
+// Whether the GPU route of a layer over t runs ctitan's kernel: own_gpu_kernels() and t
+// float32 or bfloat16 (other dtypes stay on ATen's ops).
+bool own_gpu_kernel_for(const at::Tensor& t);
 // The autograd functions over them (tensors on one CUDA device, float32 or bfloat16).
 at::Tensor swiglu_cuda(const at::Tensor& a, const at::Tensor& b);
 at::Tensor cross_entropy_cuda(const at::Tensor& logits, const at::Tensor& labels, double scale);

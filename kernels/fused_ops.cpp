@@ -398,8 +398,7 @@ torch::Tensor fused_swiglu(const torch::Tensor& a, const torch::Tensor& b) {
               " and b ", b.sizes(), " differ in shape or dtype");
   if (on_gpu(a)) {
 #ifdef CTITAN_WITH_CUDA
-    if (own_gpu_kernels() && (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16))
-      return swiglu_cuda(a, b);
+    if (own_gpu_kernel_for(a)) return swiglu_cuda(a, b);
 #endif
     return at::silu(a) * b;
   }
@@ -412,8 +411,7 @@ torch::Tensor fused_cross_entropy(const torch::Tensor& logits, const torch::Tens
               labels.sizes());
   if (on_gpu(logits)) {
 #ifdef CTITAN_WITH_CUDA
-    if (own_gpu_kernels() && (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16))
-      return cross_entropy_cuda(logits, labels, scale);
+    if (own_gpu_kernel_for(logits)) return cross_entropy_cuda(logits, labels, scale);
 #endif
     return chunked_cross_entropy(logits, labels, scale);
   }

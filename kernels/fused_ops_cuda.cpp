@@ -104,6 +104,10 @@ bool own_gpu_kernels() {
   return on;
 }
 
+bool own_gpu_kernel_for(const at::Tensor& t) {
+  return own_gpu_kernels() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16);
+}
+
 at::Tensor swiglu_cuda(const at::Tensor& a, const at::Tensor& b) { return SwiGLUCudaFn::apply(a, b); }
 
 at::Tensor cross_entropy_cuda(const at::Tensor& logits, const at::Tensor& labels, double scale) {
