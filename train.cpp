@@ -38,6 +38,7 @@
 #include "datasets/dataloader.h"
 #include "datasets/tokenizer.h"
 #include "models/init.h"
+#include "kernels/attention_direct.h"
 #include "kernels/gemm.h"
 #include "kernels/fused_cuda.h"
 #include "kernels/sdpa_choice.h"
@@ -678,8 +679,31 @@ void maybe_move_to_device(TrainModel& model, const DeviceChoice& device, bool pa
 // compute dtype; a named backend is checked to take that shape. Each is timed on that shape
 // and the timings logged beside the choice (kernels/sdpa_choice.h says why they do not decide
 // it). The CPU runs ctitan's own flash attention: nothing to choose.
+// On the CPU: which of flash_causal_attention's kernels this run's heads take
+// (kernels/attention_direct.h's rule), said once at start-up.
+void log_cpu_attention(const Job& j, const ModelArgs& margs) {
+  const int64_t hd = margs.sizes.head_dim, T = j.cfg.training.seq_len;
+  const bool bf16 = j.fsdp && j.cfg.training.mixed_precision_param == "bfloat16";
+  const int64_t set_kib = 4 * hd * T * 4 / 1024, half_l2_kib = attention_direct::l2_bytes() / 2 / 1024;
+  std::string why;
+  if (bf16)
+    why = "bfloat16 compute";
+  else if (!attention_direct::takes(hd))
+    why = fmt::format("head dim {}: the direct kernels are built for 16, 32 and 64", hd);
+  else if (!attention_direct::preferred(hd, T))
+    why = fmt::format("head dim {} at seq {}: a backward task's {} KiB over half of the L2's {} KiB", hd, T, set_kib,
+                      2 * half_l2_kib);
+  if (why.empty())
+    spdlog::info(
+        "attention: ctitan's direct kernels (float32, head dim {} at seq {}: a backward task's {} KiB within half "
+        "of the L2's {} KiB)",
+        hd, T, set_kib, 2 * half_l2_kib);
+  else
+    spdlog::info("attention: ctitan's tiled flash attention on the GEMM ({})", why);
+}
+
 void choose_attention(const Job& j, const ModelArgs& margs) {
-  if (!j.device.cuda) return;
+  if (!j.device.cuda) return log_cpu_attention(j, margs);
   const JobConfig& cfg = j.cfg;
   const ModelSizes& z = margs.sizes;
   SdpaShape shape;

@@ -24,6 +24,7 @@
 #include <torch/torch.h>
 
 #include "components/optimizer.h"
+#include "kernels/attention_direct.h"
 #include "kernels/flash_attention.h"
 #include "kernels/fused_ops.h"
 
@@ -63,9 +64,12 @@ double rel_diff(const torch::Tensor& ours, const torch::Tensor& ref) {
   return (ours.to(torch::kFloat64) - r).abs().max().item<double>() / scale;
 }
 
-void row(const std::string& kernel, const std::string& shape, torch::ScalarType dt, const Pair& p, double diff) {
-  std::printf("| %s | %s | %s | %.2f | %.2f | **%.2fx** | %.1e |\n", kernel.c_str(), shape.c_str(),
-              dt == torch::kBFloat16 ? "bf16" : "fp32", p.ctitan_ms, p.aten_ms, p.aten_ms / p.ctitan_ms, diff);
+// extra: one more column's text (none if null).
+void row(const std::string& kernel, const std::string& shape, torch::ScalarType dt, const Pair& p, double diff,
+         const char* extra = nullptr) {
+  std::printf("| %s | %s | %s | %.2f | %.2f | **%.2fx** | %.1e |%s%s\n", kernel.c_str(), shape.c_str(),
+              dt == torch::kBFloat16 ? "bf16" : "fp32", p.ctitan_ms, p.aten_ms, p.aten_ms / p.ctitan_ms, diff,
+              extra ? " " : "", extra ? (std::string(extra) + " |").c_str() : "");
   std::fflush(stdout);
 }
 
@@ -88,14 +92,15 @@ std::vector<torch::Tensor> fwd_bwd(const std::function<torch::Tensor(const std::
 void bench_layer(const std::string& name, const std::string& shape, torch::ScalarType dt,
                  const std::function<torch::Tensor(const std::vector<torch::Tensor>&)>& ours,
                  const std::function<torch::Tensor(const std::vector<torch::Tensor>&)>& theirs,
-                 const std::vector<torch::Tensor>& inputs, const torch::Tensor& gy, int reps) {
+                 const std::vector<torch::Tensor>& inputs, const torch::Tensor& gy, int reps,
+                 const char* extra = nullptr) {
   const auto a = fwd_bwd(ours, inputs, gy);
   const auto b = fwd_bwd(theirs, inputs, gy);
   double diff = 0;
   for (size_t i = 0; i < a.size(); ++i)
     if (a[i].defined() && b[i].defined()) diff = std::max(diff, rel_diff(a[i], b[i]));
   const Pair p = time_pair([&] { fwd_bwd(ours, inputs, gy); }, [&] { fwd_bwd(theirs, inputs, gy); }, reps);
-  row(name, shape, dt, p, diff);
+  row(name, shape, dt, p, diff, extra);
 }
 
 torch::Tensor rope_complex(const torch::Tensor& x, const torch::Tensor& freqs_cis) {
@@ -120,6 +125,36 @@ void bench_attention(const std::string& name, const std::string& shape, at::Scal
             .transpose(1, 2);
       },
       {q, k, v}, go, reps);
+}
+
+// float32 attention two ways inside ctitan: the direct kernels (kernels/attention_direct.h) that
+// flash_causal_attention runs for the heads they take, against the tiled GEMM path it runs
+// for every other head — which heads go direct is chosen from this table.
+void bench_direct_attention(int reps) {
+  std::printf("\nfloat32 attention, ctitan's direct kernels against its tiled GEMM path (same threads):\n\n");
+  std::printf(
+      "| heads × head dim (kv heads) | shape | dtype | direct ms | tiles ms | tiles / direct | max rel. Δ | rule "
+      "takes |\n");
+  std::printf("|---|---|---|---:|---:|---:|---:|---|\n");
+  struct Case {
+    int64_t B, T, H, KV, hd;
+  };
+  for (const Case c :
+       {Case{8, 512, 16, 8, 16}, Case{8, 512, 8, 4, 32}, Case{4, 512, 8, 4, 64}, Case{1, 2048, 16, 8, 16},
+        Case{1, 2048, 8, 4, 32}, Case{1, 2048, 8, 4, 64}, Case{1, 4096, 16, 8, 16}}) {
+    torch::manual_seed(2);
+    const auto q = torch::randn({c.B, c.T, c.H, c.hd}), k = torch::randn({c.B, c.T, c.KV, c.hd}),
+               v = torch::randn({c.B, c.T, c.KV, c.hd}), go = torch::randn({c.B, c.T, c.H, c.hd});
+    ctitan::FlashAttentionBlocks direct, tiles;
+    direct.path = ctitan::FlashAttentionBlocks::Path::Direct;
+    tiles.path = ctitan::FlashAttentionBlocks::Path::Tiles;
+    bench_layer(
+        std::to_string(c.H) + " × " + std::to_string(c.hd) + " (" + std::to_string(c.KV) + ")",
+        std::to_string(c.B) + "×" + std::to_string(c.T), torch::kFloat32,
+        [direct](const auto& in) { return ctitan::flash_causal_attention(in[0], in[1], in[2], direct); },
+        [tiles](const auto& in) { return ctitan::flash_causal_attention(in[0], in[1], in[2], tiles); }, {q, k, v}, go,
+        reps, ctitan::attention_direct::preferred(c.hd, c.T) ? "direct" : "tiles");
+  }
 }
 
 void bench_adamw(int64_t numel, int reps) {
@@ -214,5 +249,6 @@ int main(int argc, char** argv) {
     bench_attention("attention (debug, hd 16)", "8×512", dt, 8, 512, 16, 8, 16, reps);
   }
   bench_adamw(33'000'000, reps);
+  bench_direct_attention(reps);
   return 0;
 }

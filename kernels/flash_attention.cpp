@@ -1,4 +1,5 @@
 #include "kernels/flash_attention.h"
+#include "kernels/attention_direct.h"
 #include "kernels/device_route.h"
 #include "kernels/gemm.h"
 #include "kernels/kernel_math.h"
@@ -161,13 +162,25 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
  public:
   // q [B, T, H, hd], k and v [B, T, KV, hd], all contiguous.
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, int64_t block_q,
-                        int64_t block_k) {
+                        int64_t block_k, int64_t path) {
     RECORD_FUNCTION("ctitan::flash_attention_forward", std::vector<c10::IValue>());
     const int64_t B = q.size(0), T = q.size(1), H = q.size(2), hd = q.size(3), KV = k.size(2), rep = H / KV;
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
     const auto st = kernel::acc_dtype(q.scalar_type());
     auto out = torch::empty_like(q);
     auto lse = torch::empty({B, H, T}, q.options().dtype(st));
+    using Path = FlashAttentionBlocks::Path;
+    const bool direct = q.scalar_type() == at::kFloat && attention_direct::takes(hd) &&
+                        (path == static_cast<int64_t>(Path::Direct) ||
+                         (path == static_cast<int64_t>(Path::Rule) && attention_direct::preferred(hd, T)));
+    ctx->save_for_backward({q, k, v, lse});
+    ctx->saved_data["block_q"] = block_q;
+    ctx->saved_data["direct"] = direct;
+    if (direct) {
+      attention_direct::forward({B, T, H, KV, hd}, scale, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                                out.data_ptr<float>(), lse.data_ptr<float>());
+      return out;
+    }
     const int64_t nblocks = (T + block_q - 1) / block_q;
     const int64_t bq = std::min(block_q, T), bk = std::min(block_k, T);
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "ctitan_flash_forward", [&] {
@@ -192,8 +205,6 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
         }
       });
     });
-    ctx->save_for_backward({q, k, v, lse});
-    ctx->saved_data["block_q"] = block_q;
     return out;
   }
 
@@ -218,6 +229,12 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
     auto dq = torch::empty(q.sizes(), q.options().dtype(st));
     auto dk = torch::zeros(k.sizes(), k.options().dtype(st));
     auto dv = torch::zeros(v.sizes(), v.options().dtype(st));
+    if (ctx->saved_data["direct"].toBool()) {
+      attention_direct::backward({B, T, H, KV, hd}, scale, q.data_ptr<float>(), k.data_ptr<float>(),
+                                 v.data_ptr<float>(), dout.data_ptr<float>(), lse.data_ptr<float>(),
+                                 dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>());
+      return {dq, dk, dv, Tensor(), Tensor(), Tensor()};
+    }
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dt, "ctitan_flash_backward", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       constexpr auto type = gemm_type<scalar_t>();
@@ -254,7 +271,7 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
         }
       });
     });
-    return {dq.to(dt), dk.to(dt), dv.to(dt), Tensor(), Tensor()};
+    return {dq.to(dt), dk.to(dt), dv.to(dt), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -277,7 +294,8 @@ torch::Tensor flash_causal_attention(const torch::Tensor& q, const torch::Tensor
     return sdpa_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), current_sdpa().repeat_kv)
         .transpose(1, 2);  // [B, T, H, hd]
   }
-  return FlashAttentionFn::apply(q.contiguous(), k.contiguous(), v.contiguous(), blocks.q, blocks.k);
+  return FlashAttentionFn::apply(q.contiguous(), k.contiguous(), v.contiguous(), blocks.q, blocks.k,
+                                 static_cast<int64_t>(blocks.path));
 }
 
 }  // namespace ctitan

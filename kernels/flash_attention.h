@@ -24,6 +24,12 @@ struct FlashAttentionBlocks {
   // (the strip the backward works on anyway): fewer, larger matmuls and no rescaling passes;
   // a smaller k bounds the forward's tile memory further (online softmax over the tiles).
   int64_t k = int64_t{1} << 30;
+  // Which kernels run a float32 attention on the CPU: the tiles above, or the direct kernels
+  // of kernels/attention_direct.h (no GEMM calls; head dims 16, 32 and 64 only). Rule: the
+  // direct kernels where attention_direct::preferred says they measured faster; Direct and
+  // Tiles force one (tests and bench/kernel_bench.cpp compare the two). Other dtypes: tiles.
+  enum class Path { Rule, Direct, Tiles };
+  Path path = Path::Rule;
 };
 
 // q [B, T, H, hd], k and v [B, T, KV, hd] (H a multiple of KV; query head h reads kv head

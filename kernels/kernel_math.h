@@ -81,32 +81,35 @@ inline V splat(float c) {
   return V{} + c;
 }
 
-// e^x in float32 within ~2 ulp, branch-free: x = n·ln2 + r, e^r by its degree-7 Taylor
-// polynomial (|r| <= ln2/2), 2^n written into the exponent. Below -87 (e^x < 2^-125, where
-// the exponent trick stops working) the result is 0, as for the masked keys' -inf.
+// 2^n · e^r for x = n·ln2 + r, with x already held within [-87, 88]: e^r by its Taylor
+// polynomial of degree Degree (|r| <= ln2/2), 2^n written into the exponent, branch-free.
+// V, U: float and uint32_t, or lanes16f and lanes16u.
+template <int Degree, class V, class U>
+inline V exp_held(V x) {
+  static_assert(Degree >= 1 && Degree <= 7, "exp_held: degree 1 to 7");
+  constexpr float inv_factorial[8] = {1.0f, 1.0f, 0.5f, 1.0f / 6, 1.0f / 24, 1.0f / 120, 1.0f / 720, 1.0f / 5040};
+  const V big = x * 1.44269504088896341f + 12582912.0f;  // n in big's low mantissa bits
+  const V n = big - 12582912.0f;
+  const V r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;  // ln2 in two parts
+  V p = splat<V>(inv_factorial[Degree]);
+  for (int k = Degree - 1; k >= 0; --k) p = p * r + inv_factorial[k];
+  U bb;
+  std::memcpy(&bb, &big, sizeof bb);
+  const U e = (bb - 0x4B400000u + 127u) << 23;
+  V scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return p * scale;
+}
+
+// e^x in float32 within ~2 ulp, branch-free: exp_held's degree 7. Below -87 (e^x < 2^-125,
+// where the exponent trick stops working) the result is 0, as for the masked keys' -inf.
 // V, U: float and uint32_t, or lanes16f and lanes16u.
 template <class V, class U>
 inline V exp_fast_lanes(V x) {
   const auto under = x < -87.0f;
   x = x < -87.0f ? splat<V>(-87.0f) : x;
   x = x > 88.0f ? splat<V>(88.0f) : x;
-  const V big = x * 1.44269504088896341f + 12582912.0f;  // n in big's low mantissa bits
-  const V n = big - 12582912.0f;
-  const V r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;  // ln2 in two parts
-  V p = splat<V>(1.0f / 5040);
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  U bb;
-  std::memcpy(&bb, &big, sizeof bb);
-  const U e = (bb - 0x4B400000u + 127u) << 23;
-  V scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  return under ? splat<V>(0.0f) : p * scale;
+  return under ? splat<V>(0.0f) : exp_held<7, V, U>(x);
 }
 inline float exp_fast(float x) { return exp_fast_lanes<float, uint32_t>(x); }
 inline lanes16f exp_fast(lanes16f x) { return exp_fast_lanes<lanes16f, lanes16u>(x); }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "config/errors.h"
+#include "kernels/attention_direct.h"
 #include "kernels/flash_attention.h"
 #include "kernels/fused_ops.h"
 #include "kernels/gemm.h"
@@ -636,18 +637,79 @@ const std::vector<AttnCase>& attn_cases() {
 
 }  // namespace
 
+// float32 heads the direct kernels are built for (16, 32, 64), each path forced: ragged last
+// strips (T not a multiple of 8 or 16), MHA, GQA and MQA, and one key vector or less.
+const std::vector<AttnCase>& direct_cases() {
+  static const std::vector<AttnCase> cases = {
+      {2, 37, 4, 2, 16, {8, 16}}, {1, 13, 2, 2, 32, {}}, {2, 50, 8, 1, 16, {}},  {1, 96, 16, 8, 16, {32, 32}},
+      {1, 70, 4, 2, 64, {}},      {3, 5, 2, 1, 16, {}},  {1, 129, 4, 4, 32, {}},
+  };
+  return cases;
+}
+
+FlashAttentionBlocks with_path(FlashAttentionBlocks b, FlashAttentionBlocks::Path path) {
+  b.path = path;
+  return b;
+}
+
+void expect_matches_naive_float32(const AttnCase& c, FlashAttentionBlocks blocks) {
+  const auto in = attn_inputs(c, torch::kFloat);
+  const auto ref = naive_attention(in.q, in.k, in.v, in.g);
+  const auto got = fused_attention(in.q, in.k, in.v, in.g, blocks);
+  SCOPED_TRACE("T=" + std::to_string(c.T) + " H=" + std::to_string(c.H) + " KV=" + std::to_string(c.KV) +
+               " hd=" + std::to_string(c.hd) + " path " + std::to_string(static_cast<int>(blocks.path)));
+  ASSERT_EQ(got.out.sizes(), ref.out.sizes());
+  EXPECT_LT(rel_err(got.out, ref.out), 2e-6);
+  EXPECT_LT(rel_err(got.dq, ref.dq), 2e-5);
+  EXPECT_LT(rel_err(got.dk, ref.dk), 2e-5);
+  EXPECT_LT(rel_err(got.dv, ref.dv), 2e-5);
+}
+
 TEST(FlashAttention, MatchesNaiveFormulaFloat32) {
-  for (const auto& c : attn_cases()) {
-    const auto in = attn_inputs(c, torch::kFloat);
-    const auto ref = naive_attention(in.q, in.k, in.v, in.g);
-    const auto got = fused_attention(in.q, in.k, in.v, in.g, c.blocks);
-    SCOPED_TRACE("T=" + std::to_string(c.T) + " H=" + std::to_string(c.H) + " KV=" + std::to_string(c.KV));
-    ASSERT_EQ(got.out.sizes(), ref.out.sizes());
-    EXPECT_LT(rel_err(got.out, ref.out), 2e-6);
-    EXPECT_LT(rel_err(got.dq, ref.dq), 2e-5);
-    EXPECT_LT(rel_err(got.dk, ref.dk), 2e-5);
-    EXPECT_LT(rel_err(got.dv, ref.dv), 2e-5);
+  using Path = FlashAttentionBlocks::Path;
+  for (const auto& c : attn_cases())
+    for (const Path p : {Path::Rule, Path::Tiles}) expect_matches_naive_float32(c, with_path(c.blocks, p));
+}
+
+// The direct kernels (kernels/attention_direct.h) and the tiles, each forced, on the head sizes
+// the direct ones are built for.
+TEST(FlashAttention, DirectKernelsMatchNaiveFormulaFloat32) {
+  using Path = FlashAttentionBlocks::Path;
+  for (const auto& c : direct_cases()) {
+    ASSERT_TRUE(attention_direct::takes(c.hd));
+    for (const Path p : {Path::Direct, Path::Tiles}) expect_matches_naive_float32(c, with_path(c.blocks, p));
   }
+}
+
+// The direct path's sums run in a fixed order per task: one thread or two give the same bits,
+// and so does a second call.
+TEST(FlashAttention, DirectKernelsDoNotDependOnTheThreadCount) {
+  const AttnCase c{3, 45, 4, 2, 16, {}};
+  const auto in = attn_inputs(c, torch::kFloat);
+  const auto blocks = with_path({}, FlashAttentionBlocks::Path::Direct);
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const auto one = fused_attention(in.q, in.k, in.v, in.g, blocks);
+  at::set_num_threads(2);
+  const auto two = fused_attention(in.q, in.k, in.v, in.g, blocks);
+  const auto again = fused_attention(in.q, in.k, in.v, in.g, blocks);
+  at::set_num_threads(threads);
+  for (const auto& [a, b] : {std::pair{one.out, two.out}, std::pair{one.dq, two.dq}, std::pair{one.dk, two.dk},
+                             std::pair{one.dv, two.dv}, std::pair{two.dk, again.dk}})
+    EXPECT_TRUE(torch::equal(a, b));
+}
+
+// The rule takes the direct kernels while a backward task's working set (4 · hd · T floats)
+// fits in half of the L2 it reads, and never for a head size they are not built for.
+TEST(FlashAttention, DirectKernelsRuleFollowsTheL2) {
+  const int64_t half_l2_floats = attention_direct::l2_bytes() / 2 / 4;
+  ASSERT_GT(half_l2_floats, 4 * 64 * 16) << "an L2 smaller than the smallest working set";
+  for (const int64_t hd : {16, 32, 64})
+    for (const int64_t T : {16, 512, 2048, 4096, 16384})
+      EXPECT_EQ(attention_direct::preferred(hd, T), 4 * hd * T <= half_l2_floats) << "hd " << hd << " T " << T;
+  EXPECT_FALSE(attention_direct::takes(8));
+  EXPECT_FALSE(attention_direct::preferred(8, 16));
+  EXPECT_FALSE(attention_direct::preferred(128, 16));
 }
 
 // bf16: the truth is the formula in float64 on the same (bf16-rounded) inputs; the fused
@@ -676,18 +738,20 @@ TEST(FlashAttention, Bfloat16AsAccurateAsNaiveBfloat16) {
 }
 
 TEST(FlashAttention, DeterministicAndCausal) {
-  const AttnCase c{1, 40, 4, 2, 8, {8, 8}};
-  const auto in = attn_inputs(c, torch::kFloat);
-  const auto a = flash_causal_attention(in.q, in.k, in.v, c.blocks);
-  const auto b = flash_causal_attention(in.q, in.k, in.v, c.blocks);
-  EXPECT_TRUE(torch::equal(a, b));
-  // Changing keys/values at position 30 leaves every output before 30 unchanged.
-  auto k2 = in.k.clone(), v2 = in.v.clone();
-  k2.select(1, 30).add_(5.0);
-  v2.select(1, 30).add_(5.0);
-  const auto d = flash_causal_attention(in.q, k2, v2, c.blocks);
-  EXPECT_TRUE(torch::equal(d.narrow(1, 0, 30), a.narrow(1, 0, 30)));
-  EXPECT_GT((d.narrow(1, 30, 10) - a.narrow(1, 30, 10)).abs().max().item<double>(), 1e-3);
+  for (const AttnCase& c : {AttnCase{1, 40, 4, 2, 8, {8, 8}}, AttnCase{1, 40, 4, 2, 16, {}}}) {
+    SCOPED_TRACE("hd " + std::to_string(c.hd));
+    const auto in = attn_inputs(c, torch::kFloat);
+    const auto a = flash_causal_attention(in.q, in.k, in.v, c.blocks);
+    const auto b = flash_causal_attention(in.q, in.k, in.v, c.blocks);
+    EXPECT_TRUE(torch::equal(a, b));
+    // Changing keys/values at position 30 leaves every output before 30 unchanged.
+    auto k2 = in.k.clone(), v2 = in.v.clone();
+    k2.select(1, 30).add_(5.0);
+    v2.select(1, 30).add_(5.0);
+    const auto d = flash_causal_attention(in.q, k2, v2, c.blocks);
+    EXPECT_TRUE(torch::equal(d.narrow(1, 0, 30), a.narrow(1, 0, 30)));
+    EXPECT_GT((d.narrow(1, 30, 10) - a.narrow(1, 30, 10)).abs().max().item<double>(), 1e-3);
+  }
 }
 
 // The kernel never materialises the T×T scores: every op output of forward and backward,
@@ -706,21 +770,24 @@ void attn_op_end(const at::RecordFunction& fn, at::ObserverContext*) {
 TEST(FlashAttention, NeverMaterialisesTheScoreMatrix) {
   const AttnCase c{2, 256, 4, 2, 16, {32, 64}};
   const auto in = attn_inputs(c, torch::kFloat);
-  auto q = in.q.clone().requires_grad_(true), k = in.k.clone().requires_grad_(true),
-       v = in.v.clone().requires_grad_(true);
-  tl_max_output_numel = 0;
-  auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(attn_op_start, attn_op_end).needsOutputs(true));
-  const auto out = flash_causal_attention(q, k, v, c.blocks);
-  (out * in.g).sum().backward();
-  at::removeCallback(handle);
   const int64_t full_scores = c.B * c.H * c.T * c.T;
   const int64_t strip = c.B * c.H * c.blocks.q * c.T;  // = full_scores / 8 here
-  EXPECT_GT(tl_max_output_numel, 0) << "the observer saw no op";
-  EXPECT_LE(tl_max_output_numel, std::max(strip, c.B * c.T * c.H * c.hd));
-  EXPECT_LT(tl_max_output_numel, full_scores / 4);
+  using Path = FlashAttentionBlocks::Path;
+  for (const Path p : {Path::Tiles, Path::Direct}) {
+    auto q = in.q.clone().requires_grad_(true), k = in.k.clone().requires_grad_(true),
+         v = in.v.clone().requires_grad_(true);
+    tl_max_output_numel = 0;
+    auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(attn_op_start, attn_op_end).needsOutputs(true));
+    const auto out = flash_causal_attention(q, k, v, with_path(c.blocks, p));
+    (out * in.g).sum().backward();
+    at::removeCallback(handle);
+    EXPECT_GT(tl_max_output_numel, 0) << "the observer saw no op";
+    EXPECT_LE(tl_max_output_numel, std::max(strip, c.B * c.T * c.H * c.hd));
+    EXPECT_LT(tl_max_output_numel, full_scores / 4);
+  }
   // The naive formula, observed the same way, does build [B, H, T, T].
   tl_max_output_numel = 0;
-  handle = at::addThreadLocalCallback(at::RecordFunctionCallback(attn_op_start, attn_op_end).needsOutputs(true));
+  auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(attn_op_start, attn_op_end).needsOutputs(true));
   naive_attention(in.q, in.k, in.v, in.g);
   at::removeCallback(handle);
   EXPECT_GE(tl_max_output_numel, full_scores);

@@ -275,7 +275,13 @@ TEST_P(TPParity, LossesAndFinalParametersMatchOneProcess) {
     const auto got = ts[i++];
     ASSERT_EQ(got.sizes(), want.sizes()) << name;
     const double rel = ((got - want).norm() / want.norm()).item<double>();
-    EXPECT_LE(rel, 1e-5) << name;
+    // After 20 AdamW steps, whose updates turn last-bit gradient differences of near-zero
+    // entries into visible ones (tp_grads holds one step's gradients to 1e-5 before that).
+    // The worst parameter over this suite's cases was 2.6e-6 - 8.4e-6 (5.4e-6 for llama3 tp 2,
+    // 8.4e-6 for mixtral tp 4) until the direct attention kernels of 2026-11-28 changed the
+    // step's roundings: 2.5e-6 - 1.02e-5 (3.5e-6 and 1.02e-5). Which entries AdamW amplifies
+    // moves with any such change, so the bound is twice the gradient check's.
+    EXPECT_LE(rel, 2e-5) << name;
     worst = std::max(worst, rel);
   }
   std::printf(
