@@ -13,7 +13,9 @@
 #   3. `PARTS=ab BASELINE=... bench/perf.sh`, RUNS times; the report adds the better ratio of
 #      the runs for each cell — issue 36's "every cell ≥ 1.00, best of two runs";
 #   4. build/kernel_bench with CTITAN_GEMM=mkl and =onednn, alternating, twice each: ctitan's
-#      kernels on each GEMM library (attention's tiles are the library-bound rows);
+#      kernels on each GEMM library (attention's tiles are the library-bound rows), and its
+#      second table as it is: float32 attention's direct kernels against the tiles, with the
+#      path kernels/attention_direct.h's rule takes on this CPU's L2;
 #   5. bench/gemm_bench.py: the 33M projection shapes on ATen, MKL and oneDNN.
 set -euo pipefail
 source "$(dirname "$0")/../scripts/common.sh"
@@ -73,9 +75,21 @@ done
   echo
   echo "| kernel | shape | dtype | MKL | oneDNN |"
   echo "|---|---|---|---|---|"
-  for lib in mkl onednn; do cat "$OUT"/kernels_${lib}_*.md | awk -F'|' -v lib="$lib" 'NF > 6 && $5 ~ /[0-9]/ { print lib "|" $2 "|" $3 "|" $4 "|" $5 }'; done |
+  for lib in mkl onednn; do
+    for f in "$OUT"/kernels_${lib}_*.md; do  # the first table only (the second one follows its title)
+      awk -F'|' -v lib="$lib" '/^float32 attention/ { exit } NF > 6 && $5 ~ /[0-9]/ { print lib "|" $2 "|" $3 "|" $4 "|" $5 }' "$f"
+    done
+  done |
     awk -F'|' '{ k = $2 "|" $3 "|" $4; v[k, $1] = v[k, $1] (v[k, $1] == "" ? "" : ", ") $5; if (!(k in seen)) { seen[k] = 1; order[++n] = k } }
       END { for (i = 1; i <= n; i++) { k = order[i]; printf "|%s| %s | %s |\n", k, v[k, "mkl"], v[k, "onednn"] } }'
+  for lib in mkl onednn; do
+    for r in 1 2; do
+      echo
+      echo "## float32 attention, direct kernels against tiles (build/kernel_bench, CTITAN_GEMM=$lib, run $r)"
+      echo
+      sed -n '/^| heads × head dim/,$p' "$OUT/kernels_${lib}_$r.md"
+    done
+  done
 } >>"$REPORT"
 
 log "gemm_bench.py"
