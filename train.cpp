@@ -591,6 +591,10 @@ struct Job {
   std::unique_ptr<Checkpointing> ckpt;
 };
 
+// Whether the model computes in bfloat16: mixed precision runs through FSDP's machinery (over a
+// group of one on one process), so without FSDP the compute is float32.
+bool bf16_compute(const Job& j) { return j.fsdp && j.cfg.training.mixed_precision_param == "bfloat16"; }
+
 // The distributed environment and process groups, the device, the seed every rank agrees on.
 void setup_environment(Job& j) {
   const JobConfig& cfg = j.cfg;
@@ -674,34 +678,34 @@ void maybe_move_to_device(TrainModel& model, const DeviceChoice& device, bool pa
   };
 }
 
-// model.sdpa_backend on a GPU: auto takes the first of cuDNN's, flash and memory-efficient
-// attention that ATen accepts for this run's shape (local batch, seq_len, heads, head_dim) and
-// compute dtype; a named backend is checked to take that shape. Each is timed on that shape
-// and the timings logged beside the choice (kernels/sdpa_choice.h says why they do not decide
-// it). The CPU runs ctitan's own flash attention: nothing to choose.
 // On the CPU: which of flash_causal_attention's kernels this run's heads take
 // (kernels/attention_direct.h's rule), said once at start-up.
 void log_cpu_attention(const Job& j, const ModelArgs& margs) {
   const int64_t hd = margs.sizes.head_dim, T = j.cfg.training.seq_len;
-  const bool bf16 = j.fsdp && j.cfg.training.mixed_precision_param == "bfloat16";
-  const int64_t set_kib = 4 * hd * T * 4 / 1024, half_l2_kib = attention_direct::l2_bytes() / 2 / 1024;
+  const int64_t set_kib = attention_direct::working_set_bytes(hd, T) / 1024;
+  const int64_t l2_kib = attention_direct::l2_bytes() / 1024;
   std::string why;
-  if (bf16)
+  if (bf16_compute(j))
     why = "bfloat16 compute";
   else if (!attention_direct::takes(hd))
     why = fmt::format("head dim {}: the direct kernels are built for 16, 32 and 64", hd);
   else if (!attention_direct::preferred(hd, T))
     why = fmt::format("head dim {} at seq {}: a backward task's {} KiB over half of the L2's {} KiB", hd, T, set_kib,
-                      2 * half_l2_kib);
+                      l2_kib);
   if (why.empty())
     spdlog::info(
         "attention: ctitan's direct kernels (float32, head dim {} at seq {}: a backward task's {} KiB within half "
         "of the L2's {} KiB)",
-        hd, T, set_kib, 2 * half_l2_kib);
+        hd, T, set_kib, l2_kib);
   else
     spdlog::info("attention: ctitan's tiled flash attention on the GEMM ({})", why);
 }
 
+// model.sdpa_backend on a GPU: auto takes the first of cuDNN's, flash and memory-efficient
+// attention that ATen accepts for this run's shape (local batch, seq_len, heads, head_dim) and
+// compute dtype; a named backend is checked to take that shape. Each is timed on that shape
+// and the timings logged beside the choice (kernels/sdpa_choice.h says why they do not decide
+// it). On the CPU ctitan's own attention runs, and log_cpu_attention says which of its kernels.
 void choose_attention(const Job& j, const ModelArgs& margs) {
   if (!j.device.cuda) return log_cpu_attention(j, margs);
   const JobConfig& cfg = j.cfg;
@@ -712,7 +716,7 @@ void choose_attention(const Job& j, const ModelArgs& margs) {
   shape.head_dim = z.head_dim;
   shape.heads = z.n_heads / j.par.dims.tp;  // a tp rank runs its share of the heads
   shape.kv_heads = z.n_kv_heads / j.par.dims.tp;
-  shape.dtype = j.fsdp && cfg.training.mixed_precision_param == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  shape.dtype = bf16_compute(j) ? at::kBFloat16 : at::kFloat;
   shape.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(j.device.index));
   const SdpaBackend asked = cfg.model.sdpa_backend;
   std::vector<at::SDPBackend> candidates;
@@ -897,7 +901,7 @@ std::function<double()> matmul_peak_measure(const Job& j, const std::string& pea
 // the first metrics line is due (after that step's time was taken), not before step 1: it is
 // not part of the start-up.
 int train_job(Job& j, gemm::Backend matmuls) {
-  const std::string peak_dtype = j.fsdp && j.cfg.training.mixed_precision_param == "bfloat16" ? "bfloat16" : "float32";
+  const std::string peak_dtype = bf16_compute(j) ? "bfloat16" : "float32";
   const std::string reference = j.device.cuda
                                     ? "cuBLAS matmul on " + j.device.name()
                                     : std::string("the better of ") + gemm::backend_name(matmuls) + " and ATen matmul";

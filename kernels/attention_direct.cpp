@@ -242,7 +242,6 @@ struct Strip {
   Strip(int64_t t0_, int64_t T) : t0(t0_), nr(std::min<int64_t>(kRows, T - t0_)), keys(t0 + nr) {
     chunks = (keys + kLanes - 1) / kLanes;
   }
-  int64_t width() const { return chunks * kLanes; }
 };
 
 template <int HD>
@@ -349,10 +348,13 @@ int64_t l2_bytes() {
   return bytes;
 }
 
+// A backward task's transposed keys and values and their gradient accumulators.
+int64_t working_set_bytes(int64_t head_dim, int64_t T) {
+  return 4 * head_dim * round_up(T, kLanes) * static_cast<int64_t>(sizeof(float));
+}
+
 bool preferred(int64_t head_dim, int64_t T) {
-  // A backward task's transposed keys and values and their gradient accumulators.
-  const int64_t working_set = 4 * head_dim * round_up(T, kLanes) * static_cast<int64_t>(sizeof(float));
-  return takes(head_dim) && working_set <= l2_bytes() / 2;
+  return takes(head_dim) && working_set_bytes(head_dim, T) <= l2_bytes() / 2;
 }
 
 void forward(const Shape& s, double scale, const float* q, const float* k, const float* v, float* out, float* lse) {

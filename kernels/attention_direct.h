@@ -26,6 +26,7 @@ bool takes(int64_t head_dim);
 // working sets up to 1 MiB (head dim 16 at 512-4096 positions, 32 at 512-2048, 64 at 512),
 // 0.84-0.9x at 2 MiB (head dim 64 at 2048: the whole L2).
 int64_t l2_bytes();
+int64_t working_set_bytes(int64_t head_dim, int64_t T);
 bool preferred(int64_t head_dim, int64_t T);
 
 struct Shape {
