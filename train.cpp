@@ -689,6 +689,8 @@ void log_cpu_attention(const Job& j, const ModelArgs& margs) {
     why = "bfloat16 compute";
   else if (!attention_direct::takes(hd))
     why = fmt::format("head dim {}: the direct kernels are built for 16, 32 and 64", hd);
+  else if (!attention_direct::wide_vectors())
+    why = "no AVX-512: the direct kernels' register blocks need it";
   else if (!attention_direct::preferred(hd, T))
     why = fmt::format("head dim {} at seq {}: a backward task's {} KiB over half of the L2's {} KiB", hd, T, set_kib,
                       l2_kib);

@@ -14,6 +14,7 @@
 // kernel that computes something else shows up. Prints a Markdown table.
 //
 //   ./build/kernel_bench [reps]        (bench/perf.sh PARTS=kernels runs it)
+//   ./build/kernel_bench 5 direct      (the direct attention table alone)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -197,6 +198,14 @@ void bench_adamw(int64_t numel, int reps) {
 
 int main(int argc, char** argv) {
   const int reps = argc > 1 ? std::max(1, std::atoi(argv[1])) : 7;
+  // `kernel_bench N direct`: the second table alone (the direct attention kernels against the
+  // tiles), for work on those kernels.
+  if (argc > 2 && std::string(argv[2]) == "direct") {
+    std::printf("LibTorch %s, %d intra-op threads, median of %d alternating runs, forward + backward\n", TORCH_VERSION,
+                at::get_num_threads(), reps);
+    bench_direct_attention(reps);
+    return 0;
+  }
   std::printf("LibTorch %s, %d intra-op threads, median of %d alternating runs, forward + backward\n\n", TORCH_VERSION,
               at::get_num_threads(), reps);
   std::printf("| kernel | shape | dtype | ctitan ms | ATen ms | ATen / ctitan | max rel. Δ |\n");

@@ -353,8 +353,18 @@ int64_t working_set_bytes(int64_t head_dim, int64_t T) {
   return 4 * head_dim * round_up(T, kLanes) * static_cast<int64_t>(sizeof(float));
 }
 
+bool wide_vectors() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return yes;
+#else
+  return false;
+#endif
+}
+
 bool preferred(int64_t head_dim, int64_t T) {
-  return takes(head_dim) && working_set_bytes(head_dim, T) <= l2_bytes() / 2;
+  return takes(head_dim) && wide_vectors() && working_set_bytes(head_dim, T) <= l2_bytes() / 2;
 }
 
 void forward(const Shape& s, double scale, const float* q, const float* k, const float* v, float* out, float* lse) {

@@ -25,8 +25,13 @@ bool takes(int64_t head_dim);
 // table, on the Intel Xeon of docs/performance.md (2 MiB L2): direct 1.06-1.5x faster for
 // working sets up to 1 MiB (head dim 16 at 512-4096 positions, 32 at 512-2048, 64 at 512),
 // 0.84-0.9x at 2 MiB (head dim 64 at 2048: the whole L2).
+// And only where the CPU has AVX-512 (CTITAN_KERNEL's x86-64-v4 clone): the kernels' register
+// blocks are of 16-float vectors, 32 zmm registers' worth; on AVX2 (16 ymm registers) each
+// vector is a pair and the blocks spill. On an AMD EPYC (Zen 3, AVX2 only) they ran at
+// 0.15-0.4x the tiles (docs/performance.md).
 int64_t l2_bytes();
 int64_t working_set_bytes(int64_t head_dim, int64_t T);
+bool wide_vectors();
 bool preferred(int64_t head_dim, int64_t T);
 
 struct Shape {

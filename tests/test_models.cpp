@@ -11,8 +11,10 @@
 #include <cstring>
 #include <chrono>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -704,9 +706,20 @@ TEST(FlashAttention, DirectKernelsDoNotDependOnTheThreadCount) {
 TEST(FlashAttention, DirectKernelsRuleFollowsTheL2) {
   const int64_t half_l2_floats = attention_direct::l2_bytes() / 2 / 4;
   ASSERT_GT(half_l2_floats, 4 * 64 * 16) << "an L2 smaller than the smallest working set";
+  // AVX-512 as the kernel's cpuinfo says it, against the rule's own probe.
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line) && line.rfind("flags", 0) != 0) {
+  }
+  std::istringstream words(line);
+  std::set<std::string> flags{std::istream_iterator<std::string>(words), std::istream_iterator<std::string>()};
+  const bool avx512 =
+      flags.count("avx512f") && flags.count("avx512bw") && flags.count("avx512dq") && flags.count("avx512vl");
+  EXPECT_EQ(attention_direct::wide_vectors(), avx512) << "cpuinfo flags: " << line;
   for (const int64_t hd : {16, 32, 64})
     for (const int64_t T : {16, 512, 2048, 4096, 16384})
-      EXPECT_EQ(attention_direct::preferred(hd, T), 4 * hd * T <= half_l2_floats) << "hd " << hd << " T " << T;
+      EXPECT_EQ(attention_direct::preferred(hd, T), avx512 && 4 * hd * T <= half_l2_floats)
+          << "hd " << hd << " T " << T;
   EXPECT_FALSE(attention_direct::takes(8));
   EXPECT_FALSE(attention_direct::preferred(8, 16));
   EXPECT_FALSE(attention_direct::preferred(128, 16));
