@@ -684,21 +684,25 @@ void log_cpu_attention(const Job& j, const ModelArgs& margs) {
   const int64_t hd = margs.sizes.head_dim, T = j.cfg.training.seq_len;
   const int64_t set_kib = attention_direct::working_set_bytes(hd, T) / 1024;
   const int64_t l2_kib = attention_direct::l2_bytes() / 1024;
+  const int64_t limit_kib = attention_direct::working_set_limit_bytes() / 1024;
+  const char* vectors = attention_direct::wide_vectors()   ? "AVX-512: half"
+                        : attention_direct::avx2_vectors() ? "AVX2: four times"
+                                                           : "";
   std::string why;
   if (bf16_compute(j))
     why = "bfloat16 compute";
   else if (!attention_direct::takes(hd))
     why = fmt::format("head dim {}: the direct kernels are built for 16, 32 and 64", hd);
-  else if (!attention_direct::wide_vectors())
-    why = "no AVX-512: the direct kernels' register blocks need it";
+  else if (limit_kib == 0)
+    why = "neither AVX-512 nor AVX2: the direct kernels were measured with one of them";
   else if (!attention_direct::preferred(hd, T))
-    why = fmt::format("head dim {} at seq {}: a backward task's {} KiB over half of the L2's {} KiB", hd, T, set_kib,
-                      l2_kib);
+    why = fmt::format("head dim {} at seq {}: a backward task's {} KiB over {} KiB ({} the L2's {} KiB)", hd, T,
+                      set_kib, limit_kib, vectors, l2_kib);
   if (why.empty())
     spdlog::info(
-        "attention: ctitan's direct kernels (float32, head dim {} at seq {}: a backward task's {} KiB within half "
-        "of the L2's {} KiB)",
-        hd, T, set_kib, l2_kib);
+        "attention: ctitan's direct kernels (float32, head dim {} at seq {}: a backward task's {} KiB within {} KiB, "
+        "{} the L2's {} KiB)",
+        hd, T, set_kib, limit_kib, vectors, l2_kib);
   else
     spdlog::info("attention: ctitan's tiled flash attention on the GEMM ({})", why);
 }

@@ -14,7 +14,7 @@
 // kernel that computes something else shows up. Prints a Markdown table.
 //
 //   ./build/kernel_bench [reps]        (bench/perf.sh PARTS=kernels runs it)
-//   ./build/kernel_bench 5 direct      (the direct attention table alone)
+//   ./build/kernel_bench 5 direct [16|8]  (the direct attention table alone; 16 or 8 lanes forced)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -131,8 +131,12 @@ void bench_attention(const std::string& name, const std::string& shape, at::Scal
 // float32 attention two ways inside ctitan: the direct kernels (kernels/attention_direct.h) that
 // flash_causal_attention runs for the heads they take, against the tiled GEMM path it runs
 // for every other head — which heads go direct is chosen from this table.
-void bench_direct_attention(int reps) {
-  std::printf("\nfloat32 attention, ctitan's direct kernels against its tiled GEMM path (same threads):\n\n");
+void bench_direct_attention(int reps, int64_t lanes) {
+  std::printf("\nfloat32 attention, ctitan's direct kernels (%s) against its tiled GEMM path (same threads):\n\n",
+              lanes == 16                                ? "16 lanes, forced"
+              : lanes == 8                               ? "8 lanes, forced"
+              : ctitan::attention_direct::wide_vectors() ? "this CPU's: 16 lanes"
+                                                         : "this CPU's: 8 lanes");
   std::printf(
       "| heads × head dim (kv heads) | shape | dtype | direct ms | tiles ms | tiles / direct | max rel. Δ | rule "
       "takes |\n");
@@ -142,12 +146,13 @@ void bench_direct_attention(int reps) {
   };
   for (const Case c :
        {Case{8, 512, 16, 8, 16}, Case{8, 512, 8, 4, 32}, Case{4, 512, 8, 4, 64}, Case{1, 2048, 16, 8, 16},
-        Case{1, 2048, 8, 4, 32}, Case{1, 2048, 8, 4, 64}, Case{1, 4096, 16, 8, 16}}) {
+        Case{1, 2048, 8, 4, 32}, Case{1, 2048, 8, 4, 64}, Case{1, 4096, 16, 8, 16}, Case{1, 4096, 8, 4, 64}}) {
     torch::manual_seed(2);
     const auto q = torch::randn({c.B, c.T, c.H, c.hd}), k = torch::randn({c.B, c.T, c.KV, c.hd}),
                v = torch::randn({c.B, c.T, c.KV, c.hd}), go = torch::randn({c.B, c.T, c.H, c.hd});
     ctitan::FlashAttentionBlocks direct, tiles;
     direct.path = ctitan::FlashAttentionBlocks::Path::Direct;
+    direct.direct_lanes = lanes;
     tiles.path = ctitan::FlashAttentionBlocks::Path::Tiles;
     bench_layer(
         std::to_string(c.H) + " × " + std::to_string(c.hd) + " (" + std::to_string(c.KV) + ")",
@@ -198,12 +203,12 @@ void bench_adamw(int64_t numel, int reps) {
 
 int main(int argc, char** argv) {
   const int reps = argc > 1 ? std::max(1, std::atoi(argv[1])) : 7;
-  // `kernel_bench N direct`: the second table alone (the direct attention kernels against the
-  // tiles), for work on those kernels.
+  // `kernel_bench N direct [16|8]`: the second table alone (the direct attention kernels against
+  // the tiles), for work on those kernels; 16 or 8 forces their vector width.
   if (argc > 2 && std::string(argv[2]) == "direct") {
     std::printf("LibTorch %s, %d intra-op threads, median of %d alternating runs, forward + backward\n", TORCH_VERSION,
                 at::get_num_threads(), reps);
-    bench_direct_attention(reps);
+    bench_direct_attention(reps, argc > 3 ? std::atoi(argv[3]) : 0);
     return 0;
   }
   std::printf("LibTorch %s, %d intra-op threads, median of %d alternating runs, forward + backward\n\n", TORCH_VERSION,
@@ -258,6 +263,6 @@ int main(int argc, char** argv) {
     bench_attention("attention (debug, hd 16)", "8×512", dt, 8, 512, 16, 8, 16, reps);
   }
   bench_adamw(33'000'000, reps);
-  bench_direct_attention(reps);
+  bench_direct_attention(reps, 0);
   return 0;
 }

@@ -15,23 +15,49 @@
 namespace ctitan::attention_direct {
 namespace {
 
-using kernel::Lanes;
-using kernel::lanes16f;
-using kernel::ld;
-using kernel::st;
+// A register geometry of the kernels: L float lanes per vector, R query rows per strip (the
+// register block of every loop below), and at most A vector accumulators in weighted_rows'
+// block (R rows × some of the head's vectors).
+template <int L, int R, int A>
+struct Geometry {
+  static constexpr int kLanes = L, kRows = R, kAcc = A;
+  typedef float V __attribute__((vector_size(4 * L)));
+  typedef int32_t I __attribute__((vector_size(4 * L)));
+  typedef uint32_t U __attribute__((vector_size(4 * L)));
+};
+// AVX-512's 32 zmm registers: sixteen keys per score vector, eight rows (row_scores_pair
+// holds sixteen accumulators, weighted_rows up to 8 × 4).
+using Wide = Geometry<16, 8, 32>;
+// AVX2's sixteen ymm registers: eight keys per vector, four rows, weighted_rows in blocks of
+// 4 × 2 and row_scores two vectors at a time (eight chains for the two FMA pipes).
+using Narrow = Geometry<8, 4, 8>;
 
-constexpr int kRows = 8;    // query rows per strip: the register block of every loop below
-constexpr int kLanes = 16;  // keys per score vector
+constexpr int kLineFloats = 16;  // floats per 64-byte cache line
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // The row stride of every [rows][keys] scratch (transposed heads, score strips): the keys
-// rounded up to whole vectors, then to an odd number of cache lines, so that the rows one
-// vector loop walks fall into different cache sets (with a stride of 512 keys, 2 KiB, sixteen
-// rows would share two of a 48 KiB L1's 64 sets).
+// rounded up to whole cache lines (whole vectors of either geometry), then to an odd number of
+// them, so that the rows one vector loop walks fall into different cache sets (with a stride
+// of 512 keys, 2 KiB, sixteen rows would share two of a 48 KiB L1's 64 sets).
 int64_t key_stride(int64_t T) {
-  const int64_t t = round_up(T, kLanes);
-  return (t / kLanes) % 2 == 0 ? t + kLanes : t;
+  const int64_t t = round_up(T, kLineFloats);
+  return (t / kLineFloats) % 2 == 0 ? t + kLineFloats : t;
+}
+
+template <class G>
+inline typename G::V vld(const float* p) {
+  typename G::V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <class G>
+inline void vst(float* p, typename G::V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+template <class G>
+inline typename G::V vsplat(float c) {
+  return typename G::V{} + c;
 }
 
 // A worker's scratch, from the caching CPU allocator (no page faults per call).
@@ -41,7 +67,7 @@ float* scratch(torch::Tensor& keep, int64_t n) {
 }
 
 // Xt[d][j] = X[j][d] for the T rows of one head (leading dimension ld), zero for j in [T, ks):
-// a score vector is then sixteen consecutive keys of one dimension.
+// a score vector is then consecutive keys of one dimension.
 CTITAN_KERNEL void transpose_head(const float* X, int64_t ld, int64_t T, int64_t hd, float* Xt, int64_t ks) {
   for (int64_t j = 0; j < T; ++j)
     for (int64_t d = 0; d < hd; ++d) Xt[d * ks + j] = X[j * ld + d];
@@ -55,78 +81,98 @@ void pack_head(const float* X, int64_t ld, int64_t T, int64_t hd, float* out) {
   for (int64_t j = 0; j < T; ++j) std::memcpy(out + j * hd, X + j * ld, hd * sizeof(float));
 }
 
+// S[r][j] = scale · a_r · Bt[·][j] for the rows of A and CB score vectors from vector c on.
+template <class G, int HD, int CB>
+inline void scores_block(const float* A, const float* Bt, int64_t ks, int64_t c, float scale, float* S) {
+  using V = typename G::V;
+  constexpr int R = G::kRows, L = G::kLanes;
+  V acc[R][CB] = {};
+  for (int d = 0; d < HD; ++d) {
+    V b[CB];
+    for (int i = 0; i < CB; ++i) b[i] = vld<G>(Bt + d * ks + (c + i) * L);
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < CB; ++i) acc[r][i] += A[r * HD + d] * b[i];
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < CB; ++i) vst<G>(S + r * ks + (c + i) * L, acc[r][i] * scale);
+}
+
 // S[r][j] = scale · a_r · Bt[·][j] for the kRows rows of A (kRows × HD, contiguous) and the
 // keys of `chunks` score vectors.
-template <int HD>
+template <class G, int HD>
 CTITAN_KERNEL void row_scores(const float* A, const float* Bt, int64_t ks, int64_t chunks, float scale, float* S) {
-  for (int64_t c = 0; c < chunks; ++c) {
-    const Lanes j{c * kLanes};
-    lanes16f acc[kRows] = {};
-    for (int d = 0; d < HD; ++d) {
-      const lanes16f b = ld(Bt + d * ks, j);
-      for (int r = 0; r < kRows; ++r) acc[r] += A[r * HD + d] * b;
-    }
-    for (int r = 0; r < kRows; ++r) st(S + r * ks, j, acc[r] * scale);
-  }
+  constexpr int CB = G::kRows >= 8 ? 1 : 8 / G::kRows;  // eight independent chains
+  int64_t c = 0;
+  for (; c + CB <= chunks; c += CB) scores_block<G, HD, CB>(A, Bt, ks, c, scale, S);
+  for (; c < chunks; ++c) scores_block<G, HD, 1>(A, Bt, ks, c, scale, S);
 }
 
 // The backward's two score strips in one pass: S = scale · q kᵀ and dP = dO vᵀ.
-template <int HD>
+template <class G, int HD>
 CTITAN_KERNEL void row_scores_pair(const float* Q, const float* Kt, const float* DO, const float* Vt, int64_t ks,
                                    int64_t chunks, float scale, float* S, float* DP) {
+  using V = typename G::V;
+  constexpr int R = G::kRows, L = G::kLanes;
   for (int64_t c = 0; c < chunks; ++c) {
-    const Lanes j{c * kLanes};
-    lanes16f s[kRows] = {}, p[kRows] = {};
+    const int64_t j = c * L;
+    V s[R] = {}, p[R] = {};
     for (int d = 0; d < HD; ++d) {
-      const lanes16f kd = ld(Kt + d * ks, j), vd = ld(Vt + d * ks, j);
-      for (int r = 0; r < kRows; ++r) {
+      const V kd = vld<G>(Kt + d * ks + j), vd = vld<G>(Vt + d * ks + j);
+      for (int r = 0; r < R; ++r) {
         s[r] += Q[r * HD + d] * kd;
         p[r] += DO[r * HD + d] * vd;
       }
     }
-    for (int r = 0; r < kRows; ++r) {
-      st(S + r * ks, j, s[r] * scale);
-      st(DP + r * ks, j, p[r]);
+    for (int r = 0; r < R; ++r) {
+      vst<G>(S + r * ks + j, s[r] * scale);
+      vst<G>(DP + r * ks + j, p[r]);
     }
   }
 }
 
 // Out[r] = Σ_j W[r][j] · X_j over keys j < n (rows of X with leading dimension ldx): P·V in
-// the forward, dS·K in the backward.
-template <int HD>
+// the forward, dS·K in the backward. The head's vectors in blocks of at most kAcc / kRows.
+template <class G, int HD>
 CTITAN_KERNEL void weighted_rows(const float* W, int64_t ks, const float* X, int64_t ldx, int64_t n, float* Out) {
-  constexpr int NV = HD / kLanes;
-  lanes16f o[kRows][NV] = {};
-  for (int64_t j = 0; j < n; ++j) {
-    lanes16f x[NV];
-    for (int v = 0; v < NV; ++v) x[v] = ld(X + j * ldx, Lanes{v * kLanes});
-    for (int r = 0; r < kRows; ++r) {
-      const float w = W[r * ks + j];
-      for (int v = 0; v < NV; ++v) o[r][v] += w * x[v];
+  using V = typename G::V;
+  constexpr int R = G::kRows, L = G::kLanes, NV = HD / L;
+  constexpr int DB = NV < G::kAcc / R ? NV : G::kAcc / R;
+  static_assert(NV % DB == 0, "weighted_rows: whole blocks");
+  for (int v0 = 0; v0 < NV; v0 += DB) {
+    V o[R][DB] = {};
+    for (int64_t j = 0; j < n; ++j) {
+      V x[DB];
+      for (int v = 0; v < DB; ++v) x[v] = vld<G>(X + j * ldx + (v0 + v) * L);
+      for (int r = 0; r < R; ++r) {
+        const float w = W[r * ks + j];
+        for (int v = 0; v < DB; ++v) o[r][v] += w * x[v];
+      }
     }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < DB; ++v) vst<G>(Out + r * HD + (v0 + v) * L, o[r][v]);
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int v = 0; v < NV; ++v) st(Out + r * HD, Lanes{v * kLanes}, o[r][v]);
 }
 
 // Dt[·][j] += Σ_r W[r][j] · A_r for the keys of `chunks` score vectors, into a transposed
-// accumulator Dt [HD][ks] (a vector is sixteen keys of one dimension, so every dimension is
-// a chain of its own): Pᵀ·dO into dVᵀ, dSᵀ·Q into dKᵀ. W's entries past a row's last visible
-// key are zero.
-template <int HD>
+// accumulator Dt [HD][ks] (a vector is consecutive keys of one dimension, so every dimension
+// is a chain of its own): Pᵀ·dO into dVᵀ, dSᵀ·Q into dKᵀ. W's entries past a row's last
+// visible key are zero.
+template <class G, int HD>
 CTITAN_KERNEL void accumulate_keys(const float* W, int64_t ks, const float* A, int64_t chunks, float* Dt) {
+  using V = typename G::V;
+  constexpr int R = G::kRows, L = G::kLanes;
   for (int64_t c = 0; c < chunks; ++c) {
-    const Lanes j{c * kLanes};
-    lanes16f w[kRows];
-    for (int r = 0; r < kRows; ++r) w[r] = ld(W + r * ks, j);
+    const int64_t j = c * L;
+    V w[R];
+    for (int r = 0; r < R; ++r) w[r] = vld<G>(W + r * ks + j);
     // Eight dimensions at a time: eight independent chains of kRows products each (one
     // dimension's chain alone would wait on every add).
     for (int d0 = 0; d0 < HD; d0 += 8) {
-      lanes16f acc[8];
-      for (int i = 0; i < 8; ++i) acc[i] = ld(Dt + (d0 + i) * ks, j);
-      for (int r = 0; r < kRows; ++r)
+      V acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = vld<G>(Dt + (d0 + i) * ks + j);
+      for (int r = 0; r < R; ++r)
         for (int i = 0; i < 8; ++i) acc[i] += A[r * HD + d0 + i] * w[r];
-      for (int i = 0; i < 8; ++i) st(Dt + (d0 + i) * ks, j, acc[i]);
+      for (int i = 0; i < 8; ++i) vst<G>(Dt + (d0 + i) * ks + j, acc[i]);
     }
   }
 }
@@ -138,30 +184,33 @@ CTITAN_KERNEL void add_transposed(const float* Xt, int64_t ks, int64_t T, int64_
     for (int64_t d = 0; d < hd; ++d) X[j * ld + d] += alpha * Xt[d * ks + j];
 }
 
-// Sixteen lanes reduced in a fixed tree (a chain of sixteen dependent adds would wait on each).
-inline float lanes_sum(lanes16f v) {
-  for (int w = 8; w >= 1; w /= 2)
+// The lanes reduced in a fixed tree (a chain of dependent adds would wait on each).
+template <class G>
+inline float lanes_sum(typename G::V v) {
+  for (int w = G::kLanes / 2; w >= 1; w /= 2)
     for (int i = 0; i < w; ++i) v[i] += v[i + w];
   return v[0];
 }
-inline float lanes_max(lanes16f v) {
-  for (int w = 8; w >= 1; w /= 2)
+template <class G>
+inline float lanes_max(typename G::V v) {
+  for (int w = G::kLanes / 2; w >= 1; w /= 2)
     for (int i = 0; i < w; ++i) v[i] = v[i + w] > v[i] ? v[i + w] : v[i];
   return v[0];
 }
 
-using lanes16i = int32_t __attribute__((vector_size(64)));
-
 // Which lanes of score vector c a row that sees keys [0, vis) sees.
-inline lanes16i seen_lanes(int64_t c, int64_t vis) {
-  const lanes16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return lane < static_cast<int32_t>(vis - c * kLanes);
+template <class G>
+inline typename G::I seen_lanes(int64_t c, int64_t vis) {
+  typename G::I lane;
+  for (int i = 0; i < G::kLanes; ++i) lane[i] = i;
+  return lane < static_cast<int32_t>(vis - c * G::kLanes);
 }
 
 // Score vector c with the lanes a row does not see at −inf.
-inline lanes16f visible(const float* row, int64_t c, int64_t vis) {
-  const lanes16f v = ld(row, Lanes{c * kLanes});
-  return seen_lanes(c, vis) ? v : kernel::splat<lanes16f>(-std::numeric_limits<float>::infinity());
+template <class G>
+inline typename G::V visible(const float* row, int64_t c, int64_t vis) {
+  const auto v = vld<G>(row + c * G::kLanes);
+  return seen_lanes<G>(c, vis) ? v : vsplat<G>(-std::numeric_limits<float>::infinity());
 }
 
 // e^x for x <= 0 (a score minus its row's maximum or log-sum-exp), the lanes a row does not
@@ -169,83 +218,91 @@ inline lanes16f visible(const float* row, int64_t c, int64_t vis) {
 // at -87 or above (e^-87 ~ 1.6e-38, the smallest value the exponent trick writes; against a
 // row sum of at least 1). Fewer steps than kernel::exp_fast (degree 7, any sign): the
 // softmax's exps are the most vector work per score after the products.
-inline lanes16f exp_seen(lanes16f x, lanes16i seen) {
-  x = x < -87.0f ? kernel::splat<lanes16f>(-87.0f) : x;
-  return seen ? kernel::exp_held<6, lanes16f, kernel::lanes16u>(x) : lanes16f{};
+template <class G>
+inline typename G::V exp_seen(typename G::V x, typename G::I seen) {
+  x = x < -87.0f ? vsplat<G>(-87.0f) : x;
+  return seen ? kernel::exp_held<6, typename G::V, typename G::U>(x) : typename G::V{};
 }
 
 // Forward softmax of a strip's rows in place: row r (query position t0 + r, r < nr) sees keys
 // [0, t0 + r + 1); P = e^(S − m) there and 0 on every other key of its `chunks` vectors; rows
 // from nr on are 0. m and l: each row's maximum and sum.
+template <class G>
 CTITAN_KERNEL void softmax_rows(float* S, int64_t ks, int64_t chunks, int64_t t0, int64_t nr, float* m, float* l) {
-  for (int64_t r = 0; r < kRows; ++r) {
+  using V = typename G::V;
+  constexpr int L = G::kLanes;
+  for (int64_t r = 0; r < G::kRows; ++r) {
     float* row = S + r * ks;
     if (r >= nr) {
-      std::fill(row, row + chunks * kLanes, 0.0f);
+      std::fill(row, row + chunks * L, 0.0f);
       continue;
     }
     const int64_t vis = t0 + r + 1;
-    lanes16f mx = kernel::splat<lanes16f>(-std::numeric_limits<float>::infinity());
+    V mx = vsplat<G>(-std::numeric_limits<float>::infinity());
     for (int64_t c = 0; c < chunks; ++c) {
-      const lanes16f v = visible(row, c, vis);
+      const V v = visible<G>(row, c, vis);
       mx = v > mx ? v : mx;
     }
-    const float mr = lanes_max(mx);
-    lanes16f sum = {};
+    const float mr = lanes_max<G>(mx);
+    V sum = {};
     for (int64_t c = 0; c < chunks; ++c) {
-      const lanes16f p = exp_seen(ld(row, Lanes{c * kLanes}) - mr, seen_lanes(c, vis));
-      st(row, Lanes{c * kLanes}, p);
+      const V p = exp_seen<G>(vld<G>(row + c * L) - mr, seen_lanes<G>(c, vis));
+      vst<G>(row + c * L, p);
       sum += p;
     }
     m[r] = mr;
-    l[r] = lanes_sum(sum);
+    l[r] = lanes_sum<G>(sum);
   }
 }
 
 // Backward of a strip's rows in place (rows and keys as softmax_rows): S → P = e^(S − lse),
 // DP → dS = P ∘ (dP − Σ P ∘ dP); both 0 on the keys a row does not see and on rows from nr on.
+template <class G>
 CTITAN_KERNEL void softmax_backward_rows(float* S, float* DP, int64_t ks, int64_t chunks, int64_t t0, int64_t nr,
                                          const float* lse) {
-  for (int64_t r = 0; r < kRows; ++r) {
+  using V = typename G::V;
+  constexpr int L = G::kLanes;
+  for (int64_t r = 0; r < G::kRows; ++r) {
     float *s = S + r * ks, *dp = DP + r * ks;
     if (r >= nr) {
-      std::fill(s, s + chunks * kLanes, 0.0f);
-      std::fill(dp, dp + chunks * kLanes, 0.0f);
+      std::fill(s, s + chunks * L, 0.0f);
+      std::fill(dp, dp + chunks * L, 0.0f);
       continue;
     }
     const int64_t vis = t0 + r + 1;
-    lanes16f dot = {};
+    V dot = {};
     for (int64_t c = 0; c < chunks; ++c) {
-      const lanes16f p = exp_seen(ld(s, Lanes{c * kLanes}) - lse[r], seen_lanes(c, vis));
-      st(s, Lanes{c * kLanes}, p);
-      dot += p * ld(dp, Lanes{c * kLanes});
+      const V p = exp_seen<G>(vld<G>(s + c * L) - lse[r], seen_lanes<G>(c, vis));
+      vst<G>(s + c * L, p);
+      dot += p * vld<G>(dp + c * L);
     }
-    const float D = lanes_sum(dot);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const Lanes j{c * kLanes};
-      st(dp, j, ld(s, j) * (ld(dp, j) - D));  // P = 0 where the key is not seen: dS = 0 there
+    const float D = lanes_sum<G>(dot);
+    for (int64_t c = 0; c < chunks; ++c) {  // P = 0 where the key is not seen: dS = 0 there
+      vst<G>(dp + c * L, vld<G>(s + c * L) * (vld<G>(dp + c * L) - D));
     }
   }
 }
 
 // Rows [t0, t0 + nr) of one head (leading dimension ld) into a kRows × hd block, the rows past
 // nr zero.
-void load_rows(const float* X, int64_t ld, int64_t t0, int64_t nr, int64_t hd, float* out) {
+void load_rows(const float* X, int64_t ld, int64_t t0, int64_t nr, int64_t hd, int64_t rows, float* out) {
   for (int64_t r = 0; r < nr; ++r) std::memcpy(out + r * hd, X + (t0 + r) * ld, hd * sizeof(float));
-  std::fill(out + nr * hd, out + kRows * hd, 0.0f);
+  std::fill(out + nr * hd, out + rows * hd, 0.0f);
 }
 
 // The strip of query rows [t0, t0 + nr) sees keys [0, t0 + nr); its score rows are computed
 // for whole vectors of keys.
+template <class G>
 struct Strip {
   int64_t t0, nr, keys, chunks;
-  Strip(int64_t t0_, int64_t T) : t0(t0_), nr(std::min<int64_t>(kRows, T - t0_)), keys(t0 + nr) {
-    chunks = (keys + kLanes - 1) / kLanes;
+  Strip(int64_t t0_, int64_t T) : t0(t0_), nr(std::min<int64_t>(G::kRows, T - t0_)), keys(t0 + nr) {
+    chunks = (keys + G::kLanes - 1) / G::kLanes;
   }
 };
 
-template <int HD>
+template <class G, int HD>
 void forward_hd(const Shape& s, float scale, const float* q, const float* k, const float* v, float* out, float* lse) {
+  constexpr int R = G::kRows;
   const int64_t T = s.T, H = s.H, KV = s.KV, rep = H / KV, ks = key_stride(T);
   const int64_t ldq = H * HD, ldk = KV * HD;
   // One task per (batch item, query head): equal work, so two threads split the range evenly.
@@ -253,10 +310,10 @@ void forward_hd(const Shape& s, float scale, const float* q, const float* k, con
     torch::Tensor k1, k2, k3, k4, k5;
     float* Kt = scratch(k1, HD * ks);
     float* Vp = scratch(k5, HD * T);
-    float* S = scratch(k2, kRows * ks);
-    float* Q = scratch(k3, kRows * HD);
-    float* O = scratch(k4, kRows * HD);
-    float m[kRows], l[kRows];
+    float* S = scratch(k2, R * ks);
+    float* Q = scratch(k3, R * HD);
+    float* O = scratch(k4, R * HD);
+    float m[R], l[R];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H;
       const float* qh = q + b * T * ldq + h * HD;
@@ -268,12 +325,12 @@ void forward_hd(const Shape& s, float scale, const float* q, const float* k, con
         transpose_head(kh, ldk, T, HD, Kt, ks);
         pack_head(vh, ldk, T, HD, Vp);
       }
-      for (int64_t t0 = 0; t0 < T; t0 += kRows) {
-        const Strip strip(t0, T);
-        load_rows(qh, ldq, t0, strip.nr, HD, Q);
-        row_scores<HD>(Q, Kt, ks, strip.chunks, scale, S);
-        softmax_rows(S, ks, strip.chunks, t0, strip.nr, m, l);
-        weighted_rows<HD>(S, ks, Vp, HD, strip.keys, O);
+      for (int64_t t0 = 0; t0 < T; t0 += R) {
+        const Strip<G> strip(t0, T);
+        load_rows(qh, ldq, t0, strip.nr, HD, R, Q);
+        row_scores<G, HD>(Q, Kt, ks, strip.chunks, scale, S);
+        softmax_rows<G>(S, ks, strip.chunks, t0, strip.nr, m, l);
+        weighted_rows<G, HD>(S, ks, Vp, HD, strip.keys, O);
         for (int64_t r = 0; r < strip.nr; ++r) {
           const float inv = 1.0f / l[r];
           float* o = oh + (t0 + r) * ldq;
@@ -285,9 +342,10 @@ void forward_hd(const Shape& s, float scale, const float* q, const float* k, con
   });
 }
 
-template <int HD>
+template <class G, int HD>
 void backward_hd(const Shape& s, float scale, const float* q, const float* k, const float* v, const float* dout,
                  const float* lse, float* dq, float* dk, float* dv) {
+  constexpr int R = G::kRows;
   const int64_t T = s.T, H = s.H, KV = s.KV, rep = H / KV, ks = key_stride(T);
   const int64_t ldq = H * HD, ldk = KV * HD;
   // One task per (batch item, kv head) with every query head that reads it: its dK and dV
@@ -299,11 +357,11 @@ void backward_hd(const Shape& s, float scale, const float* q, const float* k, co
     float* Vt = scratch(k2, HD * ks);
     float* dKt = scratch(k8, HD * ks);
     float* dVt = scratch(k9, HD * ks);
-    float* S = scratch(k3, kRows * ks);
-    float* DP = scratch(k4, kRows * ks);
-    float* Q = scratch(k5, kRows * HD);
-    float* DO = scratch(k6, kRows * HD);
-    float* DQ = scratch(k7, kRows * HD);
+    float* S = scratch(k3, R * ks);
+    float* DP = scratch(k4, R * ks);
+    float* Q = scratch(k5, R * HD);
+    float* DO = scratch(k6, R * HD);
+    float* DQ = scratch(k7, R * HD);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KV, kvh = task % KV;
       const int64_t koff = b * T * ldk + kvh * HD;
@@ -315,25 +373,52 @@ void backward_hd(const Shape& s, float scale, const float* q, const float* k, co
       for (int64_t h = kvh * rep; h < (kvh + 1) * rep; ++h) {
         const int64_t qoff = b * T * ldq + h * HD;
         const float* lse_h = lse + (b * H + h) * T;
-        for (int64_t t0 = 0; t0 < T; t0 += kRows) {
-          const Strip strip(t0, T);
-          load_rows(q + qoff, ldq, t0, strip.nr, HD, Q);
-          load_rows(dout + qoff, ldq, t0, strip.nr, HD, DO);
-          row_scores_pair<HD>(Q, Kt, DO, Vt, ks, strip.chunks, scale, S, DP);
-          softmax_backward_rows(S, DP, ks, strip.chunks, t0, strip.nr, lse_h + t0);
-          weighted_rows<HD>(DP, ks, Kp, HD, strip.keys, DQ);
+        for (int64_t t0 = 0; t0 < T; t0 += R) {
+          const Strip<G> strip(t0, T);
+          load_rows(q + qoff, ldq, t0, strip.nr, HD, R, Q);
+          load_rows(dout + qoff, ldq, t0, strip.nr, HD, R, DO);
+          row_scores_pair<G, HD>(Q, Kt, DO, Vt, ks, strip.chunks, scale, S, DP);
+          softmax_backward_rows<G>(S, DP, ks, strip.chunks, t0, strip.nr, lse_h + t0);
+          weighted_rows<G, HD>(DP, ks, Kp, HD, strip.keys, DQ);
           for (int64_t r = 0; r < strip.nr; ++r) {
             float* o = dq + qoff + (t0 + r) * ldq;
             for (int64_t d = 0; d < HD; ++d) o[d] = DQ[r * HD + d] * scale;
           }
-          accumulate_keys<HD>(S, ks, DO, strip.chunks, dVt);
-          accumulate_keys<HD>(DP, ks, Q, strip.chunks, dKt);
+          accumulate_keys<G, HD>(S, ks, DO, strip.chunks, dVt);
+          accumulate_keys<G, HD>(DP, ks, Q, strip.chunks, dKt);
         }
       }
       add_transposed(dVt, ks, T, HD, 1.0f, dv + koff, ldk);
       add_transposed(dKt, ks, T, HD, scale, dk + koff, ldk);
     }
   });
+}
+
+// The geometry a call runs: lanes 16 or 8 forced, 0 the CPU's.
+bool wide_geometry(int lanes) {
+  TORCH_CHECK(lanes == 0 || lanes == 8 || lanes == 16, "[models] attention_direct: lanes ", lanes, " (0, 8 or 16)");
+  return lanes == 16 || (lanes == 0 && wide_vectors());
+}
+
+template <class G>
+void forward_geometry(const Shape& s, float f, const float* q, const float* k, const float* v, float* out, float* lse) {
+  switch (s.hd) {
+    case 16: return forward_hd<G, 16>(s, f, q, k, v, out, lse);
+    case 32: return forward_hd<G, 32>(s, f, q, k, v, out, lse);
+    case 64: return forward_hd<G, 64>(s, f, q, k, v, out, lse);
+    default: TORCH_CHECK(false, "[models] attention_direct: head dim ", s.hd, " not taken");
+  }
+}
+
+template <class G>
+void backward_geometry(const Shape& s, float f, const float* q, const float* k, const float* v, const float* dout,
+                       const float* lse, float* dq, float* dk, float* dv) {
+  switch (s.hd) {
+    case 16: return backward_hd<G, 16>(s, f, q, k, v, dout, lse, dq, dk, dv);
+    case 32: return backward_hd<G, 32>(s, f, q, k, v, dout, lse, dq, dk, dv);
+    case 64: return backward_hd<G, 64>(s, f, q, k, v, dout, lse, dq, dk, dv);
+    default: TORCH_CHECK(false, "[models] attention_direct: head dim ", s.hd, " not taken");
+  }
 }
 
 }  // namespace
@@ -350,7 +435,7 @@ int64_t l2_bytes() {
 
 // A backward task's transposed keys and values and their gradient accumulators.
 int64_t working_set_bytes(int64_t head_dim, int64_t T) {
-  return 4 * head_dim * round_up(T, kLanes) * static_cast<int64_t>(sizeof(float));
+  return 4 * head_dim * round_up(T, kLineFloats) * static_cast<int64_t>(sizeof(float));
 }
 
 bool wide_vectors() {
@@ -363,31 +448,39 @@ bool wide_vectors() {
 #endif
 }
 
-bool preferred(int64_t head_dim, int64_t T) {
-  return takes(head_dim) && wide_vectors() && working_set_bytes(head_dim, T) <= l2_bytes() / 2;
+bool avx2_vectors() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+#else
+  return false;
+#endif
 }
 
-void forward(const Shape& s, double scale, const float* q, const float* k, const float* v, float* out, float* lse) {
+int64_t working_set_limit_bytes() {
+  if (wide_vectors()) return l2_bytes() / 2;
+  if (avx2_vectors()) return 4 * l2_bytes();
+  return 0;
+}
+
+bool preferred(int64_t head_dim, int64_t T) {
+  return takes(head_dim) && working_set_bytes(head_dim, T) <= working_set_limit_bytes();
+}
+
+void forward(const Shape& s, double scale, const float* q, const float* k, const float* v, float* out, float* lse,
+             int lanes) {
   RECORD_FUNCTION("ctitan::attention_direct_forward", std::vector<c10::IValue>());
   const auto f = static_cast<float>(scale);
-  switch (s.hd) {
-    case 16: return forward_hd<16>(s, f, q, k, v, out, lse);
-    case 32: return forward_hd<32>(s, f, q, k, v, out, lse);
-    case 64: return forward_hd<64>(s, f, q, k, v, out, lse);
-    default: TORCH_CHECK(false, "[models] attention_direct: head dim ", s.hd, " not taken");
-  }
+  if (wide_geometry(lanes)) return forward_geometry<Wide>(s, f, q, k, v, out, lse);
+  return forward_geometry<Narrow>(s, f, q, k, v, out, lse);
 }
 
 void backward(const Shape& s, double scale, const float* q, const float* k, const float* v, const float* dout,
-              const float* lse, float* dq, float* dk, float* dv) {
+              const float* lse, float* dq, float* dk, float* dv, int lanes) {
   RECORD_FUNCTION("ctitan::attention_direct_backward", std::vector<c10::IValue>());
   const auto f = static_cast<float>(scale);
-  switch (s.hd) {
-    case 16: return backward_hd<16>(s, f, q, k, v, dout, lse, dq, dk, dv);
-    case 32: return backward_hd<32>(s, f, q, k, v, dout, lse, dq, dk, dv);
-    case 64: return backward_hd<64>(s, f, q, k, v, dout, lse, dq, dk, dv);
-    default: TORCH_CHECK(false, "[models] attention_direct: head dim ", s.hd, " not taken");
-  }
+  if (wide_geometry(lanes)) return backward_geometry<Wide>(s, f, q, k, v, dout, lse, dq, dk, dv);
+  return backward_geometry<Narrow>(s, f, q, k, v, dout, lse, dq, dk, dv);
 }
 
 }  // namespace ctitan::attention_direct

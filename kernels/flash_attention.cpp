@@ -162,7 +162,7 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
  public:
   // q [B, T, H, hd], k and v [B, T, KV, hd], all contiguous.
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, int64_t block_q,
-                        int64_t block_k, int64_t path) {
+                        int64_t block_k, int64_t path, int64_t direct_lanes) {
     RECORD_FUNCTION("ctitan::flash_attention_forward", std::vector<c10::IValue>());
     const int64_t B = q.size(0), T = q.size(1), H = q.size(2), hd = q.size(3), KV = k.size(2), rep = H / KV;
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
@@ -176,9 +176,10 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
     ctx->save_for_backward({q, k, v, lse});
     ctx->saved_data["block_q"] = block_q;
     ctx->saved_data["direct"] = direct;
+    ctx->saved_data["direct_lanes"] = direct_lanes;
     if (direct) {
       attention_direct::forward({B, T, H, KV, hd}, scale, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
-                                out.data_ptr<float>(), lse.data_ptr<float>());
+                                out.data_ptr<float>(), lse.data_ptr<float>(), static_cast<int>(direct_lanes));
       return out;
     }
     const int64_t nblocks = (T + block_q - 1) / block_q;
@@ -232,8 +233,9 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
     if (ctx->saved_data["direct"].toBool()) {
       attention_direct::backward({B, T, H, KV, hd}, scale, q.data_ptr<float>(), k.data_ptr<float>(),
                                  v.data_ptr<float>(), dout.data_ptr<float>(), lse.data_ptr<float>(),
-                                 dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>());
-      return {dq, dk, dv, Tensor(), Tensor(), Tensor()};
+                                 dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(),
+                                 static_cast<int>(ctx->saved_data["direct_lanes"].toInt()));
+      return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor()};
     }
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dt, "ctitan_flash_backward", [&] {
       using acc_t = at::opmath_type<scalar_t>;
@@ -271,7 +273,7 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
         }
       });
     });
-    return {dq.to(dt), dk.to(dt), dv.to(dt), Tensor(), Tensor(), Tensor()};
+    return {dq.to(dt), dk.to(dt), dv.to(dt), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -295,7 +297,7 @@ torch::Tensor flash_causal_attention(const torch::Tensor& q, const torch::Tensor
         .transpose(1, 2);  // [B, T, H, hd]
   }
   return FlashAttentionFn::apply(q.contiguous(), k.contiguous(), v.contiguous(), blocks.q, blocks.k,
-                                 static_cast<int64_t>(blocks.path));
+                                 static_cast<int64_t>(blocks.path), blocks.direct_lanes);
 }
 
 }  // namespace ctitan

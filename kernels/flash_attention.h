@@ -30,6 +30,9 @@ struct FlashAttentionBlocks {
   // Tiles force one (tests and bench/kernel_bench.cpp compare the two). Other dtypes: tiles.
   enum class Path { Rule, Direct, Tiles };
   Path path = Path::Rule;
+  // The direct kernels' vector width (attention_direct::forward's `lanes`): 0 the CPU's (16
+  // floats with AVX-512, else 8); 16 or 8 force one (tests run both on any CPU).
+  int64_t direct_lanes = 0;
 };
 
 // q [B, T, H, hd], k and v [B, T, KV, hd] (H a multiple of KV; query head h reads kv head

@@ -659,7 +659,8 @@ void expect_matches_naive_float32(const AttnCase& c, FlashAttentionBlocks blocks
   const auto ref = naive_attention(in.q, in.k, in.v, in.g);
   const auto got = fused_attention(in.q, in.k, in.v, in.g, blocks);
   SCOPED_TRACE("T=" + std::to_string(c.T) + " H=" + std::to_string(c.H) + " KV=" + std::to_string(c.KV) +
-               " hd=" + std::to_string(c.hd) + " path " + std::to_string(static_cast<int>(blocks.path)));
+               " hd=" + std::to_string(c.hd) + " path " + std::to_string(static_cast<int>(blocks.path)) + " lanes " +
+               std::to_string(blocks.direct_lanes));
   ASSERT_EQ(got.out.sizes(), ref.out.sizes());
   EXPECT_LT(rel_err(got.out, ref.out), 2e-6);
   EXPECT_LT(rel_err(got.dq, ref.dq), 2e-5);
@@ -673,22 +674,28 @@ TEST(FlashAttention, MatchesNaiveFormulaFloat32) {
     for (const Path p : {Path::Rule, Path::Tiles}) expect_matches_naive_float32(c, with_path(c.blocks, p));
 }
 
-// The direct kernels (kernels/attention_direct.h) and the tiles, each forced, on the head sizes
-// the direct ones are built for.
+// The direct kernels (kernels/attention_direct.h) in both vector widths and the tiles, each
+// forced, on the head sizes the direct ones are built for.
 TEST(FlashAttention, DirectKernelsMatchNaiveFormulaFloat32) {
   using Path = FlashAttentionBlocks::Path;
   for (const auto& c : direct_cases()) {
     ASSERT_TRUE(attention_direct::takes(c.hd));
-    for (const Path p : {Path::Direct, Path::Tiles}) expect_matches_naive_float32(c, with_path(c.blocks, p));
+    expect_matches_naive_float32(c, with_path(c.blocks, Path::Tiles));
+    for (const int64_t lanes : {16, 8}) {
+      auto blocks = with_path(c.blocks, Path::Direct);
+      blocks.direct_lanes = lanes;
+      expect_matches_naive_float32(c, blocks);
+    }
   }
 }
 
 // The direct path's sums run in a fixed order per task: one thread or two give the same bits,
 // and so does a second call.
-TEST(FlashAttention, DirectKernelsDoNotDependOnTheThreadCount) {
+void expect_direct_thread_count_independent(int64_t lanes) {
   const AttnCase c{3, 45, 4, 2, 16, {}};
   const auto in = attn_inputs(c, torch::kFloat);
-  const auto blocks = with_path({}, FlashAttentionBlocks::Path::Direct);
+  auto blocks = with_path({}, FlashAttentionBlocks::Path::Direct);
+  blocks.direct_lanes = lanes;
   const int threads = at::get_num_threads();
   at::set_num_threads(1);
   const auto one = fused_attention(in.q, in.k, in.v, in.g, blocks);
@@ -701,12 +708,20 @@ TEST(FlashAttention, DirectKernelsDoNotDependOnTheThreadCount) {
     EXPECT_TRUE(torch::equal(a, b));
 }
 
+TEST(FlashAttention, DirectKernelsDoNotDependOnTheThreadCount) {
+  for (const int64_t lanes : {16, 8}) {
+    SCOPED_TRACE("lanes " + std::to_string(lanes));
+    expect_direct_thread_count_independent(lanes);
+  }
+}
+
 // The rule takes the direct kernels while a backward task's working set (4 · hd · T floats)
-// fits in half of the L2 it reads, and never for a head size they are not built for.
-TEST(FlashAttention, DirectKernelsRuleFollowsTheL2) {
-  const int64_t half_l2_floats = attention_direct::l2_bytes() / 2 / 4;
-  ASSERT_GT(half_l2_floats, 4 * 64 * 16) << "an L2 smaller than the smallest working set";
-  // AVX-512 as the kernel's cpuinfo says it, against the rule's own probe.
+// is within the limit of the CPU's vectors (half the L2 with AVX-512, four times it with AVX2,
+// never with neither), and never for a head size they are not built for.
+TEST(FlashAttention, DirectKernelsRuleFollowsTheVectorsAndTheL2) {
+  const int64_t l2 = attention_direct::l2_bytes();
+  ASSERT_GT(l2 / 2, 4 * 64 * 16 * 4) << "an L2 smaller than the smallest working set";
+  // The vectors as the kernel's /proc/cpuinfo says them, against the rule's own probes.
   std::ifstream cpuinfo("/proc/cpuinfo");
   std::string line;
   while (std::getline(cpuinfo, line) && line.rfind("flags", 0) != 0) {
@@ -715,11 +730,14 @@ TEST(FlashAttention, DirectKernelsRuleFollowsTheL2) {
   std::set<std::string> flags{std::istream_iterator<std::string>(words), std::istream_iterator<std::string>()};
   const bool avx512 =
       flags.count("avx512f") && flags.count("avx512bw") && flags.count("avx512dq") && flags.count("avx512vl");
+  const bool avx2 = flags.count("avx2") && flags.count("fma");
   EXPECT_EQ(attention_direct::wide_vectors(), avx512) << "cpuinfo flags: " << line;
+  EXPECT_EQ(attention_direct::avx2_vectors(), avx2) << "cpuinfo flags: " << line;
+  const int64_t limit = avx512 ? l2 / 2 : avx2 ? 4 * l2 : 0;
+  EXPECT_EQ(attention_direct::working_set_limit_bytes(), limit);
   for (const int64_t hd : {16, 32, 64})
     for (const int64_t T : {16, 512, 2048, 4096, 16384})
-      EXPECT_EQ(attention_direct::preferred(hd, T), avx512 && 4 * hd * T <= half_l2_floats)
-          << "hd " << hd << " T " << T;
+      EXPECT_EQ(attention_direct::preferred(hd, T), 16 * hd * T <= limit) << "hd " << hd << " T " << T;
   EXPECT_FALSE(attention_direct::takes(8));
   EXPECT_FALSE(attention_direct::preferred(8, 16));
   EXPECT_FALSE(attention_direct::preferred(128, 16));
