@@ -76,6 +76,9 @@ struct Library {
   RowMajorSgemm sgemm = nullptr;
   RowMajorBf16Gemm bf16 = nullptr;
   const char* why = "neither oneDNN's nor MKL's GEMM found";
+  // Set where the rule chose oneDNN with MKL beside it: the fp32 weight gradients of small
+  // weights go to MKL's sgemm (weight_grad below).
+  RowMajorSgemm small_weight_grad = nullptr;
 };
 
 // oneDNN implements the bf16 GEMM only from AVX-512 on: elsewhere (an AVX2 CPU running bf16
@@ -141,7 +144,10 @@ Library find_library(Backend want) {
   if (want == Backend::OneDNN) return dnnl ? onednn : Library{};
   if (want == Backend::MKL) return mkl ? intel_mkl : Library{};
   if (dnnl && mkl) {
-    onednn.why = "not an Intel CPU: oneDNN's rather than MKL's, CTITAN_GEMM=mkl for MKL";
+    onednn.why =
+        "not an Intel CPU: oneDNN's rather than MKL's, but MKL's for the weight gradients of weights of up to 2^19 "
+        "elements; CTITAN_GEMM=mkl for MKL, =onednn for oneDNN alone";
+    onednn.small_weight_grad = mkl_sgemm;
     intel_mkl.why = "an Intel CPU: MKL's rather than oneDNN's, CTITAN_GEMM=onednn for oneDNN";
     return preferred_library() == Backend::MKL ? intel_mkl : onednn;
   }
@@ -220,6 +226,25 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
     return {dx, dw};
   }
 };
+
+// dW = dYᵀ X, [out, in] for g [N, out] and x2 [N, in]. Where the rule chose oneDNN and MKL is
+// there too, a weight of up to 2^19 elements takes MKL's sgemm: oneDNN's runs this transposed-A
+// product slowly when the result is small. On an AMD EPYC (Zen 3), 2 threads, GFLOP/s, oneDNN
+// against MKL: the debug model's weights at N = 4096 (256×256, 128×256, 768×256, 256×768,
+// 2048×256) 60-112 against 75-138, MKL ahead in each; the 33M model's at N = 2048 (512×512,
+// 256×512) 72-83 against 112-120; larger ones (1536×512, 512×1536, 8192×512) 128-140 against
+// 107-127, oneDNN ahead (docs/performance.md).
+at::Tensor weight_grad(const at::Tensor& g, const at::Tensor& x2) {
+  const Library& lib = library();
+  const int64_t out = g.size(1), in = x2.size(1), n = g.size(0);
+  if (lib.small_weight_grad == nullptr || out * in > (int64_t{1} << 19)) return mm_f32(g.t(), x2);
+  at::Tensor kg, kx;
+  const Operand og = operand(g.t(), kg), ox = operand(x2, kx);
+  auto c = at::empty({out, in}, x2.options().dtype(at::kFloat));
+  lib.small_weight_grad(og.trans ? 'T' : 'N', ox.trans ? 'T' : 'N', out, in, n, 1.0f, static_cast<const float*>(og.p),
+                        og.ld, static_cast<const float*>(ox.p), ox.ld, 0.0f, c.data_ptr<float>(), in);
+  return c;
+}
 
 }  // namespace
 
@@ -357,7 +382,7 @@ std::pair<at::Tensor, at::Tensor> linear_backward(const at::Tensor& g_in, const 
     return {gx, gw};
   }
   if (need_x) gx = mm_f32(g, w).view(x.sizes());  // dX = dY W
-  if (need_w) gw = mm_f32(g.t(), x2);             // dW = dYᵀ X
+  if (need_w) gw = weight_grad(g, x2);            // dW = dYᵀ X
   return {gx, gw};
 }
 

@@ -1140,6 +1140,8 @@ TEST(Gemm, TheLibraryIsChosenByTheRule) {
   EXPECT_EQ(choice.rfind(gemm::backend_name(expected), 0), 0u) << choice;
   if (want.empty() && dnnl && mkl) {
     EXPECT_NE(choice.find(intel ? "an Intel CPU" : "not an Intel CPU"), std::string::npos) << choice;
+    // Off Intel the small weights' gradients go to MKL (gemm.cpp's weight_grad), and the log says so.
+    EXPECT_EQ(choice.find("MKL's for the weight gradients") != std::string::npos, !intel) << choice;
   }
 #if defined(__x86_64__)
   // Every LibTorch ctitan is built and tested on here (PyTorch 2.13's wheel) exports MKL's.
