@@ -11,7 +11,9 @@
 // bench/gemm_bench.py puts both libraries' entry points beside torch.mm on the 33M model's shapes.
 //
 // Backend, chosen once per process: with both libraries, MKL on an Intel CPU and oneDNN on any
-// other (MKL takes slow paths off Intel; gemm.cpp's preferred_library has the numbers); with
+// other (MKL takes slow paths off Intel; gemm.cpp's preferred_library has the numbers), except
+// there the fp32 weight gradients of weights up to 2^19 elements, which run faster on MKL's
+// (gemm.cpp's weight_grad); with
 // one, that one; with neither, ATen (at::mm, what at::linear would run). CTITAN_GEMM=aten
 // forces ATen (A/B measurements, and a way out should a library misbehave); CTITAN_GEMM=onednn
 // or =mkl insists on that one (error if absent).
