@@ -15,7 +15,8 @@
 #   4. build/kernel_bench with CTITAN_GEMM=mkl and =onednn, alternating, twice each: ctitan's
 #      kernels on each GEMM library (attention's tiles are the library-bound rows), and its
 #      second table as it is: float32 attention's direct kernels against the tiles, with the
-#      path kernels/attention_direct.h's rule takes on this CPU's L2;
+#      path kernels/attention_direct.h's rule takes on this CPU's vectors and L2 (on a CPU with
+#      AVX-512, also run `build/kernel_bench 5 direct 8`: the 8-lane kernels have not been timed there);
 #   5. bench/gemm_bench.py: the 33M projection shapes on ATen, MKL and oneDNN.
 set -euo pipefail
 source "$(dirname "$0")/../scripts/common.sh"
