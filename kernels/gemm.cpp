@@ -193,11 +193,17 @@ Operand operand(const at::Tensor& t, at::Tensor& keep) {
 }
 
 // fp32 [rows, cols] result of op(A)·op(B) for 2-D tensors a [rows, k] and b [k, cols].
-at::Tensor mm_f32(const at::Tensor& a, const at::Tensor& b) {
+// `via`, for float32 operands only: that library's sgemm instead of gemm()'s choice.
+at::Tensor mm_f32(const at::Tensor& a, const at::Tensor& b, RowMajorSgemm via = nullptr) {
   at::Tensor ka, kb;
   const Operand oa = operand(a, ka), ob = operand(b, kb);
-  auto c = at::empty({a.size(0), b.size(1)}, a.options().dtype(at::kFloat));
-  gemm(a.scalar_type(), a.size(0), b.size(1), a.size(1), 1.0, oa, ob, 0.0, c.data_ptr(), b.size(1));
+  const int64_t m = a.size(0), n = b.size(1), k = a.size(1);
+  auto c = at::empty({m, n}, a.options().dtype(at::kFloat));
+  if (via != nullptr)
+    via(oa.trans ? 'T' : 'N', ob.trans ? 'T' : 'N', m, n, k, 1.0f, static_cast<const float*>(oa.p), oa.ld,
+        static_cast<const float*>(ob.p), ob.ld, 0.0f, c.data_ptr<float>(), n);
+  else
+    gemm(a.scalar_type(), m, n, k, 1.0, oa, ob, 0.0, c.data_ptr(), n);
   return c;
 }
 
@@ -236,14 +242,8 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
 // 107-127, oneDNN ahead (docs/performance.md).
 at::Tensor weight_grad(const at::Tensor& g, const at::Tensor& x2) {
   const Library& lib = library();
-  const int64_t out = g.size(1), in = x2.size(1), n = g.size(0);
-  if (lib.small_weight_grad == nullptr || out * in > (int64_t{1} << 19)) return mm_f32(g.t(), x2);
-  at::Tensor kg, kx;
-  const Operand og = operand(g.t(), kg), ox = operand(x2, kx);
-  auto c = at::empty({out, in}, x2.options().dtype(at::kFloat));
-  lib.small_weight_grad(og.trans ? 'T' : 'N', ox.trans ? 'T' : 'N', out, in, n, 1.0f, static_cast<const float*>(og.p),
-                        og.ld, static_cast<const float*>(ox.p), ox.ld, 0.0f, c.data_ptr<float>(), in);
-  return c;
+  const bool small = g.size(1) * x2.size(1) <= (int64_t{1} << 19);
+  return mm_f32(g.t(), x2, small ? lib.small_weight_grad : nullptr);
 }
 
 }  // namespace
