@@ -79,7 +79,24 @@ struct Library {
   // Set where the rule chose oneDNN with MKL beside it: the fp32 weight gradients of small
   // weights go to MKL's sgemm (weight_grad below).
   RowMajorSgemm small_weight_grad = nullptr;
+  // Whether the fp32 forward of a weight with out <= in copies Wᵀ to pass oneDNN a plain B
+  // (LinearFn::forward below).
+  bool copy_narrow_weights = false;
 };
+
+// oneDNN's sgemm with AVX-512 reads a transposed B slower than a plain one when the output is
+// narrow (a Zen 4, M = 2048: 167-169 vs 182-192 GFLOP/s for out <= in), so the forward copies
+// Wᵀ there (one small copy: out·in, not M·anything). With AVX2 it is the other way round: on a
+// Zen 3 (M = 2048, 2 threads, best of 7 × 10 calls, two interleaved rounds) the transposed B
+// ran 156-163 GFLOP/s against 142-151 for the copy plus a plain B (512×512, 256×512,
+// 512×1536 weights), so it is read in place.
+bool onednn_prefers_plain_b() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
 
 // oneDNN implements the bf16 GEMM only from AVX-512 on: elsewhere (an AVX2 CPU running bf16
 // by request) it answers dnnl_unimplemented (3, C untouched); the caller then falls back.
@@ -140,6 +157,7 @@ Library find_library(Backend want) {
   const bool dnnl = dnnl_sgemm_entry() != nullptr && dnnl_bf16_entry() != nullptr;
   const bool mkl = lookup<void*>("sgemm_") && lookup<void*>("cblas_gemm_bf16bf16f32");
   Library onednn{Backend::OneDNN, onednn_sgemm, onednn_bf16, "CTITAN_GEMM"};
+  onednn.copy_narrow_weights = onednn_prefers_plain_b();
   Library intel_mkl{Backend::MKL, mkl_sgemm, mkl_bf16, "CTITAN_GEMM"};
   if (want == Backend::OneDNN) return dnnl ? onednn : Library{};
   if (want == Backend::MKL) return mkl ? intel_mkl : Library{};
@@ -216,14 +234,12 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
     const auto x2 = x.reshape({-1, in});
     std::vector<int64_t> shape = x.sizes().vec();
     shape.back() = out;
-    // oneDNN's sgemm reads a transposed B slower than a plain one when the output is
-    // narrow (measured on a Zen 4, M = 2048: 167-169 vs 182-192 GFLOP/s for out <= in, the
-    // other way round for out 1536 and 8192); Wᵀ is one small copy (out·in, not M·anything).
-    // MKL's does not: on the Intel Xeon (AMX) the copy plus a plain B took 2-15% longer than
-    // the transposed B in 23 of 24 timings of the debug and 33M narrow shapes (M 2048, 4096).
+    // Wᵀ copied for oneDNN with AVX-512 only (onednn_prefers_plain_b). MKL's sgemm does not
+    // want it: on the Intel Xeon (AMX) the copy plus a plain B took 2-15% longer than the
+    // transposed B in 23 of 24 timings of the debug and 33M narrow shapes (M 2048, 4096).
     // _unsafe_view, as ATen's matmul: the output is a fresh tensor, not a view autograd would
     // forbid to modify in place (a view made inside a custom function).
-    if (out <= in && backend() == Backend::OneDNN) return at::_unsafe_view(mm_f32(x2, w.t().contiguous()), shape);
+    if (out <= in && library().copy_narrow_weights) return at::_unsafe_view(mm_f32(x2, w.t().contiguous()), shape);
     return at::_unsafe_view(mm_f32(x2, w.t()), shape);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {

@@ -43,13 +43,66 @@ template <class T>
 inline T narrow_to(float f) {
   return static_cast<T>(f);
 }
+// 16 float32 lanes in a GCC vector (one AVX-512 register, two AVX2 or four SSE ones), and
+// the same lanes as raw bits / as bf16 bits. Loops over a row hand their body a `Lanes`
+// index for each full group of 16 elements and a plain int64_t for the tail; the helpers
+// below (ld, st, exp_fast) take either, so one generic lambda serves both. (GCC does not
+// vectorise a per-element body with exp's bit tricks and bf16 rounding by itself: it built
+// each vector from 16 scalar broadcasts, which made the softmax loops the slowest part of
+// attention.) Each lane computes exactly what the scalar code computes for its element.
+using lanes16f = float __attribute__((vector_size(64)));
+using lanes16u = uint32_t __attribute__((vector_size(64)));
+using lanes16h = uint16_t __attribute__((vector_size(32)));
+using lanes8f = float __attribute__((vector_size(32)));
+using lanes8u = uint32_t __attribute__((vector_size(32)));
+struct Lanes {
+  int64_t j;  // the first of 16 consecutive elements
+};
+
+template <class V>
+struct HalfLanes {};
+template <>
+struct HalfLanes<lanes16f> {
+  using type = lanes8f;
+};
+template <>
+struct HalfLanes<lanes16u> {
+  using type = lanes8u;
+};
+
+// a < b ? x : y, lane by lane (or for scalars). 16-lane vectors are compared as two 8-lane
+// halves: GCC 12 compiles a 64-byte comparison in the AVX2 clone (x86-64-v3, no 64-byte
+// registers) into 16 scalar compares and conditional moves through the stack, and so ran the
+// cross-entropy rows at a tenth of their speed on a Zen 3, while 32-byte halves compile to
+// vcmpps + vblendvps there (two ymm operations in the AVX-512 clone). The same lanes are
+// selected either way.
+template <class V, class W>
+inline W select_less(V a, V b, W x, W y) {
+  if constexpr (std::is_same_v<V, lanes16f> || std::is_same_v<V, lanes16u>) {
+    using HV = typename HalfLanes<V>::type;
+    using HW = typename HalfLanes<W>::type;
+    HV a2[2], b2[2];
+    HW x2[2], y2[2];
+    std::memcpy(a2, &a, sizeof a);
+    std::memcpy(b2, &b, sizeof b);
+    std::memcpy(x2, &x, sizeof x);
+    std::memcpy(y2, &y, sizeof y);
+    for (int i = 0; i < 2; ++i) x2[i] = a2[i] < b2[i] ? x2[i] : y2[i];
+    W r;
+    std::memcpy(&r, x2, sizeof r);
+    return r;
+  } else {
+    return a < b ? x : y;
+  }
+}
+
 // The bf16 bits of float32 bits u, rounded to nearest even, NaN kept NaN (in the low 16 bits).
 // U: uint32_t, or a vector of them (kernel_math's 16-lane store uses the same rounding).
 template <class U>
 inline U bf16_bits(U u) {
   const U rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const auto nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-  return nan ? U{} + 0x7FC0u : rounded;
+  // NaN: the magnitude's bits above infinity's
+  return select_less(U{} + 0x7F800000u, u & 0x7FFFFFFFu, U{} + 0x7FC0u, rounded);
 }
 template <>
 inline c10::BFloat16 narrow_to<c10::BFloat16>(float f) {
@@ -61,20 +114,6 @@ template <class T>
 inline T narrow_to(double d) {
   return static_cast<T>(d);
 }
-
-// 16 float32 lanes in a GCC vector (one AVX-512 register, two AVX2 or four SSE ones), and
-// the same lanes as raw bits / as bf16 bits. Loops over a row hand their body a `Lanes`
-// index for each full group of 16 elements and a plain int64_t for the tail; the helpers
-// below (ld, st, exp_fast) take either, so one generic lambda serves both. (GCC does not
-// vectorise a per-element body with exp's bit tricks and bf16 rounding by itself: it built
-// each vector from 16 scalar broadcasts, which made the softmax loops the slowest part of
-// attention.) Each lane computes exactly what the scalar code computes for its element.
-using lanes16f = float __attribute__((vector_size(64)));
-using lanes16u = uint32_t __attribute__((vector_size(64)));
-using lanes16h = uint16_t __attribute__((vector_size(32)));
-struct Lanes {
-  int64_t j;  // the first of 16 consecutive elements
-};
 
 template <class V>
 inline V splat(float c) {
@@ -106,10 +145,9 @@ inline V exp_held(V x) {
 // V, U: float and uint32_t, or lanes16f and lanes16u.
 template <class V, class U>
 inline V exp_fast_lanes(V x) {
-  const auto under = x < -87.0f;
-  x = x < -87.0f ? splat<V>(-87.0f) : x;
-  x = x > 88.0f ? splat<V>(88.0f) : x;
-  return under ? splat<V>(0.0f) : exp_held<7, V, U>(x);
+  const V lo = splat<V>(-87.0f), hi = splat<V>(88.0f);
+  const V held = select_less(hi, x, hi, select_less(x, lo, lo, x));
+  return select_less(x, lo, splat<V>(0.0f), exp_held<7, V, U>(held));
 }
 inline float exp_fast(float x) { return exp_fast_lanes<float, uint32_t>(x); }
 inline lanes16f exp_fast(lanes16f x) { return exp_fast_lanes<lanes16f, lanes16u>(x); }
@@ -186,7 +224,7 @@ inline Acc lane_max(int64_t n, Acc init, F&& f) {
     lanes16f part = splat<lanes16f>(init);
     for (; j + 16 <= n; j += 16) {
       const lanes16f v = f(Lanes{j});
-      part = v > part ? v : part;
+      part = select_less(part, v, v, part);
     }
     for (int k = 0; k < 16; ++k) m = part[k] > m ? part[k] : m;
   } else {

@@ -1046,6 +1046,15 @@ TEST(KernelMath, LanesComputeExactlyWhatTheScalarHelpersDo) {
   EXPECT_EQ(exp_mismatch, 0);
   EXPECT_EQ(bf16_mismatch, 0);
   EXPECT_EQ(widen_mismatch, 0);
+  // lane_max against a scalar loop with the same rule (a NaN never replaces the maximum), on
+  // the whole sweep and on a tail that is not a whole number of 16-lane groups.
+  for (const int64_t n : {static_cast<int64_t>(x.size()), int64_t{37}}) {
+    float want = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) want = x[j] > want ? x[j] : want;
+    const float got =
+        lane_max<float>(n, -std::numeric_limits<float>::infinity(), [&](auto j) { return ld(x.data(), j); });
+    EXPECT_EQ(bits(got), bits(want)) << "n " << n;
+  }
   // The scalar helpers themselves: e^x within a few ulp where it is representable, 0 below
   // the cut-off, bf16 rounding to nearest even, NaN kept NaN.
   for (float v : {-80.0f, -10.0f, -1.0f, -0.01f, 0.0f, 0.7f, 5.0f, 80.0f})
