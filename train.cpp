@@ -908,7 +908,12 @@ std::function<double()> matmul_peak_measure(const Job& j, const std::string& pea
 // not part of the start-up.
 int train_job(Job& j, gemm::Backend matmuls) {
   const std::string peak_dtype = bf16_compute(j) ? "bfloat16" : "float32";
-  const std::string reference = j.device.cuda
+  // A peak the job gives (the config's, else the environment's) is taken as it is.
+  const double given_tflops =
+      j.cfg.metrics.mfu_peak_tflops > 0 ? j.cfg.metrics.mfu_peak_tflops : runtime_env().mfu_peak_tflops;
+  const std::string reference = j.cfg.metrics.mfu_peak_tflops > 0 ? "metrics.mfu_peak_tflops"
+                                : given_tflops > 0                ? "CTITAN_PEAK_TFLOPS"
+                                : j.device.cuda
                                     ? "cuBLAS matmul on " + j.device.name()
                                     : std::string("the better of ") + gemm::backend_name(matmuls) + " and ATen matmul";
   Trainer trainer(TrainerParts{j.cfg,
@@ -932,7 +937,8 @@ int train_job(Job& j, gemm::Backend matmuls) {
                                peak_dtype,
                                reference,
                                tp_gradient_sync(j),
-                               j.par.dims.tp});
+                               j.par.dims.tp,
+                               given_tflops > 0 ? given_tflops * 1e12 : 0.0});
   return trainer.train();
 }
 

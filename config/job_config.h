@@ -247,6 +247,7 @@ struct Metrics {
   std::string save_tb_folder;
   bool save_for_all_ranks;
   bool enable_wandb;
+  double mfu_peak_tflops;  // ctitan only
 
   template <class V>
   void visit_keys(V& v) {
@@ -260,6 +261,11 @@ struct Metrics {
       "TensorBoard files from every rank (in rank_<r>/) instead of rank 0 only");
     v(enable_wandb, "enable_wandb", false,
       "Log metrics to Weights & Biases (ctitan has no W&B client: use enable_tensorboard)", supported_only({"false"}));
+    v(mfu_peak_tflops, "mfu_peak_tflops", 0.0,
+      "ctitan: the per-rank matmul peak in TFLOP/s that MFU divides by (e.g. a GPU's dense bf16 datasheet figure, "
+      "989.5 for an H100 or H200 SXM): the same reference in every run. 0 measures it when the first metrics line "
+      "is due (and again if a step runs faster); the environment's CTITAN_PEAK_TFLOPS serves where this is 0",
+      at_least(0));
   }
   CTITAN_CONFIG_DEFAULTS(Metrics)
 };

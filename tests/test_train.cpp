@@ -98,6 +98,38 @@ TEST_F(TrainE2E, TwentyStepsLossFalls) {
   EXPECT_NE(ss.str().find("seq_len = 64"), std::string::npos);
 }
 
+// MFU's reference: measured before the first metrics line, unless the job gives one
+// (metrics.mfu_peak_tflops, else CTITAN_PEAK_TFLOPS, which the test suite sets for every other
+// test so that no launch spends its ~0.6 s measuring). A given peak is what MFU divides by.
+TEST_F(TrainE2E, MfuPeakIsMeasuredUnlessTheJobGivesIt) {
+  const std::string measured = (root_ / "peak_measured").string(), given = (root_ / "peak_given").string(),
+                    from_env = (root_ / "peak_env").string();
+  auto m = sh("env -u CTITAN_PEAK_TFLOPS " + kTrain + args(measured, 2));
+  ASSERT_EQ(m.code, 0) << m.out;
+  EXPECT_NE(m.out.find("measured float32 matmul peak: "), std::string::npos) << m.out;
+  auto g = sh("CTITAN_PEAK_TFLOPS=7 " + kTrain + args(given, 2) + " --metrics.mfu_peak_tflops 0.25");
+  ASSERT_EQ(g.code, 0) << g.out;
+  EXPECT_NE(g.out.find("float32 matmul peak: 250.0 GFLOP/s per rank, not measured (MFU reference: "
+                       "metrics.mfu_peak_tflops)"),
+            std::string::npos)
+      << g.out;
+  EXPECT_EQ(g.out.find("measured float32"), std::string::npos) << g.out;
+  auto e = sh("CTITAN_PEAK_TFLOPS=0.5 " + kTrain + args(from_env, 2));
+  ASSERT_EQ(e.code, 0) << e.out;
+  EXPECT_NE(e.out.find("matmul peak: 500.0 GFLOP/s per rank, not measured (MFU reference: CTITAN_PEAK_TFLOPS)"),
+            std::string::npos)
+      << e.out;
+  // MFU = 100 · tflops / the given peak, step by step (metrics.jsonl writes 17 digits).
+  for (const auto& [dump, peak] : {std::pair{given, 0.25}, std::pair{from_env, 0.5}}) {
+    const auto tflops = jsonl_field(dump + "/metrics.jsonl", "tflops"),
+               mfu = jsonl_field(dump + "/metrics.jsonl", "mfu");
+    ASSERT_EQ(tflops.size(), 2u);
+    ASSERT_EQ(mfu.size(), 2u);
+    for (size_t i = 0; i < 2; ++i)
+      EXPECT_NEAR(std::stod(mfu[i]), 100.0 * std::stod(tflops[i]) / peak, 1e-9 * std::stod(mfu[i])) << dump;
+  }
+}
+
 // Start at any size: the 150M flavor on 4 ranks. Each rank builds the model without storage
 // and initialises it one unit at a time, so its peak RSS before step 1 grows over what it held
 // before the model by at most its shard plus one unit (+10%), where it used to hold the whole

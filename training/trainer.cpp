@@ -333,6 +333,11 @@ StepMetrics Trainer::step_metrics(int64_t step, const StepResult& r) {
   const double flops_per_tok = p_.model.flops_per_token;  // the family's count per token
   // The MFU reference, measured here the first time: after this window's time was taken and
   // before the next one starts, so neither the start-up nor a step pays for it.
+  if (peak_flops_ <= 0 && p_.given_peak > 0) {
+    peak_flops_ = p_.given_peak;
+    spdlog::info("{} matmul peak: {:.1f} GFLOP/s per rank, not measured (MFU reference: {})", p_.peak_dtype,
+                 peak_flops_ / 1e9, p_.peak_reference);
+  }
   if (peak_flops_ <= 0) {
     peak_flops_ = p_.measure_peak();
     spdlog::info("measured {} matmul peak: {:.1f} GFLOP/s per rank (MFU reference: {})", p_.peak_dtype,
@@ -347,7 +352,7 @@ StepMetrics Trainer::step_metrics(int64_t step, const StepResult& r) {
   m.lr = r.lr;
   m.tps = window_tokens_ / dt / static_cast<double>(p_.tp);  // torchtitan's: per rank of a tp group
   m.tflops = m.tps * flops_per_tok / 1e12;
-  if (m.tps * flops_per_tok > peak_flops_ && peak_remeasures_ < 3) {
+  if (p_.given_peak <= 0 && m.tps * flops_per_tok > peak_flops_ && peak_remeasures_ < 3) {
     // Training ran faster than the start-up peak: that measurement met a busy moment of a
     // shared machine. Measure again (outside the timed window) rather than report MFU > 100%.
     ++peak_remeasures_;

@@ -59,6 +59,9 @@ struct TrainerParts {
   // parameters' gradients over the tp group (empty: nothing).
   std::function<void()> sync_gradients;
   int64_t tp = 1;  // tensor-parallel degree: a tp group's ranks share their tokens (tokens/s per rank)
+  // > 0: the MFU reference in FLOP/s given by the job (peak_reference says where from); nothing
+  // is measured.
+  double given_peak = 0;
 };
 
 // What one step did, for the metrics (host values, read back by Trainer::settle).

@@ -22,6 +22,7 @@ RuntimeEnv read_env() {
   e.omp_num_threads = var("OMP_NUM_THREADS");
   e.omp_wait_policy = var("OMP_WAIT_POLICY");
   e.restart_count = std::atoll(var("TORCHELASTIC_RESTART_COUNT").c_str());
+  e.mfu_peak_tflops = std::atof(var("CTITAN_PEAK_TFLOPS").c_str());
   e.fault = parse_fault_hook(var("CTITAN_FAULT"));
   e.checkpoint_fault = parse_fault_hook(var("CTITAN_CHECKPOINT_FAULT"));
   e.checkpoint_dump_loaded = var("CTITAN_CHECKPOINT_DUMP_LOADED");

@@ -31,6 +31,7 @@ struct RuntimeEnv {
   std::string omp_num_threads;               // OMP_NUM_THREADS
   std::string omp_wait_policy;               // OMP_WAIT_POLICY (train_main sets it before this is read)
   int64_t restart_count = 0;                 // TORCHELASTIC_RESTART_COUNT: torchrun's restarts so far
+  double mfu_peak_tflops = 0;                // CTITAN_PEAK_TFLOPS: where metrics.mfu_peak_tflops is 0
   // Test hooks.
   std::optional<FaultHook> fault;             // CTITAN_FAULT (train.cpp)
   std::optional<FaultHook> checkpoint_fault;  // CTITAN_CHECKPOINT_FAULT (checkpoint/checkpoint.cpp)
