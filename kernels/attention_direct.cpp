@@ -36,10 +36,11 @@ using Wide = Geometry<16, 8, 32, 8, true>;
 // two FMA pipes). The backward takes eight rows: every pass over the head's transposed keys,
 // values and key gradients (in the L2, not the L1, from head dim 32 on) then does twice the
 // products per load. Its blocks: row_scores 8 × 1 (for S, then for dP), weighted_rows 8 × 1,
-// accumulate_keys 8 row vectors + 4 accumulators. Against four rows, interleaved calls on a
-// Zen 3 (min of 40, 2 threads): backward 31.0 → 25.7 ms at head dim 64 (4×512), 36.1 → 30.2 at
-// 16 (8×512), 119 → 101 at 64 (1×2048); the forward ran 5-10% slower with eight rows. The
-// sums per element run in the same order either way, so the results are bitwise the same.
+// accumulate_keys 8 row vectors + 4 accumulators. Against four rows, calls alternating in one
+// process on a Zen 3 (min of 30, 2 threads): backward 29.0 → 25.4 ms at head dim 64 (4×512),
+// 35.7 → 27.5 at 32 (8×512), 117 → 99 at 64 (1×2048) (docs/performance.md); the forward ran
+// 5-10% slower with eight rows. The sums per element run in the same order either way, so the
+// results are bitwise the same.
 using Narrow = Geometry<8, 4, 8, 8, true>;
 using NarrowBackward = Geometry<8, 8, 8, 4, false>;
 
