@@ -88,8 +88,8 @@ struct Library {
 // narrow (a Zen 4, M = 2048: 167-169 vs 182-192 GFLOP/s for out <= in), so the forward copies
 // Wᵀ there (one small copy: out·in, not M·anything). With AVX2 it is the other way round: on a
 // Zen 3 (M = 2048, 2 threads, best of 7 × 10 calls, two interleaved rounds) the transposed B
-// ran 156-163 GFLOP/s against 142-151 for the copy plus a plain B (512×512, 256×512,
-// 512×1536 weights), so it is read in place.
+// ran 148-163 GFLOP/s against 142-151 for the copy plus a plain B (512×512, 256×512,
+// 512×1536 weights; each weight faster transposed), so it is read in place.
 bool onednn_prefers_plain_b() {
 #if defined(__x86_64__) && defined(__GNUC__)
   return __builtin_cpu_supports("avx512f");

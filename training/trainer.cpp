@@ -331,8 +331,9 @@ StepMetrics Trainer::step_metrics(int64_t step, const StepResult& r) {
   const auto maxes = world_max(
       p_.par, {device.cuda ? gpu_mem.peak_reserved_gib : peak_rss_gib(), comm_s, data_s_, activation_gib_, r.loss_sum});
   const double flops_per_tok = p_.model.flops_per_token;  // the family's count per token
-  // The MFU reference, measured here the first time: after this window's time was taken and
-  // before the next one starts, so neither the start-up nor a step pays for it.
+  // The MFU reference: the job's given peak, else measured here the first time, after this
+  // window's time was taken and before the next one starts, so neither the start-up nor a step
+  // pays for it.
   if (peak_flops_ <= 0 && p_.given_peak > 0) {
     peak_flops_ = p_.given_peak;
     spdlog::info("{} matmul peak: {:.1f} GFLOP/s per rank, not measured (MFU reference: {})", p_.peak_dtype,
