@@ -18,12 +18,15 @@ namespace {
 // A register geometry of the kernels: L float lanes per vector, R query rows per strip (the
 // register block of every loop below), at most A vector accumulators in weighted_rows' block
 // (R rows × some of the head's vectors), KD dimensions per block of the backward's key
-// gradients (accumulate_keys), and whether the backward's two score strips are computed in one
-// pass (2R accumulators) or one after the other.
-template <int L, int R, int A, int KD, bool PAIR>
+// gradients (accumulate_keys), whether the backward's two score strips are computed in one
+// pass (2R accumulators) or one after the other, SR rows per register block of the backward's
+// row_scores and weighted_rows (Sub: the strip's rows SR at a time), and KC score vectors per
+// register block of accumulate_keys.
+template <int L, int R, int A, int KD, bool PAIR, int SR = R, int KC = 1>
 struct Geometry {
-  static constexpr int kLanes = L, kRows = R, kAcc = A, kKeyDims = KD;
+  static constexpr int kLanes = L, kRows = R, kAcc = A, kKeyDims = KD, kKeyChunks = KC;
   static constexpr bool kPairScores = PAIR;
+  using Sub = Geometry<L, SR, A, KD, PAIR, SR, KC>;
   typedef float V __attribute__((vector_size(4 * L)));
   typedef int32_t I __attribute__((vector_size(4 * L)));
   typedef uint32_t U __attribute__((vector_size(4 * L)));
@@ -41,8 +44,15 @@ using Wide = Geometry<16, 8, 32, 8, true>;
 // 35.7 → 27.5 at 32 (8×512), 117 → 99 at 64 (1×2048) (docs/performance.md); the forward ran
 // 5-10% slower with eight rows. The sums per element run in the same order either way, so the
 // results are bitwise the same.
+// Within the backward's eight-row strip, row_scores and weighted_rows take four rows at a time
+// (the forward's 4 × 2 blocks: 6 loads per 8 FMAs against 9 with 8 × 1), and accumulate_keys
+// blocks of 4 dimensions × 2 score vectors (8 accumulators whose row products reuse each
+// loaded key vector 4 times and each broadcast twice; with 1 vector: 36 loads per 32 FMAs, the
+// load ports the limit). Against 8 × 1 blocks (calls alternating in one process on a Zen 3,
+// min of 40, 2 threads, two runs): backward 28.3 → 23.4 and 35.5 → 31.4 ms at head dim 64
+// (4×512), 29.0 → 24.6 and 33.6 → 32.4 at 16 (8×512); bitwise the same (docs/performance.md).
 using Narrow = Geometry<8, 4, 8, 8, true>;
-using NarrowBackward = Geometry<8, 8, 8, 4, false>;
+using NarrowBackward = Geometry<8, 8, 8, 4, false, 4, 2>;
 
 constexpr int kLineFloats = 16;  // floats per 64-byte cache line
 
@@ -78,10 +88,40 @@ float* scratch(torch::Tensor& keep, int64_t n) {
   return keep.data_ptr<float>();
 }
 
+typedef float F8 __attribute__((vector_size(32)));
+typedef int32_t I8 __attribute__((vector_size(32)));
+
+// An 8 × 8 block transposed in registers: r[i] holds row i, then column i.
+inline void transpose8(F8 r[8]) {
+  F8 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {  // rows 2i and 2i+1 interleaved: pairs of columns
+    t[2 * i] = __builtin_shuffle(r[2 * i], r[2 * i + 1], I8{0, 8, 1, 9, 4, 12, 5, 13});
+    t[2 * i + 1] = __builtin_shuffle(r[2 * i], r[2 * i + 1], I8{2, 10, 3, 11, 6, 14, 7, 15});
+  }
+  for (int i = 0; i < 2; ++i)  // four rows' columns k and k + 4 in each of u[4i .. 4i + 3]
+    for (int h = 0; h < 2; ++h) {
+      u[4 * i + 2 * h] = __builtin_shuffle(t[4 * i + h], t[4 * i + 2 + h], I8{0, 1, 8, 9, 4, 5, 12, 13});
+      u[4 * i + 2 * h + 1] = __builtin_shuffle(t[4 * i + h], t[4 * i + 2 + h], I8{2, 3, 10, 11, 6, 7, 14, 15});
+    }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = __builtin_shuffle(u[k], u[4 + k], I8{0, 1, 2, 3, 8, 9, 10, 11});
+    r[k + 4] = __builtin_shuffle(u[k], u[4 + k], I8{4, 5, 6, 7, 12, 13, 14, 15});
+  }
+}
+
 // Xt[d][j] = X[j][d] for the T rows of one head (leading dimension ld), zero for j in [T, ks):
-// a score vector is then consecutive keys of one dimension.
+// a score vector is then consecutive keys of one dimension. In 8 × 8 blocks through registers
+// (hd is a multiple of 8); one element at a time it took ~5% of a forward + backward.
 CTITAN_KERNEL void transpose_head(const float* X, int64_t ld, int64_t T, int64_t hd, float* Xt, int64_t ks) {
-  for (int64_t j = 0; j < T; ++j)
+  const int64_t T8 = T / 8 * 8;
+  for (int64_t j = 0; j < T8; j += 8)
+    for (int64_t d = 0; d < hd; d += 8) {
+      F8 r[8];
+      for (int i = 0; i < 8; ++i) std::memcpy(&r[i], X + (j + i) * ld + d, sizeof r[i]);
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) std::memcpy(Xt + (d + i) * ks + j, &r[i], sizeof r[i]);
+    }
+  for (int64_t j = T8; j < T; ++j)
     for (int64_t d = 0; d < hd; ++d) Xt[d * ks + j] = X[j * ld + d];
   for (int64_t d = 0; d < hd; ++d) std::fill(Xt + d * ks + T, Xt + (d + 1) * ks, 0.0f);
 }
@@ -165,21 +205,50 @@ CTITAN_KERNEL void weighted_rows(const float* W, int64_t ks, const float* X, int
   }
 }
 
+// accumulate_keys on the C score vectors from vector c on, kKeyDims dimensions at a time.
+template <class G, int HD, int C>
+inline void key_block(const float* W, int64_t ks, const float* A, int64_t c, float* Dt) {
+  using V = typename G::V;
+  constexpr int R = G::kRows, L = G::kLanes, D = G::kKeyDims;
+  for (int d0 = 0; d0 < HD; d0 += D) {
+    V acc[D][C];
+    for (int i = 0; i < D; ++i)
+      for (int k = 0; k < C; ++k) acc[i][k] = vld<G>(Dt + (d0 + i) * ks + (c + k) * L);
+    for (int r = 0; r < R; ++r) {
+      V w[C];
+      for (int k = 0; k < C; ++k) w[k] = vld<G>(W + r * ks + (c + k) * L);
+      for (int i = 0; i < D; ++i) {
+        const float a = A[r * HD + d0 + i];
+        for (int k = 0; k < C; ++k) acc[i][k] += a * w[k];
+      }
+    }
+    for (int i = 0; i < D; ++i)
+      for (int k = 0; k < C; ++k) vst<G>(Dt + (d0 + i) * ks + (c + k) * L, acc[i][k]);
+  }
+}
+
 // Dt[·][j] += Σ_r W[r][j] · A_r for the keys of `chunks` score vectors, into a transposed
 // accumulator Dt [HD][ks] (a vector is consecutive keys of one dimension, so every dimension
 // is a chain of its own): Pᵀ·dO into dVᵀ, dSᵀ·Q into dKᵀ. W's entries past a row's last
 // visible key are zero.
+// Each element's terms are added in row order, whatever the blocks.
 template <class G, int HD>
 CTITAN_KERNEL void accumulate_keys(const float* W, int64_t ks, const float* A, int64_t chunks, float* Dt) {
   using V = typename G::V;
-  constexpr int R = G::kRows, L = G::kLanes, D = G::kKeyDims;
+  constexpr int R = G::kRows, L = G::kLanes, D = G::kKeyDims, C = G::kKeyChunks;
   static_assert(HD % D == 0, "accumulate_keys: whole blocks");
+  if constexpr (C > 1) {
+    int64_t c = 0;
+    for (; c + C <= chunks; c += C) key_block<G, HD, C>(W, ks, A, c, Dt);
+    for (; c < chunks; ++c) key_block<G, HD, 1>(W, ks, A, c, Dt);
+    return;
+  }
+  // One score vector at a time: its kRows row vectors stay in registers across the dimension
+  // blocks (AVX-512's 32 registers hold 8 of them and 8 accumulators).
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t j = c * L;
     V w[R];
     for (int r = 0; r < R; ++r) w[r] = vld<G>(W + r * ks + j);
-    // kKeyDims dimensions at a time: independent chains of kRows products each (one
-    // dimension's chain alone would wait on every add).
     for (int d0 = 0; d0 < HD; d0 += D) {
       V acc[D];
       for (int i = 0; i < D; ++i) acc[i] = vld<G>(Dt + (d0 + i) * ks + j);
@@ -190,10 +259,24 @@ CTITAN_KERNEL void accumulate_keys(const float* W, int64_t ks, const float* A, i
   }
 }
 
-// X[j][d] += alpha · Xt[d][j] for the T rows of one head (leading dimension ld).
+// X[j][d] += alpha · Xt[d][j] for the T rows of one head (leading dimension ld), in 8 × 8
+// blocks as transpose_head.
 CTITAN_KERNEL void add_transposed(const float* Xt, int64_t ks, int64_t T, int64_t hd, float alpha, float* X,
                                   int64_t ld) {
-  for (int64_t j = 0; j < T; ++j)
+  const int64_t T8 = T / 8 * 8;
+  for (int64_t j = 0; j < T8; j += 8)
+    for (int64_t d = 0; d < hd; d += 8) {
+      F8 r[8];
+      for (int i = 0; i < 8; ++i) std::memcpy(&r[i], Xt + (d + i) * ks + j, sizeof r[i]);
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) {
+        F8 x;
+        std::memcpy(&x, X + (j + i) * ld + d, sizeof x);
+        x += alpha * r[i];
+        std::memcpy(X + (j + i) * ld + d, &x, sizeof x);
+      }
+    }
+  for (int64_t j = T8; j < T; ++j)
     for (int64_t d = 0; d < hd; ++d) X[j * ld + d] += alpha * Xt[d * ks + j];
 }
 
@@ -393,11 +476,15 @@ void backward_hd(const Shape& s, float scale, const float* q, const float* k, co
           if constexpr (G::kPairScores) {
             row_scores_pair<G, HD>(Q, Kt, DO, Vt, ks, strip.chunks, scale, S, DP);
           } else {  // the same products, one strip after the other
-            row_scores<G, HD>(Q, Kt, ks, strip.chunks, scale, S);
-            row_scores<G, HD>(DO, Vt, ks, strip.chunks, 1.0f, DP);
+            using Sub = typename G::Sub;
+            for (int r0 = 0; r0 < R; r0 += Sub::kRows) {
+              row_scores<Sub, HD>(Q + r0 * HD, Kt, ks, strip.chunks, scale, S + r0 * ks);
+              row_scores<Sub, HD>(DO + r0 * HD, Vt, ks, strip.chunks, 1.0f, DP + r0 * ks);
+            }
           }
           softmax_backward_rows<G>(S, DP, ks, strip.chunks, t0, strip.nr, lse_h + t0);
-          weighted_rows<G, HD>(DP, ks, Kp, HD, strip.keys, DQ);
+          for (int r0 = 0; r0 < R; r0 += G::Sub::kRows)
+            weighted_rows<typename G::Sub, HD>(DP + r0 * ks, ks, Kp, HD, strip.keys, DQ + r0 * HD);
           for (int64_t r = 0; r < strip.nr; ++r) {
             float* o = dq + qoff + (t0 + r) * ldq;
             for (int64_t d = 0; d < HD; ++d) o[d] = DQ[r * HD + d] * scale;
