@@ -4,10 +4,12 @@
 # fused AdamW) eagerly and under torch.compile, side by side in one run, same config, same
 # threads. The machine is shared and noisy, so every number is read next to a reference measured
 # in the same run, and the sides alternate (ctitan, eager, compile, ctitan, eager, compile; the
-# better of the two runs of each is kept).
+# best of the REPS (2) runs of each is kept, against the best of the matmul peaks measured before
+# each round and after the last).
 #
 #   bench/perf.sh            # everything below, prints Markdown tables (docs/performance.md)
 #   STEPS=6 bench/perf.sh    # timed steps per run (after 2 untimed warm-up steps)
+#   REPS=4 bench/perf.sh     # alternating runs per cell of tables 1 and 7 (default 2, the best kept)
 #   PARTS="speed fsdp" bench/perf.sh   # some tables only: speed seq fsdp data parity kernels
 #   PARTS=speed PRECS=bf16 MODELS=33M bench/perf.sh   # some cells of the first table only
 #
@@ -48,6 +50,7 @@ PY=$CTITAN_PYTHON
 PARTS="${PARTS:-speed seq fsdp data parity kernels}"
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 STEPS="${STEPS:-6}"
+REPS="${REPS:-2}"  # alternating runs per cell (tables 1 and 7), the best kept
 WARMUP=2
 THREADS="${THREADS:-$(nproc)}"
 unset OMP_WAIT_POLICY
@@ -117,27 +120,32 @@ best_of() { sort -g -k1,1 | tail -1; }
 
 if part speed; then
 echo
-echo "## ctitan vs PyTorch $($PY -c 'import torch; print(torch.__version__)') eager and torch.compile ($(nproc) cores, $THREADS threads, $STEPS timed steps after $WARMUP warm-up, best of 2 alternating runs)"
+echo "## ctitan vs PyTorch $($PY -c 'import torch; print(torch.__version__)') eager and torch.compile ($(nproc) cores, $THREADS threads, $STEPS timed steps after $WARMUP warm-up, best of $REPS alternating runs)"
 echo
 echo "| model | precision | matmul peak (GFLOP/s) | eager tok/s | compile tok/s | ctitan tok/s | ctitan / eager | ctitan / compile | ctitan MFU | eager MFU | compile MFU | peak RSS eager / compile / ctitan (GiB) |"
 echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 for cfg in ${MODELS:-debug 33M}; do
   for prec in ${PRECS:-fp32 bf16}; do
     log "$cfg $prec"
-    pk=$(peak "$prec")
-    c1=$(ctitan_run "${cfg}_${prec}_a" "$cfg" "$prec"); e1=$(eager_run "$cfg" "$prec"); k1=$(eager_run "$cfg" "$prec" --compile)
-    c2=$(ctitan_run "${cfg}_${prec}_b" "$cfg" "$prec"); e2=$(eager_run "$cfg" "$prec"); k2=$(eager_run "$cfg" "$prec" --compile)
-    pk2=$(peak "$prec")
-    pk=$(printf '%s\n%s\n' "$pk" "$pk2" | sort -g | tail -1)
-    c=$(printf '%s\n%s\n' "$c1" "$c2" | best_of); e=$(printf '%s\n%s\n' "$e1" "$e2" | best_of)
-    k=$(printf '%s\n%s\n' "$k1" "$k2" | best_of)
+    # REPS rounds of ctitan, eager, compile, each after a peak measurement, and a last peak:
+    # the best of each side, against the best peak (a busy moment only slows things down).
+    pks="" cs="" es="" ks=""
+    for ((r = 1; r <= REPS; r++)); do
+      pks+="$(peak "$prec")"$'\n'
+      cs+="$(ctitan_run "${cfg}_${prec}_$r" "$cfg" "$prec")"$'\n'
+      es+="$(eager_run "$cfg" "$prec")"$'\n'
+      ks+="$(eager_run "$cfg" "$prec" --compile)"$'\n'
+    done
+    pks+="$(peak "$prec")"$'\n'
+    pk=$(printf '%s' "$pks" | sort -g | tail -1)
+    c=$(printf '%s' "$cs" | best_of); e=$(printf '%s' "$es" | best_of); k=$(printf '%s' "$ks" | best_of)
     read -r ct cm fpt <<<"$c"; read -r et em <<<"$e"; read -r kt km <<<"$k"
     echo "$cfg $prec $ct" >>"$OUT/tps"
-    log "runs: ctitan $c1 | $c2; eager $e1 | $e2; compile $k1 | $k2"
+    log "runs: peak $(echo $pks); ctitan ${cs//$'\n'/ | }eager ${es//$'\n'/ | }compile ${ks//$'\n'/ | }"
     # On a CPU without native bf16 matmuls one ctitan process trains bf16 requests in fp32 (it
     # says so in its log): its MFU is then taken against the fp32 peak, and the row is marked.
     cpk=$pk p=$prec
-    if grep -q "one process trains in float32" "$OUT/${cfg}_${prec}_a.log"; then
+    if grep -q "one process trains in float32" "$OUT/${cfg}_${prec}_1.log"; then
       cpk=$(peak fp32); p="$prec (ctitan: fp32 ¹)"; fallback=1
     fi
     awk -v m="$cfg" -v p="$p" -v pk="$pk" -v cpk="$cpk" -v ct="$ct" -v et="$et" -v kt="$kt" -v f="$fpt" -v cm="$cm" -v em="$em" -v km="$km" \
@@ -270,16 +278,19 @@ fi
 if part ab; then
 [[ -x "${BASELINE:-}/train" ]] || { log "PARTS=ab needs BASELINE=<build folder with a train binary>"; exit 2; }
 echo
-echo "## this build's train against $BASELINE/train ($(nproc) cores, $THREADS threads, $STEPS timed steps after $WARMUP warm-up, best of 2 alternating runs)"
+echo "## this build's train against $BASELINE/train ($(nproc) cores, $THREADS threads, $STEPS timed steps after $WARMUP warm-up, best of $REPS alternating runs)"
 echo
 echo "| model | precision | baseline tok/s | this build tok/s | this / baseline |"
 echo "|---|---|---|---|---|"
 for cfg in ${MODELS:-debug 33M}; do
   for prec in ${PRECS:-fp32 bf16}; do
-    o1=$(TRAIN_BIN="$BASELINE/train" ctitan_run "ab_old_${cfg}_${prec}_a" "$cfg" "$prec"); n1=$(ctitan_run "ab_new_${cfg}_${prec}_a" "$cfg" "$prec")
-    o2=$(TRAIN_BIN="$BASELINE/train" ctitan_run "ab_old_${cfg}_${prec}_b" "$cfg" "$prec"); n2=$(ctitan_run "ab_new_${cfg}_${prec}_b" "$cfg" "$prec")
-    o=$(printf '%s\n%s\n' "$o1" "$o2" | best_of | cut -d' ' -f1); n=$(printf '%s\n%s\n' "$n1" "$n2" | best_of | cut -d' ' -f1)
-    log "ab runs: baseline $o1 | $o2; this build $n1 | $n2"
+    os="" ns=""
+    for ((r = 1; r <= REPS; r++)); do
+      os+="$(TRAIN_BIN="$BASELINE/train" ctitan_run "ab_old_${cfg}_${prec}_$r" "$cfg" "$prec")"$'\n'
+      ns+="$(ctitan_run "ab_new_${cfg}_${prec}_$r" "$cfg" "$prec")"$'\n'
+    done
+    o=$(printf '%s' "$os" | best_of | cut -d' ' -f1); n=$(printf '%s' "$ns" | best_of | cut -d' ' -f1)
+    log "ab runs: baseline ${os//$'\n'/ | }this build ${ns//$'\n'/ | }"
     awk -v c="$cfg" -v p="$prec" -v o="$o" -v n="$n" 'BEGIN { printf "| %s | %s | %.0f | %.0f | %.3f |\n", c, p, o, n, n / o }'
   done
 done

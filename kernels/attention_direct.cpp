@@ -109,19 +109,32 @@ inline void transpose8(F8 r[8]) {
   }
 }
 
+// For the 8 × 8 blocks (j, d) of rows j < T rounded down to 8 and dimensions d < hd: load(j, d,
+// r) fills r with eight vectors, which are transposed and handed to store(j, d, r).
+template <class Load, class Store>
+inline void transposed_blocks(int64_t T, int64_t hd, Load load, Store store) {
+  for (int64_t j = 0; j + 8 <= T; j += 8)
+    for (int64_t d = 0; d < hd; d += 8) {
+      F8 r[8];
+      load(j, d, r);
+      transpose8(r);
+      store(j, d, r);
+    }
+}
+
 // Xt[d][j] = X[j][d] for the T rows of one head (leading dimension ld), zero for j in [T, ks):
 // a score vector is then consecutive keys of one dimension. In 8 × 8 blocks through registers
 // (hd is a multiple of 8); one element at a time it took ~5% of a forward + backward.
 CTITAN_KERNEL void transpose_head(const float* X, int64_t ld, int64_t T, int64_t hd, float* Xt, int64_t ks) {
-  const int64_t T8 = T / 8 * 8;
-  for (int64_t j = 0; j < T8; j += 8)
-    for (int64_t d = 0; d < hd; d += 8) {
-      F8 r[8];
-      for (int i = 0; i < 8; ++i) std::memcpy(&r[i], X + (j + i) * ld + d, sizeof r[i]);
-      transpose8(r);
-      for (int i = 0; i < 8; ++i) std::memcpy(Xt + (d + i) * ks + j, &r[i], sizeof r[i]);
-    }
-  for (int64_t j = T8; j < T; ++j)
+  transposed_blocks(
+      T, hd,
+      [&](int64_t j, int64_t d, F8* r) {
+        for (int i = 0; i < 8; ++i) std::memcpy(&r[i], X + (j + i) * ld + d, sizeof r[i]);
+      },
+      [&](int64_t j, int64_t d, const F8* r) {
+        for (int i = 0; i < 8; ++i) std::memcpy(Xt + (d + i) * ks + j, &r[i], sizeof r[i]);
+      });
+  for (int64_t j = T / 8 * 8; j < T; ++j)
     for (int64_t d = 0; d < hd; ++d) Xt[d * ks + j] = X[j * ld + d];
   for (int64_t d = 0; d < hd; ++d) std::fill(Xt + d * ks + T, Xt + (d + 1) * ks, 0.0f);
 }
@@ -263,20 +276,20 @@ CTITAN_KERNEL void accumulate_keys(const float* W, int64_t ks, const float* A, i
 // blocks as transpose_head.
 CTITAN_KERNEL void add_transposed(const float* Xt, int64_t ks, int64_t T, int64_t hd, float alpha, float* X,
                                   int64_t ld) {
-  const int64_t T8 = T / 8 * 8;
-  for (int64_t j = 0; j < T8; j += 8)
-    for (int64_t d = 0; d < hd; d += 8) {
-      F8 r[8];
-      for (int i = 0; i < 8; ++i) std::memcpy(&r[i], Xt + (d + i) * ks + j, sizeof r[i]);
-      transpose8(r);
-      for (int i = 0; i < 8; ++i) {
-        F8 x;
-        std::memcpy(&x, X + (j + i) * ld + d, sizeof x);
-        x += alpha * r[i];
-        std::memcpy(X + (j + i) * ld + d, &x, sizeof x);
-      }
-    }
-  for (int64_t j = T8; j < T; ++j)
+  transposed_blocks(
+      T, hd,
+      [&](int64_t j, int64_t d, F8* r) {
+        for (int i = 0; i < 8; ++i) std::memcpy(&r[i], Xt + (d + i) * ks + j, sizeof r[i]);
+      },
+      [&](int64_t j, int64_t d, const F8* r) {
+        for (int i = 0; i < 8; ++i) {
+          F8 x;
+          std::memcpy(&x, X + (j + i) * ld + d, sizeof x);
+          x += alpha * r[i];
+          std::memcpy(X + (j + i) * ld + d, &x, sizeof x);
+        }
+      });
+  for (int64_t j = T / 8 * 8; j < T; ++j)
     for (int64_t d = 0; d < hd; ++d) X[j * ld + d] += alpha * Xt[d * ks + j];
 }
 
