@@ -686,7 +686,7 @@ void log_cpu_attention(const Job& j, const ModelArgs& margs) {
   const int64_t l2_kib = attention_direct::l2_bytes() / 1024;
   const int64_t limit_kib = attention_direct::working_set_limit_bytes() / 1024;
   const char* vectors = attention_direct::wide_vectors()   ? "AVX-512: half"
-                        : attention_direct::avx2_vectors() ? "AVX2: four times"
+                        : attention_direct::avx2_vectors() ? "AVX2: eight times"
                                                            : "";
   std::string why;
   if (bf16_compute(j))

@@ -146,7 +146,9 @@ void bench_direct_attention(int reps, int64_t lanes) {
   };
   for (const Case c :
        {Case{8, 512, 16, 8, 16}, Case{8, 512, 8, 4, 32}, Case{4, 512, 8, 4, 64}, Case{1, 2048, 16, 8, 16},
-        Case{1, 2048, 8, 4, 32}, Case{1, 2048, 8, 4, 64}, Case{1, 4096, 16, 8, 16}, Case{1, 4096, 8, 4, 64}}) {
+        Case{1, 2048, 8, 4, 32}, Case{1, 2048, 8, 4, 64}, Case{1, 4096, 16, 8, 16}, Case{1, 4096, 8, 4, 32},
+        Case{1, 4096, 8, 4, 64}, Case{1, 8192, 16, 8, 16}, Case{1, 8192, 8, 4, 32}, Case{1, 8192, 8, 4, 64},
+        Case{1, 16384, 16, 8, 16}, Case{1, 16384, 8, 4, 32}}) {
     torch::manual_seed(2);
     const auto q = torch::randn({c.B, c.T, c.H, c.hd}), k = torch::randn({c.B, c.T, c.KV, c.hd}),
                v = torch::randn({c.B, c.T, c.KV, c.hd}), go = torch::randn({c.B, c.T, c.H, c.hd});

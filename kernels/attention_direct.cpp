@@ -577,7 +577,7 @@ bool avx2_vectors() {
 
 int64_t working_set_limit_bytes() {
   if (wide_vectors()) return l2_bytes() / 2;
-  if (avx2_vectors()) return 4 * l2_bytes();
+  if (avx2_vectors()) return 8 * l2_bytes();
   return 0;
 }
 

@@ -27,9 +27,11 @@ bool takes(int64_t head_dim);
 // - AVX-512 (16-float vectors, eight query rows per register block), the Intel Xeon (2 MiB
 //   L2): direct 1.06-1.5x faster up to 1 MiB (head dim 16 at 512-4096 positions, 32 at
 //   512-2048, 64 at 512), 0.84-0.9x at 2 MiB (head dim 64 at 2048). Limit: half the L2.
-// - AVX2 (8-float vectors, four rows), an AMD EPYC of the Zen 3 generation (512 KiB L2):
-//   direct 1.25-3.5x faster up to 2 MiB (every case up to head dim 64 at 2048, 16 at 4096),
-//   0.7x at 4 MiB (head dim 64 at 4096). Limit: four times the L2.
+// - AVX2 (8-float vectors), an AMD EPYC of the Zen 3 generation (512 KiB L2), since the
+//   eight-row backward (7352b4c): direct 1.04-2.8x faster up to 2 MiB; at 4 MiB 2.4-2.6x (head
+//   dim 16 at 16384), 1.4-1.5x (32 at 8192), 0.95-1.09x (64 at 4096); at 8 MiB 0.6x (32 at
+//   16384) and 0.41-0.53x (64 at 8192). Limit: eight times the L2 (four until the backward
+//   of 7352b4c: before it, head dim 64 at 4096 ran at 0.7x).
 // - Neither: no limit measured, so never.
 int64_t l2_bytes();
 int64_t working_set_bytes(int64_t head_dim, int64_t T);
