@@ -399,6 +399,21 @@ void load_rows(const float* X, int64_t ld, int64_t t0, int64_t nr, int64_t hd, i
   std::fill(out + nr * hd, out + rows * hd, 0.0f);
 }
 
+// Rows [t0, t1) of one head (leading dimension ld), hd floats each, asked into the cache ahead
+// of use (RW 1: to be written). The forward's query and output rows lie ld floats apart, one
+// or a few cache lines each, and come cold from the projections in a training step. With 8
+// lanes the forward asks for the next strip's rows while this one computes: on the Zen 3
+// (calls alternating in one process, min of 40-60, caches flushed or not) it took 2-9% less
+// time in eight runs at head dim 64 (4×512: 12.39 → 11.51 ms, say) and 5-20% less in four at
+// 16 (8×512); results bitwise the same. Not measured with 16 lanes (no AVX-512 machine since),
+// so that geometry does not. The backward computes longer per strip; there the same measured
+// within its noise (one run of six slower), so it has none.
+template <int RW>
+inline void prefetch_rows(const float* X, int64_t ld, int64_t t0, int64_t t1, int64_t hd) {
+  for (int64_t r = t0; r < t1; ++r)
+    for (int64_t d = 0; d < hd; d += kLineFloats) __builtin_prefetch(X + r * ld + d, RW);
+}
+
 // The strip of query rows [t0, t0 + nr) sees keys [0, t0 + nr); its score rows are computed
 // for whole vectors of keys.
 template <class G>
@@ -437,6 +452,11 @@ void forward_hd(const Shape& s, float scale, const float* q, const float* k, con
       for (int64_t t0 = 0; t0 < T; t0 += R) {
         const Strip<G> strip(t0, T);
         load_rows(qh, ldq, t0, strip.nr, HD, R, Q);
+        if constexpr (G::kLanes == 8) {
+          const int64_t next = std::min(t0 + 2 * R, T);
+          prefetch_rows<0>(qh, ldq, t0 + R, next, HD);
+          prefetch_rows<1>(oh, ldq, t0 + R, next, HD);
+        }
         row_scores<G, HD>(Q, Kt, ks, strip.chunks, scale, S);
         softmax_rows<G>(S, ks, strip.chunks, t0, strip.nr, m, l);
         weighted_rows<G, HD>(S, ks, Vp, HD, strip.keys, O);
