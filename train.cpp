@@ -685,9 +685,11 @@ void log_cpu_attention(const Job& j, const ModelArgs& margs) {
   const int64_t set_kib = attention_direct::working_set_bytes(hd, T) / 1024;
   const int64_t l2_kib = attention_direct::l2_bytes() / 1024;
   const int64_t limit_kib = attention_direct::working_set_limit_bytes() / 1024;
-  const char* vectors = attention_direct::wide_vectors()   ? "AVX-512: half"
-                        : attention_direct::avx2_vectors() ? "AVX2: eight times"
-                                                           : "";
+  // The limit's share of the L2, from the two numbers (the factor lives in the rule alone).
+  const std::string vectors =
+      fmt::format("{}: {}", attention_direct::wide_vectors() ? "AVX-512" : "AVX2",
+                  limit_kib >= l2_kib ? fmt::format("{} times", limit_kib / l2_kib)
+                                      : fmt::format("1/{} of", l2_kib / std::max<int64_t>(limit_kib, 1)));
   std::string why;
   if (bf16_compute(j))
     why = "bfloat16 compute";
