@@ -18,9 +18,11 @@
 //       auto idx = recompute::decide([&] { return std::get<1>(scores.topk(k, -1)); });
 //
 //  2. State updates. Counters, running statistics, caches, load-balancing bookkeeping:
-//     apply them once per forward, not again in the recompute.
+//     apply them once per forward, not again in the recompute. They may use ATen ops (a
+//     buffer on a GPU is updated by one): AC does not count what they produce among the
+//     tensors the recompute must produce again.
 //
-//       recompute::unless_recomputing([&] { tokens_per_expert_total += counts; });
+//       recompute::unless_recomputing([&] { tokens_per_expert.add_(counts); });
 //
 //  3. Matmuls. Every projection goes through recompute::linear(x, w) (Linear does). With
 //     op-level selective AC the forward keeps some of their outputs and the recompute
@@ -49,6 +51,8 @@ class Context {
   virtual at::Tensor linear(const at::Tensor& x, const at::Tensor& w) = 0;
   // Forward: runs f and keeps its tensors. Recompute: returns the kept ones, f not run.
   virtual std::vector<at::Tensor> decide(const std::function<std::vector<at::Tensor>()>& f) = 0;
+  // Forward: runs f, its ops left out of the determinism check. Recompute: nothing.
+  virtual void state_update(const std::function<void()>& f) = 0;
 };
 
 // The context of the unit running on this thread, or nullptr.
@@ -78,7 +82,11 @@ inline bool in_recompute() {
 // Runs f (state updates) unless this is a recompute, so it happens once per forward.
 template <class F>
 void unless_recomputing(F&& f) {
-  if (!in_recompute()) std::forward<F>(f)();
+  Context* c = current_context();
+  if (c == nullptr)
+    std::forward<F>(f)();
+  else
+    c->state_update(std::function<void()>(std::forward<F>(f)));
 }
 
 // Decisions made once in the forward and replayed, in order, by a recompute.

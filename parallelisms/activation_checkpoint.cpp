@@ -261,6 +261,10 @@ class ForwardContext final : public recompute::Context {
     r_.decisions.push_back(ts);
     return ts;  // the very tensors the recompute gets back
   }
+  void state_update(const std::function<void()>& f) override {
+    SuspendRecording s;  // the recompute does not run it
+    f();
+  }
 
  private:
   CheckpointRecord& r_;
@@ -307,6 +311,7 @@ class RecomputeContext final : public recompute::Context {
     for (const auto& t : ts) record_tensor(t);
     return ts;
   }
+  void state_update(const std::function<void()>&) override {}
   // Everything the forward kept was used again (else the recompute took another path).
   void check_consumed() const {
     if (next_decision_ != r_.decisions.size())

@@ -501,6 +501,52 @@ TEST(ACRecomputeApi, GuardedCounterUpdatedOncePerStep) {
   EXPECT_EQ(ac.stats().recomputes, steps * blocks);
 }
 
+// A state update made of ATen ops (a counter buffer's add_, as a MoE block on a GPU updates
+// its tokens-per-expert): counted once per forward, and its tensors are not among those the
+// determinism check compares, in full and op-level SAC. The same ops run in the forward only
+// but outside unless_recomputing are reported (the check can fail).
+TEST(ACRecomputeApi, StateUpdatesMayUseAtenOps) {
+  auto run = [](const std::string& mode, const std::string& option, bool guarded) {
+    auto w = torch::randn({8, 8}, torch::requires_grad());
+    auto counter = torch::zeros({8});
+    UnitFn fn = [=](const at::Tensor& x) {
+      auto y = torch::tanh(recompute::linear(x, w));
+      auto update = [&] {
+        torch::NoGradGuard ng;
+        counter.add_(y.detach().gt(0).sum(0).to(torch::kFloat));
+      };
+      if (guarded)
+        recompute::unless_recomputing(update);
+      else if (!recompute::in_recompute())
+        update();
+      return y;
+    };
+    ActivationCheckpoint ac(options_of({"", mode, option}), {});
+    torch::manual_seed(5);
+    auto x = torch::randn({4, 8}, torch::requires_grad());
+    auto expected = torch::zeros({8});
+    auto h = x;
+    for (int64_t b = 0; b < 2; ++b) {
+      h = ac.wrap("layers." + std::to_string(b), fn)(h);
+      expected += h.detach().gt(0).sum(0).to(torch::kFloat);
+    }
+    h.sum().backward();
+    return std::make_pair(counter, expected);
+  };
+  for (const std::string option : {"2", "op"}) {
+    const std::string mode = option == "op" ? "selective" : "full";
+    auto [counter, expected] = run(mode, option, true);
+    EXPECT_TRUE(torch::equal(counter, expected)) << mode << " " << option << ": " << counter << " vs " << expected;
+    EXPECT_GT(counter.sum().item<double>(), 0.0);
+  }
+  try {
+    run("full", "2", false);
+    ADD_FAILURE() << "an unguarded forward-only op passed the determinism check";
+  } catch (const RuntimeFailure& e) {
+    EXPECT_NE(std::string(e.what()).find("layers.1: the recompute"), std::string::npos) << e.what();
+  }
+}
+
 // A toy router: top-1 over logits that tie exactly in the forward; the recompute sees the
 // second logit one ulp higher (numerically different recompute). decide() replays the
 // forward's choice, so the gradients are those of training without AC.

@@ -170,7 +170,7 @@ TEST(MixtralMoE, ForwardBackwardAndAuxLossMatchPerTokenReference) {
   ((y_ref.reshape({-1, D}) * Rf).sum() + 0.05 * aux).backward();
 
   EXPECT_TRUE(torch::allclose(y, y_ref, 1e-5, 1e-6)) << (y - y_ref).abs().max();
-  EXPECT_NEAR(moe->last_aux_loss, aux.item<double>(), 1e-6);
+  EXPECT_NEAR(moe->last_aux_loss(), aux.item<double>(), 1e-6);
   EXPECT_GT(aux.item<double>(), 1.0);  // random routing is not perfectly balanced
   auto close = [](const torch::Tensor& a, const torch::Tensor& b) { return torch::allclose(a, b, 1e-4, 1e-6); };
   EXPECT_TRUE(close(x.grad(), xr.grad())) << (x.grad() - xr.grad()).abs().max();
@@ -199,7 +199,7 @@ TEST(MixtralMoE, AuxLossIsOneWhenBalancedAndManyTokensNoneDropped) {
     moe->router->gate->weight.zero_();  // uniform scores: P_e = 1/E, Σ f_e = 1
   }
   moe->forward(torch::randn({3, 7, 16}));
-  EXPECT_FLOAT_EQ(float(moe->last_aux_loss), 1.0f);
+  EXPECT_FLOAT_EQ(float(moe->last_aux_loss()), 1.0f);
   // Decisive router, 4096 tokens: every token routed k times, none dropped.
   {
     torch::NoGradGuard ng;

@@ -85,7 +85,10 @@ Routing MoEImpl::route(const torch::Tensor& x) {
     auto counts = torch::bincount(flat, {}, E);  // [E]
     auto order = std::get<1>(torch::sort(flat, /*stable=*/true, 0, /*descending=*/false));
     auto inverse = torch::empty_like(order).scatter_(0, order, torch::arange(N * k, order.options()));
-    return std::vector<torch::Tensor>{values, idx, counts, order, inverse};
+    // The experts' split reads the counts on the host: on a GPU this copy synchronises
+    // (once per block; a recompute reuses it), on the CPU it is the same tensor.
+    auto counts_host = counts.to(torch::kCPU);
+    return std::vector<torch::Tensor>{values, idx, counts, order, inverse, counts_host};
   });
   // Differentiate this pass's logits at the forward's values: x + (a − x) is exactly a
   // when a is within a factor 2 of x (Sterbenz), so a recompute whose logits differ in the
@@ -98,6 +101,7 @@ Routing MoEImpl::route(const torch::Tensor& x) {
   r.counts = decided[2];
   r.order = decided[3];
   r.inverse = decided[4];
+  r.counts_host = decided[5];
   // Mixtral: softmax over all experts, keep the top-k, renormalise (= softmax over the
   // top-k logits). Without the bias: the bias only chooses.
   const auto top = r.scores.gather(-1, r.indices);  // [N, k]
@@ -112,7 +116,9 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x_in) {
   const auto xf = x.reshape({-1, D});  // [N, D]
   const int64_t N = xf.size(0);
   const Routing r = route(xf);
-  const auto cnt = r.counts.contiguous();
+  const auto cnt = r.counts_host.contiguous();
+  TORCH_CHECK(cnt.device().is_cpu() && cnt.scalar_type() == torch::kLong && cnt.numel() == E,
+              "[mixtral] unexpected expert counts: ", cnt.sizes(), " ", cnt.scalar_type(), " on ", cnt.device());
   const std::vector<int64_t> counts(cnt.data_ptr<int64_t>(), cnt.data_ptr<int64_t>() + E);
   // Permute: row j of xs is token order[j] / k, rows grouped by expert.
   const auto tok = torch::div(r.order, k, "floor");
@@ -125,15 +131,12 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x_in) {
   const auto f = r.counts.to(torch::kFloat) / static_cast<double>(N * k);
   const auto P = r.scores.mean(0);
   const auto aux = (f * P).sum() * static_cast<double>(E);
-  // Once per forward. Plain memory reads and writes, no ATen op: activation
-  // checkpointing's determinism check compares the ops of the forward and the recompute.
+  // Once per forward, on the model's device (no read back): the counter adds the exact
+  // integer counts in float32, as torchtitan's buffer does.
   recompute::unless_recomputing([&] {
-    TORCH_CHECK(aux.is_contiguous() && aux.scalar_type() == torch::kFloat && cnt.scalar_type() == torch::kLong &&
-                    tokens_per_expert.is_contiguous() && tokens_per_expert.scalar_type() == torch::kFloat,
-                "[mixtral] unexpected aux / counter layout");
-    last_aux_loss = *aux.data_ptr<float>();
-    float* tpe = tokens_per_expert.data_ptr<float>();
-    for (int64_t e = 0; e < E; ++e) tpe[e] += static_cast<float>(counts[static_cast<size_t>(e)]);
+    torch::NoGradGuard no_grad;
+    last_aux = aux.detach();
+    tokens_per_expert.add_(r.counts.to(tokens_per_expert.scalar_type()));
   });
   // Applied with or without grad mode so the forward and the recompute run the same ops.
   const double scale = args.load_balance_loss_coeff * aux_loss_scale * aux_grad_share;
@@ -186,9 +189,21 @@ TransformerBlock TransformerImpl::block(int64_t i) const {
   return TransformerBlock(std::static_pointer_cast<TransformerBlockImpl>(decoder_block(static_cast<size_t>(i))));
 }
 
+double MoEImpl::last_aux_loss() const { return last_aux.defined() ? last_aux.item<double>() : 0.0; }
+
 double TransformerImpl::load_balance_loss() const {
+  // Every block's value in one copy to the host (one synchronisation on a GPU), summed there
+  // in float64 in block order. A block that has not run a forward adds 0.
+  std::vector<torch::Tensor> values;
+  for (int64_t i = 0; i < n_layers(); ++i) {
+    const auto& a = block(i)->moe->last_aux;
+    if (a.defined()) values.push_back(a.to(torch::kFloat).reshape({1}));
+  }
+  if (values.empty()) return 0.0;
+  const auto host = torch::cat(values).to(torch::kCPU).contiguous();
+  const float* v = host.data_ptr<float>();
   double sum = 0;
-  for (int64_t i = 0; i < n_layers(); ++i) sum += block(i)->moe->last_aux_loss;
+  for (int64_t i = 0; i < host.numel(); ++i) sum += static_cast<double>(v[i]);
   return sum;
 }
 

@@ -27,7 +27,12 @@
 // forward's values, so logits that differ in the last bit during a recompute change
 // neither the routing nor, bit for bit, the gradients. Load counters and the recorded loss value are updated
 // through recompute::unless_recomputing (once per forward). The router jitter draws from
-// the default CPU generator, which AC replays.
+// the default generator of the model's device, which AC replays.
+//
+// On a GPU: the experts' split needs the counts on the host, so the routing copies them
+// there once per block (a synchronisation, decided: a recompute reuses the copy); the
+// counters and the aux value stay on the device, and load_balance_loss() reads every
+// block's aux in one copy.
 //
 // The load-balancing auxiliary loss (Switch / Mixtral) of each block,
 //   aux = E · Σ_e f_e · P_e,  f_e = tokens_per_expert_e / (N·k), P_e = mean_t scores[t, e],
@@ -71,12 +76,14 @@ TORCH_MODULE(GroupedExperts);
 
 // What one MoE forward decided (for tests and statistics).
 struct Routing {
-  torch::Tensor scores;   // float [N, E] softmax of the gate logits (differentiable)
-  torch::Tensor indices;  // int64 [N, k] chosen experts per token
-  torch::Tensor weights;  // float [N, k] renormalised top-k scores (differentiable)
-  torch::Tensor counts;   // int64 [E] tokens per expert (sums to N·k)
-  torch::Tensor order;    // int64 [N·k] slot (t·k + j) of each row of the expert-sorted input
-  torch::Tensor inverse;  // int64 [N·k] row of slot s in the expert-sorted input
+  torch::Tensor scores;       // float [N, E] softmax of the gate logits (differentiable)
+  torch::Tensor indices;      // int64 [N, k] chosen experts per token
+  torch::Tensor weights;      // float [N, k] renormalised top-k scores (differentiable)
+  torch::Tensor counts;       // int64 [E] tokens per expert (sums to N·k)
+  torch::Tensor counts_host;  // the same counts on the host (the same tensor on the CPU), for
+                              // the experts' split: on a GPU the one copy the routing makes
+  torch::Tensor order;        // int64 [N·k] slot (t·k + j) of each row of the expert-sorted input
+  torch::Tensor inverse;      // int64 [N·k] row of slot s in the expert-sorted input
 };
 
 class MoEImpl : public torch::nn::Module {
@@ -104,7 +111,10 @@ class MoEImpl : public torch::nn::Module {
   GroupedExperts experts{nullptr};
   torch::Tensor expert_bias;        // float [E], buffer
   torch::Tensor tokens_per_expert;  // float [E], buffer: tokens routed since the last reset
-  double last_aux_loss = 0;         // aux of the last forward (unscaled)
+  // aux of the last forward (unscaled), a float32 scalar where the model is (undefined before
+  // the first forward); last_aux_loss() reads it to the host.
+  torch::Tensor last_aux;
+  double last_aux_loss() const;
 };
 TORCH_MODULE(MoE);
 
