@@ -8,6 +8,8 @@
 //   SwiGLU against at::silu(a) * b under autograd (y, da, db): every element within one unit in
 //     the last place of the dtype (the formulas are ATen's; the line says whether all are
 //     bitwise equal);
+//   RoPE against a float64 rotation written here (y and dx): every element within 1e-6 of its
+//     pair's length (float32 products), plus 2^-8 in bf16; ATen's route measured beside it;
 //   the cross-entropy against a float64 reference written here (logsumexp, softmax, one-hot):
 //     the loss within 1e-5 relative, each gradient element within 3e-5 relative of it (float32
 //     sums), plus 2^-8 in bf16 (its rounding); ATen's route (chunked_cross_entropy) is measured
@@ -97,6 +99,70 @@ void check_swiglu(at::IntArrayRef shape, at::ScalarType t, bool misaligned) {
                 bitwise ? "yes" : "no");
   report(uy <= 1 && ua <= 1 && ub <= 1,
          std::string("swiglu ") + dtype_name(t) + " " + shape_str(shape) + (misaligned ? " misaligned" : ""), buf);
+}
+
+// ---- RoPE -------------------------------------------------------------------------------
+// A table as the model's: row t, pair i → (cos, sin) of t · 500000^(−2i/hd), `extra` rows more
+// than T (the route takes the first T).
+Tensor rope_table(int64_t T, int64_t hd, int64_t extra) {
+  const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kDouble);
+  const auto inv = at::pow(500000.0, -at::arange(0, hd, 2, opts) / static_cast<double>(hd));  // [hd/2]
+  const auto angle = at::outer(at::arange(T + extra, opts), inv);                             // [T+extra, hd/2]
+  return at::stack({at::cos(angle), at::sin(angle)}, -1).to(at::kFloat);                      // [T+extra, hd/2, 2]
+}
+
+// The rotation in float64 of x [B, T, h, hd] by the table (its float32 values), or by its
+// conjugate (the backward of the rotation).
+Tensor rope_ref64(const Tensor& x, const Tensor& table, bool conjugate) {
+  const int64_t B = x.size(0), T = x.size(1), h = x.size(2), hd = x.size(3);
+  const auto xd = x.to(at::kDouble).view({B, T, h, hd / 2, 2});
+  const auto f = table.narrow(0, 0, T).to(at::kDouble).view({1, T, 1, hd / 2, 2});
+  const auto a = xd.select(-1, 0), b = xd.select(-1, 1), c = f.select(-1, 0), s = f.select(-1, 1);
+  const auto out =
+      conjugate ? at::stack({a * c + b * s, b * c - a * s}, -1) : at::stack({a * c - b * s, a * s + b * c}, -1);
+  return out.view({B, T, h, hd});
+}
+
+// Largest |got − ref| over the length of the pair the element belongs to (a rotation keeps it).
+double max_pair_error(const Tensor& got, const Tensor& ref, const Tensor& input) {
+  const auto sizes = input.sizes().vec();
+  auto shape = sizes;
+  shape.back() /= 2;
+  shape.push_back(2);
+  const auto norm = input.to(at::kDouble).view(shape).pow(2).sum(-1, true).sqrt().expand(shape).reshape(sizes);
+  return ((got.to(at::kDouble) - ref).abs() / norm.clamp_min(1e-30)).max().item<double>();
+}
+
+Grads rope_run(bool own, const Tensor& x0, const Tensor& table, const Tensor& gy) {
+  const auto x = x0.detach().requires_grad_(true);
+  const auto y = own ? ctitan::rotary_emb_cuda(x, table) : ctitan::rotary_emb_aten(x, table);
+  const auto g = torch::autograd::grad({y}, {x}, {gy});
+  return {y.detach(), g[0], Tensor()};
+}
+
+void check_rope(at::IntArrayRef shape, at::ScalarType t, bool misaligned) {
+  const int64_t n = c10::multiply_integers(shape);
+  auto make = [&] {
+    const auto base = random_tensor({n + 1}, t, 2.0);
+    return misaligned ? base.narrow(0, 1, n).view(shape) : base.narrow(0, 0, n).view(shape).clone();
+  };
+  const auto x = make(), gy = make();
+  const auto table = rope_table(shape[1], shape[3], 3);
+  const auto mine = rope_run(true, x, table, gy), aten = rope_run(false, x, table, gy);
+  const auto y_ref = rope_ref64(x, table, false), dx_ref = rope_ref64(gy, table, true);
+  const double ey = max_pair_error(mine.y, y_ref, x), edx = max_pair_error(mine.da, dx_ref, gy);
+  const double ay = max_pair_error(aten.y, y_ref, x), adx = max_pair_error(aten.da, dx_ref, gy);
+  // float32: two products and a sum, each rounded (about 3 · 2^-24 of the pair's length);
+  // bf16: the one rounding to bf16 on top (at most 2^-9 of the element, itself ≤ the length).
+  const double bound = (t == at::kBFloat16 ? 1.0 / 256 : 0) + 1e-6;
+  const bool bitwise = at::equal(mine.y, aten.y) && at::equal(mine.da, aten.da);
+  char buf[320];
+  std::snprintf(buf, sizeof buf,
+                "max error / pair length: y %.2e, dx %.2e (ATen's route %.2e, %.2e; bound %.2e); bitwise equal to "
+                "ATen's: %s",
+                ey, edx, ay, adx, bound, bitwise ? "yes" : "no");
+  report(ey <= bound && edx <= bound,
+         std::string("rope ") + dtype_name(t) + " " + shape_str(shape) + (misaligned ? " misaligned" : ""), buf);
 }
 
 // ---- Cross-entropy ----------------------------------------------------------------------
@@ -189,7 +255,12 @@ int main() {
     check_swiglu({64, 1024}, t, true);
     check_swiglu({16384, 2816}, t, false);  // 150M: 8 × 2048 tokens, hidden 2816
     check_swiglu({8192, 14336}, t, false);  // 8B: 8192 tokens, hidden 14336
-    check_cross_entropy(37, 2051, t);       // V not a multiple of 8: the one-value path
+    check_rope({2, 5, 3, 6}, t, false);     // hd 6: one pair per thread
+    check_rope({2, 16, 4, 16}, t, true);    // misaligned: one pair per thread
+    check_rope({2, 16, 4, 16}, t, false);
+    check_rope({8, 2048, 16, 64}, t, false);   // 150M queries
+    check_rope({1, 8192, 32, 128}, t, false);  // 8B queries
+    check_cross_entropy(37, 2051, t);          // V not a multiple of 8: the one-value path
     check_cross_entropy(64, 2048, t);
     check_cross_entropy(16384, 8192, t);
     check_cross_entropy(8192, 128256, t);
@@ -219,6 +290,15 @@ int main() {
         [&] {
           torch::autograd::grad({ctitan::swiglu_cuda(a, b)}, {a, b}, {gy});
         });
+    const int64_t B = rows / (name == "150M" ? 2048 : 8192), T = rows / B, heads = name == "150M" ? 16 : 32,
+                  hd = name == "150M" ? 64 : 128;
+    const auto q = random_tensor({B, T, heads, hd}, at::kBFloat16, 2.0).requires_grad_(true);
+    const auto gq = random_tensor({B, T, heads, hd}, at::kBFloat16, 1.0);
+    const auto table = rope_table(T, hd, 0);
+    time_pair(
+        "rope bf16 " + shape_str({B, T, heads, hd}) + " (" + name + " queries)",
+        [&] { torch::autograd::grad({ctitan::rotary_emb_aten(q, table)}, {q}, {gq}); },
+        [&] { torch::autograd::grad({ctitan::rotary_emb_cuda(q, table)}, {q}, {gq}); });
     const auto x = random_tensor({rows, vocab}, at::kBFloat16, 4.0).requires_grad_(true);
     const auto labels = at::randint(vocab, {rows}, at::TensorOptions().device(at::kCUDA).dtype(at::kLong));
     const double s = 1.0 / static_cast<double>(rows);

@@ -1,7 +1,7 @@
 // The CUDA kernels of kernels/fused_cuda.h. Plain CUDA C++, no LibTorch header: nvcc compiles
 // this file alone (cmake/cuda_kernels.cmake), fused_ops_cuda.cpp is the torch side.
 //
-// Element-wise kernels (SwiGLU) move 16 bytes per load and store where the pointers allow it
+// Element-wise kernels (SwiGLU, RoPE) move 16 bytes per load and store where the pointers allow it
 // (8 bf16 or 4 float32 values), with a scalar tail; the cross-entropy runs one block per row,
 // each thread keeping a running maximum and sum of exp over its share of the row (one exp per
 // element), combined across the block in a fixed order, so every result is reproducible.
@@ -138,6 +138,64 @@ int swiglu_backward_as(const void* a, const void* b, const void* dy, void* da, v
     swiglu_backward_kernel<T, V>
         <<<blocks_for(packs), kThreads, 0, s>>>(A + off, B + off, G + off, DA + off, DB + off, packs);
   });
+}
+
+// ---- RoPE -------------------------------------------------------------------------------
+// Each interleaved pair (a, b) of x [rows, hd] (row r at position (r / heads) mod T) times
+// cos + i·sin of its frequency, in float32: (a·c − b·s, a·s + b·c), rounded once to T; the
+// backward is the same rotation by the conjugate, (a·c + b·s, b·c − a·s) (CONJ). VEC values per
+// access, VEC even and dividing hd, so a pack never straddles two rows.
+template <class T, int VEC, bool CONJ>
+__global__ void rope_kernel(const T* __restrict__ x, const float2* __restrict__ freqs, T* __restrict__ y, int64_t packs,
+                            int64_t hd, int64_t heads, int64_t T_len) {
+  using P = Pack<T, VEC>;
+  for (int64_t p = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; p < packs; p += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t e = p * VEC;  // first element of the pack
+    const int64_t row = e / hd, col = e - row * hd;
+    const float2* f = freqs + ((row / heads) % T_len) * (hd / 2) + col / 2;
+    P xv, out;
+    if constexpr (sizeof(P) == 16) {
+      xv = reinterpret_cast<const P*>(x)[p];
+    } else {  // one pair, element by element: x may be aligned to its element only
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) xv.v[k] = x[e + k];
+    }
+#pragma unroll
+    for (int k = 0; k < VEC; k += 2) {
+      const float a = widen(xv.v[k]), b = widen(xv.v[k + 1]);
+      const float2 cs = f[k / 2];
+      if (CONJ) {
+        out.v[k] = narrow<T>(a * cs.x + b * cs.y);
+        out.v[k + 1] = narrow<T>(b * cs.x - a * cs.y);
+      } else {
+        out.v[k] = narrow<T>(a * cs.x - b * cs.y);
+        out.v[k + 1] = narrow<T>(a * cs.y + b * cs.x);
+      }
+    }
+    if constexpr (sizeof(P) == 16) {
+      reinterpret_cast<P*>(y)[p] = out;
+    } else {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) y[e + k] = out.v[k];
+    }
+  }
+}
+
+// 16-byte packs when both pointers are 16-byte aligned and hd is a multiple of the pack, else
+// one pair per thread.
+template <class T, bool CONJ>
+int rope_as(const void* x, const float* freqs, void* y, int64_t rows, int64_t hd, int64_t heads, int64_t T_len,
+            cudaStream_t s) {
+  constexpr int VEC = 16 / sizeof(T);
+  const T* X = static_cast<const T*>(x);
+  const auto* F = reinterpret_cast<const float2*>(freqs);
+  T* Y = static_cast<T*>(y);
+  const int64_t n = rows * hd;
+  if (aligned16(x) && aligned16(y) && hd % VEC == 0)
+    rope_kernel<T, VEC, CONJ><<<blocks_for(n / VEC), kThreads, 0, s>>>(X, F, Y, n / VEC, hd, heads, T_len);
+  else
+    rope_kernel<T, 2, CONJ><<<blocks_for(n / 2), kThreads, 0, s>>>(X, F, Y, n / 2, hd, heads, T_len);
+  return static_cast<int>(cudaGetLastError());
 }
 
 // ---- Cross-entropy ----------------------------------------------------------------------
@@ -279,6 +337,20 @@ int swiglu_backward(Elem t, const void* a, const void* b, const void* dy, void* 
   if (n == 0) return 0;
   return t == Elem::BFloat16 ? swiglu_backward_as<bf16>(a, b, dy, da, db, n, s)
                              : swiglu_backward_as<float>(a, b, dy, da, db, n, s);
+}
+
+int rope(Elem t, bool conjugate, const void* x, const float* freqs, void* y, int64_t rows, int64_t hd, int64_t heads,
+         int64_t T_len, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (rows == 0 || hd == 0) return 0;
+  // Odd head sizes have no pairs; the table is read as float2 (8-byte aligned).
+  if (hd % 2 != 0 || heads <= 0 || T_len <= 0 || (reinterpret_cast<uintptr_t>(freqs) & 7) != 0)
+    return static_cast<int>(cudaErrorInvalidValue);
+  if (t == Elem::BFloat16)
+    return conjugate ? rope_as<bf16, true>(x, freqs, y, rows, hd, heads, T_len, s)
+                     : rope_as<bf16, false>(x, freqs, y, rows, hd, heads, T_len, s);
+  return conjugate ? rope_as<float, true>(x, freqs, y, rows, hd, heads, T_len, s)
+                   : rope_as<float, false>(x, freqs, y, rows, hd, heads, T_len, s);
 }
 
 int cross_entropy_forward(Elem t, const void* logits, const int64_t* labels, int64_t rows, int64_t V, float* lse,

@@ -378,7 +378,12 @@ torch::Tensor fused_rotary_emb(const torch::Tensor& x, const torch::Tensor& freq
   const int64_t T = x.size(1), hd = x.size(3);
   TORCH_CHECK(freqs_cis.dim() == 3 && freqs_cis.size(0) >= T && freqs_cis.size(1) * 2 == hd && freqs_cis.size(2) == 2,
               "[models] freqs_cis ", freqs_cis.sizes(), " does not fit x ", x.sizes());
-  if (on_gpu(x)) return rotary_emb_aten(x, freqs_cis);
+  if (on_gpu(x)) {
+#ifdef CTITAN_WITH_CUDA
+    if (own_gpu_kernel_for(x)) return rotary_emb_cuda(x, freqs_cis);
+#endif
+    return rotary_emb_aten(x, freqs_cis);
+  }
   return RotaryFn::apply(x, freqs_cis);
 }
 

@@ -57,6 +57,43 @@ class SwiGLUCudaFn : public torch::autograd::Function<SwiGLUCudaFn> {
   }
 };
 
+// RoPE: the rotation forward, the conjugate rotation of the incoming gradient backward; only
+// the table is saved.
+class RotaryCudaFn : public torch::autograd::Function<RotaryCudaFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& freqs_cis) {
+    RECORD_FUNCTION("ctitan::rotary_emb_forward_cuda", std::vector<c10::IValue>());
+    const c10::cuda::CUDAGuard device_guard(x_in.device());
+    TORCH_CHECK(x_in.dim() == 4 && x_in.size(3) % 2 == 0 && freqs_cis.size(0) >= x_in.size(1),
+                "[kernels] rotary_emb_cuda: x ", x_in.sizes(), " and freqs_cis ", freqs_cis.sizes(), " do not match");
+    const auto x = x_in.contiguous();
+    const auto f = freqs_cis.narrow(0, 0, x.size(1)).to(x.device(), at::kFloat).contiguous();
+    auto y = at::empty_like(x);
+    launch(x, f, y, /*conjugate=*/false);
+    ctx->save_for_backward({f});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    RECORD_FUNCTION("ctitan::rotary_emb_backward_cuda", std::vector<c10::IValue>());
+    const auto f = ctx->get_saved_variables()[0];
+    const c10::cuda::CUDAGuard device_guard(f.device());
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    const auto dy = grads[0].to(dtype).contiguous();
+    auto dx = at::empty_like(dy);
+    launch(dy, f, dx, /*conjugate=*/true);
+    return {dx, at::Tensor()};
+  }
+
+ private:
+  static void launch(const at::Tensor& x, const at::Tensor& f, at::Tensor& y, bool conjugate) {
+    const int64_t heads = x.size(2), hd = x.size(3);
+    launched(gpu::rope(elem_of(x), conjugate, x.data_ptr(), f.data_ptr<float>(), y.data_ptr(), x.numel() / hd, hd,
+                       heads, x.size(1), stream_of(x)),
+             conjugate ? "rotary embedding backward" : "rotary embedding forward");
+  }
+};
+
 // The loss: Σ rows (lse − x[label]) in float64 on the device, times scale, as float32. The
 // backward reads the upstream gradient on the device (no host read).
 class CrossEntropyCudaFn : public torch::autograd::Function<CrossEntropyCudaFn> {
@@ -109,6 +146,10 @@ bool own_gpu_kernel_for(const at::Tensor& t) {
 }
 
 at::Tensor swiglu_cuda(const at::Tensor& a, const at::Tensor& b) { return SwiGLUCudaFn::apply(a, b); }
+
+at::Tensor rotary_emb_cuda(const at::Tensor& x, const at::Tensor& freqs_cis) {
+  return RotaryCudaFn::apply(x, freqs_cis);
+}
 
 at::Tensor cross_entropy_cuda(const at::Tensor& logits, const at::Tensor& labels, double scale) {
   return CrossEntropyCudaFn::apply(logits, labels, scale);

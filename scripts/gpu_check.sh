@@ -41,11 +41,13 @@
 #       then the debug model with CTITAN_GPU_KERNELS=ctitan, 20 steps: float32 within 1e-4
 #       relative of (a)'s GPU run (the start-up line saying the kernels ran), bf16 within 1e-2
 #       of (e)'s AC-none run;
+#   (h) Mixtral (the MoE debug flavor), float32: 20 steps on the GPU against the CPU within
+#       1e-4 relative, and AC full bitwise equal to AC none on the GPU (debug.deterministic);
 # Each part prints PASS or FAIL with its numbers, a failed run one line naming the part, the
 # run and its last log line; the last line sums up. The runs' folders and logs go to
-# outputs/gpu_check/ (git-ignored). Exit 0 only when (a)-(c), (e)-(g) pass and (d) ran.
+# outputs/gpu_check/ (git-ignored). Exit 0 only when (a)-(c), (e)-(h) pass and (d) ran.
 #   scripts/gpu_check.sh --prepare                # step 1, on the CPU machine
-#   scripts/gpu_check.sh                          # everything (parts a b c e f g d)
+#   scripts/gpu_check.sh                          # everything (parts a b c e f g h d)
 #   CTITAN_GPU_PARTS="a b" scripts/gpu_check.sh   # some parts
 #   CTITAN_GPU_CONFIGURE_ONLY=1 scripts/gpu_check.sh  # configure the build and stop (no GPU needed)
 set -uo pipefail
@@ -55,7 +57,7 @@ PY="${PYTHON:-python3}"
 DEPS="${CTITAN_BUILD_DEPS:-$ROOT/build-deps}"
 BUILD="${CTITAN_GPU_BUILD_DIR:-$ROOT/build-gpu}"
 OUT="${CTITAN_GPU_OUT:-$ROOT/outputs/gpu_check}"
-PARTS="${CTITAN_GPU_PARTS:-a b c e f g d}"
+PARTS="${CTITAN_GPU_PARTS:-a b c e f g h d}"
 log() { echo "[gpu_check] $*" >&2; }
 die() { log "$*"; exit 1; }
 
@@ -125,6 +127,7 @@ fail_line() {
 }
 debug=(--job.config_file train_configs/debug_model.toml --training.mixed_precision_param float32
        --debug.seed 42 --metrics.log_freq 1 --metrics.enable_tensorboard false --lr_scheduler.warmup_steps 5)
+mixtral=(--job.config_file train_configs/mixtral_debug.toml "${debug[@]:2}")  # (h): the same, for Mixtral
 
 # losses FILE [FIRST] [LAST] → "step loss grad_norm" lines from a metrics.jsonl
 losses() {
@@ -161,13 +164,15 @@ report() {
   if ((rc == 0)); then echo "$label: $line"; else fail_line "$label: $line"; fi
   return $rc
 }
-run() {  # run NAME [env...] -- args: a train run whose log is $OUT/NAME.log
+run() {  # run NAME [env...] -- args: a train run whose log is $OUT/NAME.log ($RUN_BASE: the
+         # array of base arguments, debug unless set)
   local name=$1; shift
+  local -n base="${RUN_BASE:-debug}"
   local envs=()
   while [[ $# -gt 0 && $1 != -- ]]; do envs+=("$1"); shift; done
   shift
   rm -rf "$OUT/$name"
-  env "${envs[@]}" "$TRAIN" "${debug[@]}" --job.dump_folder "$OUT/$name" "$@" >"$OUT/$name.log" 2>&1
+  env "${envs[@]}" "$TRAIN" "${base[@]}" --job.dump_folder "$OUT/$name" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   grep -m1 "device:" "$OUT/$name.log" >&2
   ((rc == 0)) || { fail_line "(${name%%_*}) FAIL: run $name exited $rc: $(tail -1 "$OUT/$name.log")"; return 1; }
@@ -276,8 +281,8 @@ if part g; then
   cat "$OUT/g_kernels.log"
   ((rc == 0)) || fail_line "(g) FAIL: gpu_kernel_check exited $rc: $(tail -1 "$OUT/g_kernels.log")"
   if run g_f32 CTITAN_GPU_KERNELS=ctitan -- --training.steps 20; then
-    if ! grep -q "SwiGLU and cross-entropy: ctitan's own CUDA kernels" "$OUT/g_f32.log"; then
-      fail_line "(g) FAIL: g_f32 did not say it ran ctitan's kernels: $(grep -m1 'SwiGLU and cross-entropy' "$OUT/g_f32.log")"
+    if ! grep -q "SwiGLU, RoPE and cross-entropy: ctitan's own CUDA kernels" "$OUT/g_f32.log"; then
+      fail_line "(g) FAIL: g_f32 did not say it ran ctitan's kernels: $(grep -m1 'SwiGLU, RoPE and cross-entropy' "$OUT/g_f32.log")"
     elif [[ -s "$OUT/a_gpu.losses" ]]; then
       losses "$OUT/g_f32/metrics.jsonl" >"$OUT/g_f32.losses"
       report "(g) float32, ctitan's kernels vs ATen's (a)" "$OUT/g_f32.losses" "$OUT/a_gpu.losses" 1e-4 || status=1
@@ -293,6 +298,30 @@ if part g; then
       losses "$OUT/g_bf16/metrics.jsonl" >"$OUT/g_bf16.losses"
       report "(g) bf16, ctitan's kernels vs ATen's (e, AC none)" "$OUT/g_bf16.losses" "$OUT/e_none.losses" 1e-2 || status=1
     fi
+  else
+    status=1
+  fi
+fi
+
+if part h; then
+  log "(h) Mixtral (MoE) on the GPU, float32: against the CPU, and AC full against none"
+  # The experts' split reads each block's counts on the host (models/mixtral/model.h): one copy
+  # per block. A routing tie decided differently on the two devices would show here as a
+  # jump in the loss, not as last-bit noise.
+  if RUN_BASE=mixtral run h_gpu -- --training.steps 20 && RUN_BASE=mixtral run h_cpu CUDA_VISIBLE_DEVICES= -- --training.steps 20; then
+    losses "$OUT/h_gpu/metrics.jsonl" >"$OUT/h_gpu.losses" && losses "$OUT/h_cpu/metrics.jsonl" >"$OUT/h_cpu.losses"
+    report "(h) Mixtral float32, GPU vs CPU" "$OUT/h_gpu.losses" "$OUT/h_cpu.losses" 1e-4 || status=1
+  else
+    status=1
+  fi
+  ok=1
+  for mode in none full; do
+    # shellcheck disable=SC2046
+    RUN_BASE=mixtral run "h_$mode" -- --training.steps 20 --debug.deterministic true $(ac_args "$mode") &&
+      losses "$OUT/h_$mode/metrics.jsonl" >"$OUT/h_$mode.losses" || ok=0
+  done
+  if ((ok)); then
+    report "(h) Mixtral float32, AC full vs none" "$OUT/h_full.losses" "$OUT/h_none.losses" 0 || status=1
   else
     status=1
   fi

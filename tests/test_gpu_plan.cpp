@@ -23,6 +23,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
 #include "kernels/fused_cuda.h"
+#include "kernels/fused_ops.h"
 #include "parallelisms/nccl.h"
 #endif
 
@@ -457,6 +458,19 @@ TEST(CudaBuild, OwnKernelsAreLinkedAndAnswer) {
     const auto opts = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
     const auto a = torch::randn({37, 91}, opts), b = torch::randn({37, 91}, opts);
     EXPECT_TRUE(torch::equal(swiglu_cuda(a, b), torch::silu(a) * b));
+  }
+  // RoPE: nothing to rotate is no launch; an odd head size is refused before any launch.
+  EXPECT_EQ(gpu::rope(gpu::Elem::Float32, false, nullptr, nullptr, nullptr, 0, 64, 4, 16, nullptr), 0);
+  EXPECT_EQ(gpu::rope(gpu::Elem::BFloat16, true, nullptr, nullptr, nullptr, 8, 7, 4, 16, nullptr),
+            static_cast<int>(cudaErrorInvalidValue));
+  if (torch::cuda::device_count() == 0) {
+    EXPECT_NE(gpu::rope(gpu::Elem::Float32, false, nullptr, nullptr, nullptr, 8, 64, 4, 16, nullptr), 0)
+        << "a kernel launched without a GPU";
+  } else {
+    const auto x = torch::randn({2, 16, 4, 32}, torch::TensorOptions().device(torch::kCUDA));
+    const auto angle = torch::outer(torch::arange(16.0), torch::rand({16})).to(torch::kCUDA);
+    const auto table = torch::stack({torch::cos(angle), torch::sin(angle)}, -1);
+    EXPECT_TRUE(torch::allclose(rotary_emb_cuda(x, table), rotary_emb_aten(x, table), 1e-6, 1e-6));
   }
 }
 #endif
