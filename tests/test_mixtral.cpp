@@ -188,6 +188,9 @@ TEST(MixtralMoE, ForwardBackwardAndAuxLossMatchPerTokenReference) {
   for (int64_t e = 0; e < E; ++e) EXPECT_EQ(r.counts[e].item<int64_t>(), count[e]) << "expert " << e;
   EXPECT_TRUE(torch::equal(torch::bincount(torch::div(r.order, k, "floor"), {}, N), torch::full({N}, k, torch::kLong)));
   EXPECT_TRUE(torch::equal(moe->tokens_per_expert, r.counts.to(torch::kFloat)));
+  // The experts' split reads the host copy of the counts (on a GPU the routing's one copy).
+  EXPECT_TRUE(r.counts_host.device().is_cpu());
+  EXPECT_TRUE(torch::equal(r.counts_host, r.counts.cpu()));
 }
 
 TEST(MixtralMoE, AuxLossIsOneWhenBalancedAndManyTokensNoneDropped) {
