@@ -43,6 +43,7 @@
 #       of (e)'s AC-none run;
 #   (h) Mixtral (the MoE debug flavor), float32: 20 steps on the GPU against the CPU within
 #       1e-4 relative, and AC full bitwise equal to AC none on the GPU (debug.deterministic);
+#       bf16 mixed precision within 5e-2 of that float32 run;
 # Each part prints PASS or FAIL with its numbers, a failed run one line naming the part, the
 # run and its last log line; the last line sums up. The runs' folders and logs go to
 # outputs/gpu_check/ (git-ignored). Exit 0 only when (a)-(c), (e)-(h) pass and (d) ran.
@@ -322,6 +323,17 @@ if part h; then
   done
   if ((ok)); then
     report "(h) Mixtral float32, AC full vs none" "$OUT/h_full.losses" "$OUT/h_none.losses" 0 || status=1
+  else
+    status=1
+  fi
+  # bf16 mixed precision (FSDP's machinery over a group of one, as (e)), against float32.
+  # shellcheck disable=SC2046
+  if RUN_BASE=mixtral run h_bf16 -- --training.steps 20 --debug.deterministic true \
+    --training.mixed_precision_param bfloat16 $(ac_args none); then
+    if [[ -s "$OUT/h_none.losses" ]]; then
+      losses "$OUT/h_bf16/metrics.jsonl" >"$OUT/h_bf16.losses"
+      report "(h) Mixtral bf16 vs float32, 20 steps" "$OUT/h_bf16.losses" "$OUT/h_none.losses" 5e-2 || status=1
+    fi
   else
     status=1
   fi
