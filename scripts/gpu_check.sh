@@ -178,6 +178,16 @@ run() {  # run NAME [env...] -- args: a train run whose log is $OUT/NAME.log ($R
   grep -m1 "device:" "$OUT/$name.log" >&2
   ((rc == 0)) || { fail_line "(${name%%_*}) FAIL: run $name exited $rc: $(tail -1 "$OUT/$name.log")"; return 1; }
 }
+# run_vs REF TOL LABEL NAME [env...] -- args: a run (as run) whose losses are then reported
+# against the file REF, when an earlier part wrote it.
+run_vs() {
+  local ref=$1 tol=$2 label=$3 name=$4
+  shift 4
+  run "$name" "$@" || { status=1; return 1; }
+  [[ -s "$ref" ]] || return 0
+  losses "$OUT/$name/metrics.jsonl" >"$OUT/$name.losses"
+  report "$label" "$OUT/$name.losses" "$ref" "$tol" || status=1
+}
 # AC modes by name → their train arguments.
 ac_args() {
   case $1 in
@@ -293,15 +303,8 @@ if part g; then
   fi
   # bf16, as (e)'s AC-none run: the precision the kernels are for.
   # shellcheck disable=SC2046
-  if run g_bf16 CTITAN_GPU_KERNELS=ctitan -- --training.steps 20 --debug.deterministic true \
-    --training.mixed_precision_param bfloat16 $(ac_args none); then
-    if [[ -s "$OUT/e_none.losses" ]]; then
-      losses "$OUT/g_bf16/metrics.jsonl" >"$OUT/g_bf16.losses"
-      report "(g) bf16, ctitan's kernels vs ATen's (e, AC none)" "$OUT/g_bf16.losses" "$OUT/e_none.losses" 1e-2 || status=1
-    fi
-  else
-    status=1
-  fi
+  run_vs "$OUT/e_none.losses" 1e-2 "(g) bf16, ctitan's kernels vs ATen's (e, AC none)" g_bf16 CTITAN_GPU_KERNELS=ctitan -- \
+    --training.steps 20 --debug.deterministic true --training.mixed_precision_param bfloat16 $(ac_args none)
 fi
 
 if part h; then
@@ -328,15 +331,8 @@ if part h; then
   fi
   # bf16 mixed precision (FSDP's machinery over a group of one, as (e)), against float32.
   # shellcheck disable=SC2046
-  if RUN_BASE=mixtral run h_bf16 -- --training.steps 20 --debug.deterministic true \
-    --training.mixed_precision_param bfloat16 $(ac_args none); then
-    if [[ -s "$OUT/h_none.losses" ]]; then
-      losses "$OUT/h_bf16/metrics.jsonl" >"$OUT/h_bf16.losses"
-      report "(h) Mixtral bf16 vs float32, 20 steps" "$OUT/h_bf16.losses" "$OUT/h_none.losses" 5e-2 || status=1
-    fi
-  else
-    status=1
-  fi
+  RUN_BASE=mixtral run_vs "$OUT/h_none.losses" 5e-2 "(h) Mixtral bf16 vs float32, 20 steps" h_bf16 -- \
+    --training.steps 20 --debug.deterministic true --training.mixed_precision_param bfloat16 $(ac_args none)
 fi
 
 if part d; then
