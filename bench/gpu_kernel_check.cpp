@@ -71,6 +71,14 @@ Tensor random_tensor(at::IntArrayRef shape, at::ScalarType t, double scale) {
   return (at::randn(shape, at::TensorOptions().device(at::kCUDA).dtype(at::kFloat)) * scale).to(t);
 }
 
+// random_tensor's values as a tensor of its own, or as a view starting one element into its
+// storage (misaligned: its data pointer is not 16-byte aligned).
+Tensor random_operand(at::IntArrayRef shape, at::ScalarType t, double scale, bool misaligned) {
+  const int64_t n = c10::multiply_integers(shape);
+  const auto base = random_tensor({n + 1}, t, scale);
+  return misaligned ? base.narrow(0, 1, n).view(shape) : base.narrow(0, 0, n).view(shape).clone();
+}
+
 // ---- SwiGLU -----------------------------------------------------------------------------
 struct Grads {
   Tensor y, da, db;
@@ -84,13 +92,8 @@ Grads swiglu_run(bool own, const Tensor& a0, const Tensor& b0, const Tensor& gy)
 }
 
 void check_swiglu(at::IntArrayRef shape, at::ScalarType t, bool misaligned) {
-  const int64_t n = c10::multiply_integers(shape);
-  // A view starting one element in: its data pointer is not 16-byte aligned.
-  auto make = [&](double scale) {
-    const auto base = random_tensor({n + 1}, t, scale);
-    return misaligned ? base.narrow(0, 1, n).view(shape) : base.narrow(0, 0, n).view(shape).clone();
-  };
-  const auto a = make(3.0), b = make(1.0), gy = make(1.0);
+  const auto a = random_operand(shape, t, 3.0, misaligned), b = random_operand(shape, t, 1.0, misaligned),
+             gy = random_operand(shape, t, 1.0, misaligned);
   const auto mine = swiglu_run(true, a, b, gy), ref = swiglu_run(false, a, b, gy);
   const double uy = max_ulps(mine.y, ref.y), ua = max_ulps(mine.da, ref.da), ub = max_ulps(mine.db, ref.db);
   const bool bitwise = at::equal(mine.y, ref.y) && at::equal(mine.da, ref.da) && at::equal(mine.db, ref.db);
@@ -141,12 +144,7 @@ Grads rope_run(bool own, const Tensor& x0, const Tensor& table, const Tensor& gy
 }
 
 void check_rope(at::IntArrayRef shape, at::ScalarType t, bool misaligned) {
-  const int64_t n = c10::multiply_integers(shape);
-  auto make = [&] {
-    const auto base = random_tensor({n + 1}, t, 2.0);
-    return misaligned ? base.narrow(0, 1, n).view(shape) : base.narrow(0, 0, n).view(shape).clone();
-  };
-  const auto x = make(), gy = make();
+  const auto x = random_operand(shape, t, 2.0, misaligned), gy = random_operand(shape, t, 2.0, misaligned);
   const auto table = rope_table(shape[1], shape[3], 3);
   const auto mine = rope_run(true, x, table, gy), aten = rope_run(false, x, table, gy);
   const auto y_ref = rope_ref64(x, table, false), dx_ref = rope_ref64(gy, table, true);

@@ -128,7 +128,8 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x_in) {
   const auto w = r.weights.reshape({-1}).index_select(0, r.order).to(ys.scalar_type()).unsqueeze(-1);
   auto out = (ys * w).index_select(0, r.inverse).view({N, k, D}).sum(1);  // [N, D]
   // Switch load-balancing loss: E · Σ f_e P_e with f from the (decided) counts.
-  const auto f = r.counts.to(torch::kFloat) / static_cast<double>(N * k);
+  const auto counts_f = r.counts.to(torch::kFloat);  // exact: at most N·k per expert
+  const auto f = counts_f / static_cast<double>(N * k);
   const auto P = r.scores.mean(0);
   const auto aux = (f * P).sum() * static_cast<double>(E);
   // Once per forward, on the model's device (no read back): the counter adds the exact
@@ -136,7 +137,7 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x_in) {
   recompute::unless_recomputing([&] {
     torch::NoGradGuard no_grad;
     last_aux = aux.detach();
-    tokens_per_expert.add_(r.counts.to(tokens_per_expert.scalar_type()));
+    tokens_per_expert.add_(counts_f);
   });
   // Applied with or without grad mode so the forward and the recompute run the same ops.
   const double scale = args.load_balance_loss_coeff * aux_loss_scale * aux_grad_share;
