@@ -29,10 +29,12 @@
 
 #include "kernels/fused_cuda.h"
 #include "kernels/fused_ops.h"
+#include "tests/fused_cuda_reference.h"
 
 namespace {
 
 using at::Tensor;
+using namespace ctitan::kernel_reference;
 
 int g_checks = 0, g_failed = 0;
 
@@ -50,22 +52,6 @@ std::string shape_str(at::IntArrayRef s) {
 }
 
 const char* dtype_name(at::ScalarType t) { return t == at::kBFloat16 ? "bf16" : "fp32"; }
-
-// Largest |got − want| / (ulp of want in got's dtype): ≤ 1 means within one unit in the last place.
-double max_ulps(const Tensor& got, const Tensor& want) {
-  const auto w = want.to(at::kDouble), g = got.to(at::kDouble);
-  const double mant = got.scalar_type() == at::kBFloat16 ? 7 : 23;  // stored mantissa bits
-  // ulp(w) = 2^(floor(log2 |w|) − mant), floored at the smallest normal's ulp
-  const auto e = at::floor(at::log2(w.abs().clamp_min(1e-38)));
-  const auto ulp = at::pow(2.0, e - mant);
-  return ((g - w).abs() / ulp).max().item<double>();
-}
-
-// Largest |got − ref| / |ref| over the elements (ref float64; 0 where both are 0).
-double max_rel(const Tensor& got, const Tensor& ref) {
-  const auto g = got.to(at::kDouble);
-  return ((g - ref).abs() / ref.abs().clamp_min(1e-30)).max().item<double>();
-}
 
 Tensor random_tensor(at::IntArrayRef shape, at::ScalarType t, double scale) {
   return (at::randn(shape, at::TensorOptions().device(at::kCUDA).dtype(at::kFloat)) * scale).to(t);
@@ -105,37 +91,6 @@ void check_swiglu(at::IntArrayRef shape, at::ScalarType t, bool misaligned) {
 }
 
 // ---- RoPE -------------------------------------------------------------------------------
-// A table as the model's: row t, pair i → (cos, sin) of t · 500000^(−2i/hd), `extra` rows more
-// than T (the route takes the first T).
-Tensor rope_table(int64_t T, int64_t hd, int64_t extra) {
-  const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kDouble);
-  const auto inv = at::pow(500000.0, -at::arange(0, hd, 2, opts) / static_cast<double>(hd));  // [hd/2]
-  const auto angle = at::outer(at::arange(T + extra, opts), inv);                             // [T+extra, hd/2]
-  return at::stack({at::cos(angle), at::sin(angle)}, -1).to(at::kFloat);                      // [T+extra, hd/2, 2]
-}
-
-// The rotation in float64 of x [B, T, h, hd] by the table (its float32 values), or by its
-// conjugate (the backward of the rotation).
-Tensor rope_ref64(const Tensor& x, const Tensor& table, bool conjugate) {
-  const int64_t B = x.size(0), T = x.size(1), h = x.size(2), hd = x.size(3);
-  const auto xd = x.to(at::kDouble).view({B, T, h, hd / 2, 2});
-  const auto f = table.narrow(0, 0, T).to(at::kDouble).view({1, T, 1, hd / 2, 2});
-  const auto a = xd.select(-1, 0), b = xd.select(-1, 1), c = f.select(-1, 0), s = f.select(-1, 1);
-  const auto out =
-      conjugate ? at::stack({a * c + b * s, b * c - a * s}, -1) : at::stack({a * c - b * s, a * s + b * c}, -1);
-  return out.view({B, T, h, hd});
-}
-
-// Largest |got − ref| over the length of the pair the element belongs to (a rotation keeps it).
-double max_pair_error(const Tensor& got, const Tensor& ref, const Tensor& input) {
-  const auto sizes = input.sizes().vec();
-  auto shape = sizes;
-  shape.back() /= 2;
-  shape.push_back(2);
-  const auto norm = input.to(at::kDouble).view(shape).pow(2).sum(-1, true).sqrt().expand(shape).reshape(sizes);
-  return ((got.to(at::kDouble) - ref).abs() / norm.clamp_min(1e-30)).max().item<double>();
-}
-
 Grads rope_run(bool own, const Tensor& x0, const Tensor& table, const Tensor& gy) {
   const auto x = x0.detach().requires_grad_(true);
   const auto y = own ? ctitan::rotary_emb_cuda(x, table) : ctitan::rotary_emb_aten(x, table);
@@ -145,14 +100,12 @@ Grads rope_run(bool own, const Tensor& x0, const Tensor& table, const Tensor& gy
 
 void check_rope(at::IntArrayRef shape, at::ScalarType t, bool misaligned) {
   const auto x = random_operand(shape, t, 2.0, misaligned), gy = random_operand(shape, t, 2.0, misaligned);
-  const auto table = rope_table(shape[1], shape[3], 3);
+  const auto table = rope_table(shape[1], shape[3], 3, at::kCUDA);
   const auto mine = rope_run(true, x, table, gy), aten = rope_run(false, x, table, gy);
   const auto y_ref = rope_ref64(x, table, false), dx_ref = rope_ref64(gy, table, true);
   const double ey = max_pair_error(mine.y, y_ref, x), edx = max_pair_error(mine.da, dx_ref, gy);
   const double ay = max_pair_error(aten.y, y_ref, x), adx = max_pair_error(aten.da, dx_ref, gy);
-  // float32: two products and a sum, each rounded (about 3 · 2^-24 of the pair's length);
-  // bf16: the one rounding to bf16 on top (at most 2^-9 of the element, itself ≤ the length).
-  const double bound = (t == at::kBFloat16 ? 1.0 / 256 : 0) + 1e-6;
+  const double bound = rope_bound(t);
   const bool bitwise = at::equal(mine.y, aten.y) && at::equal(mine.da, aten.da);
   char buf[320];
   std::snprintf(buf, sizeof buf,
@@ -185,27 +138,18 @@ void check_cross_entropy(int64_t rows, int64_t V, at::ScalarType t) {
   const double scale = 1.0 / static_cast<double>(rows);
   const auto upstream = at::full({}, 0.75, x.options().dtype(at::kFloat));
   const auto mine = ce_run(true, x, labels, scale, upstream), aten = ce_run(false, x, labels, scale, upstream);
-  // The float64 reference, 1024 rows at a time.
-  double loss_ref = 0, dx_mine = 0, dx_aten = 0;
-  const double coef = 0.75 * scale;
-  for (int64_t r = 0; r < rows; r += 1024) {
-    const int64_t n = std::min<int64_t>(1024, rows - r);
-    const auto xd = x.narrow(0, r, n).to(at::kDouble);
-    const auto lab = labels.narrow(0, r, n).unsqueeze(1);
-    const auto lse = at::logsumexp(xd, {1}, true);
-    loss_ref += (lse - xd.gather(1, lab)).sum().item<double>();
-    auto ref = at::exp(xd - lse);
-    ref.scatter_add_(1, lab, at::full({n, 1}, -1.0, ref.options()));
-    ref.mul_(coef);
-    dx_mine = std::max(dx_mine, max_rel(mine.dx.narrow(0, r, n), ref));
-    dx_aten = std::max(dx_aten, max_rel(aten.dx.narrow(0, r, n), ref));
-  }
-  loss_ref *= scale;
+  // The float64 reference.
+  double dx_mine = 0, dx_aten = 0;
+  const double loss_ref =
+      cross_entropy_ref64(x, labels, 0.75 * scale,
+                          [&](int64_t r, int64_t n, const Tensor&, const Tensor&, const Tensor& ref) {
+                            dx_mine = std::max(dx_mine, max_rel(mine.dx.narrow(0, r, n), ref));
+                            dx_aten = std::max(dx_aten, max_rel(aten.dx.narrow(0, r, n), ref));
+                          }) *
+      scale;
   const double l_mine = std::abs(mine.loss.item<double>() - loss_ref) / std::abs(loss_ref);
   const double l_aten = std::abs(aten.loss.item<double>() - loss_ref) / std::abs(loss_ref);
-  // float32: each thread sums up to ~250 exps of a row in float32 (and log-sum-exp ~25 has a
-  // float32 ulp of 2e-6); bf16: its rounding (2^-8 relative at most) on top of that.
-  const double grad_bound = (t == at::kBFloat16 ? 1.0 / 256 : 0) + 3e-5;
+  const double grad_bound = cross_entropy_grad_bound(t);
   char buf[320];
   std::snprintf(buf, sizeof buf,
                 "loss rel. error %.2e (ATen's route %.2e; bound 1e-5), gradient max rel. error %.2e (ATen's route "
@@ -292,7 +236,7 @@ int main() {
                   hd = name == "150M" ? 64 : 128;
     const auto q = random_tensor({B, T, heads, hd}, at::kBFloat16, 2.0).requires_grad_(true);
     const auto gq = random_tensor({B, T, heads, hd}, at::kBFloat16, 1.0);
-    const auto table = rope_table(T, hd, 0);
+    const auto table = rope_table(T, hd, 0, at::kCUDA);
     time_pair(
         "rope bf16 " + shape_str({B, T, heads, hd}) + " (" + name + " queries)",
         [&] { torch::autograd::grad({ctitan::rotary_emb_aten(q, table)}, {q}, {gq}); },

@@ -1,0 +1,401 @@
+// ctitan's own CUDA kernels (kernels/fused_kernels_cuda.cu), their source compiled for the host
+// and run on the CPU under tests/cuda_host/cuda_runtime.h's model of CUDA's threads: every block
+// and thread of each launch, with __syncthreads and warp shuffles as barriers. What this checks
+// before a GPU is lent: the launchers' choice of path (16-byte packs, the one-value tails,
+// misaligned operands, 256 or 512 threads a row), the kernels' indexing (each output element
+// written, nothing read or written past an operand: every operand ends at an inaccessible page),
+// the grid-stride loops, the block reductions' barriers, and the arithmetic's formulas against
+// float64 references and ATen. What it cannot check: the GPU's own float arithmetic (expf is
+// glibc's here) and speed; bench/gpu_kernel_check (scripts/gpu_check.sh part (g)) does that on a
+// GPU, with the same references (tests/fused_cuda_reference.h).
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "kernels/fused_cuda.h"
+#include "tests/fused_cuda_reference.h"
+// Last: its macros (__global__, __shared__, ...) are for the test kernels below.
+#include "tests/cuda_host/cuda_runtime.h"
+
+namespace {
+
+using at::Tensor;
+using namespace ctitan::kernel_reference;
+namespace gpu = ctitan::gpu;
+
+constexpr unsigned char kCanary = 0xA5;
+
+// `bytes` of memory starting `offset` bytes past a 16-byte boundary and ending within 16 bytes
+// of a page that may not be touched (a read or write past the end faults); the bytes around
+// the operand in its mapping hold a canary, which intact() checks.
+class Guarded {
+ public:
+  Guarded(size_t bytes, size_t offset) : bytes_(bytes) {
+    const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    const size_t slack = (16 - (bytes + offset) % 16) % 16;  // guard − slack − bytes ≡ offset (mod 16)
+    body_ = (64 + bytes + slack + page - 1) / page * page;
+    map_size_ = body_ + page;
+    void* m = mmap(nullptr, map_size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) throw std::runtime_error("mmap failed");
+    base_ = static_cast<unsigned char*>(m);
+    if (mprotect(base_ + body_, page, PROT_NONE) != 0) throw std::runtime_error("mprotect failed");
+    std::memset(base_, kCanary, body_);
+    data_ = base_ + body_ - slack - bytes;
+  }
+  ~Guarded() { munmap(base_, map_size_); }
+  Guarded(const Guarded&) = delete;
+  Guarded& operator=(const Guarded&) = delete;
+  void* data() const { return data_; }
+  bool intact() const {
+    for (const unsigned char* p = base_; p < data_; ++p)
+      if (*p != kCanary) return false;
+    for (const unsigned char* p = data_ + bytes_; p < base_ + body_; ++p)
+      if (*p != kCanary) return false;
+    return true;
+  }
+
+ private:
+  size_t bytes_, body_ = 0, map_size_ = 0;
+  unsigned char* base_ = nullptr;
+  unsigned char* data_ = nullptr;
+};
+
+// The operands of one check, each in its own Guarded memory.
+class Arena {
+ public:
+  // A copy of src (contiguous), misaligned: starting one element past a 16-byte boundary.
+  Tensor copy_of(const Tensor& src, bool misaligned = false) {
+    auto t = place(src.sizes(), src.scalar_type(), misaligned);
+    t.copy_(src);
+    return t;
+  }
+  // An output, every byte 0xFF first (NaN in float32 and bf16): an element the kernel does not
+  // write stays NaN and fails the comparison.
+  Tensor output(at::IntArrayRef shape, at::ScalarType t, bool misaligned = false) {
+    auto out = place(shape, t, misaligned);
+    std::memset(out.data_ptr(), 0xFF, out.nbytes());
+    return out;
+  }
+  bool intact() const {
+    for (const auto& m : memory_)
+      if (!m->intact()) return false;
+    return true;
+  }
+
+ private:
+  Tensor place(at::IntArrayRef shape, at::ScalarType t, bool misaligned) {
+    const size_t elem = c10::elementSize(t);
+    const size_t bytes = static_cast<size_t>(c10::multiply_integers(shape)) * elem;
+    memory_.push_back(std::make_unique<Guarded>(bytes, misaligned ? elem : 0));
+    return at::from_blob(memory_.back()->data(), shape, at::TensorOptions().dtype(t));
+  }
+  std::vector<std::unique_ptr<Guarded>> memory_;
+};
+
+gpu::Elem elem_of(at::ScalarType t) { return t == at::kBFloat16 ? gpu::Elem::BFloat16 : gpu::Elem::Float32; }
+
+Tensor random_values(at::IntArrayRef shape, at::ScalarType t, double scale) {
+  return (at::randn(shape, at::kFloat) * scale).to(t);
+}
+
+bool is_aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// ---- SwiGLU -----------------------------------------------------------------------------
+// Against the float64 formulas (swiglu_ref64). Not against ATen's CPU composition in float32:
+// its silu takes x · sigmoid(x) with a vectorised exp, where the kernel (as ATen's CUDA silu)
+// takes x / (1 + exp(−x)) with expf, so the two differ by a few ulps, and by far more in da
+// where 1 + a · (1 − σ(a)) cancels. (On a GPU, gpu_kernel_check compares with ATen's CUDA ops,
+// whose formulas are the kernel's: there within one ulp.)
+void check_swiglu(int64_t n, at::ScalarType t, bool misaligned) {
+  SCOPED_TRACE("swiglu n " + std::to_string(n) + (t == at::kBFloat16 ? " bf16" : " fp32") +
+               (misaligned ? " misaligned" : ""));
+  Arena arena;
+  const auto a = arena.copy_of(random_values({n}, t, 3.0), misaligned);
+  const auto b = arena.copy_of(random_values({n}, t, 1.0), misaligned);
+  const auto dy = arena.copy_of(random_values({n}, t, 1.0), misaligned);
+  auto y = arena.output({n}, t, misaligned), da = arena.output({n}, t, misaligned),
+       db = arena.output({n}, t, misaligned);
+  ASSERT_EQ(is_aligned16(a), !misaligned);
+  ASSERT_EQ(gpu::swiglu_forward(elem_of(t), a.data_ptr(), b.data_ptr(), y.data_ptr(), n, nullptr), 0);
+  ASSERT_EQ(gpu::swiglu_backward(elem_of(t), a.data_ptr(), b.data_ptr(), dy.data_ptr(), da.data_ptr(), db.data_ptr(), n,
+                                 nullptr),
+            0);
+  const auto ref = swiglu_ref64(a, b, dy);
+  const double bound = swiglu_bound(t);
+  EXPECT_LE(max_scaled_error(y, ref.y, ref.y.abs()), bound);
+  EXPECT_LE(max_scaled_error(db, ref.db, ref.db.abs()), bound);
+  EXPECT_LE(max_scaled_error(da, ref.da, ref.da_scale), bound);
+  EXPECT_TRUE(arena.intact()) << "a kernel wrote outside its operands";
+}
+
+TEST(CudaKernelsOnHost, SwigluMatchesTheFormulasOnEveryPath) {
+  torch::manual_seed(1);
+  for (const auto t : {at::kFloat, at::kBFloat16}) {
+    for (const int64_t n : {1, 3, 8, 37 * 91, 64 * 1024 + 5}) check_swiglu(n, t, false);  // packs and a tail
+    check_swiglu(64 * 16, t, true);                                                       // one value a thread
+  }
+}
+
+// More packs than the launch's 8192 × 256 threads: each thread's grid-stride loop takes a second
+// pack (16-byte path) or a second value (the misaligned path).
+TEST(CudaKernelsOnHost, SwigluGridStrideLoops) {
+  torch::manual_seed(2);
+  const int64_t threads = int64_t{8192} * 256;
+  check_swiglu(threads * 4 + 4 * 1000 + 3, at::kFloat, false);  // 4-float packs, then a 3-value tail
+  check_swiglu(threads + 777, at::kFloat, true);
+}
+
+// ---- RoPE -------------------------------------------------------------------------------
+void check_rope(int64_t B, int64_t T, int64_t h, int64_t hd, at::ScalarType t, bool misaligned, bool conjugate) {
+  SCOPED_TRACE("rope [" + std::to_string(B) + ", " + std::to_string(T) + ", " + std::to_string(h) + ", " +
+               std::to_string(hd) + "]" + (t == at::kBFloat16 ? " bf16" : " fp32") + (misaligned ? " misaligned" : "") +
+               (conjugate ? " conjugate" : ""));
+  Arena arena;
+  const auto x = arena.copy_of(random_values({B, T, h, hd}, t, 2.0), misaligned);
+  const auto table = rope_table(T, hd, 3, at::kCPU);
+  const auto freqs = arena.copy_of(table.narrow(0, 0, T).contiguous());  // the T rows the route passes
+  auto y = arena.output({B, T, h, hd}, t, misaligned);
+  ASSERT_EQ(gpu::rope(elem_of(t), conjugate, x.data_ptr(), freqs.data_ptr<float>(), y.data_ptr(), B * T * h, hd, h, T,
+                      nullptr),
+            0);
+  EXPECT_LE(max_pair_error(y, rope_ref64(x, table, conjugate), x), rope_bound(t));
+  EXPECT_TRUE(arena.intact()) << "a kernel wrote outside its operands";
+}
+
+TEST(CudaKernelsOnHost, RopeMatchesTheRotationOnEveryPath) {
+  torch::manual_seed(3);
+  for (const auto t : {at::kFloat, at::kBFloat16}) {
+    for (const bool conj : {false, true}) {
+      check_rope(2, 5, 3, 6, t, false, conj);    // hd 6: a pair a thread in both dtypes
+      check_rope(1, 7, 2, 2, t, false, conj);    // hd 2
+      check_rope(2, 16, 4, 16, t, true, conj);   // misaligned: a pair a thread
+      check_rope(2, 16, 4, 16, t, false, conj);  // 16-byte packs
+      check_rope(2, 33, 4, 64, t, false, conj);  // positions wrap per batch row
+      check_rope(1, 3, 2, 4, t, false, conj);    // hd 4: packs in float32, pairs in bf16
+    }
+  }
+}
+
+TEST(CudaKernelsOnHost, RopeRefusesWhatItCannotRotate) {
+  Arena arena;
+  const auto x = arena.copy_of(at::ones({1, 2, 1, 6}));
+  const auto freqs = arena.copy_of(at::ones({2 * 3 * 2 + 1}));
+  auto y = arena.output({1, 2, 1, 6}, at::kFloat);
+  float* f = freqs.data_ptr<float>();
+  // An odd head size, no heads or positions, a table not 8-byte aligned (read as float2).
+  EXPECT_EQ(gpu::rope(gpu::Elem::Float32, false, x.data_ptr(), f, y.data_ptr(), 2, 5, 1, 2, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(gpu::rope(gpu::Elem::Float32, false, x.data_ptr(), f, y.data_ptr(), 2, 6, 0, 2, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(gpu::rope(gpu::Elem::Float32, false, x.data_ptr(), f, y.data_ptr(), 2, 6, 1, 0, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(gpu::rope(gpu::Elem::Float32, false, x.data_ptr(), f + 1, y.data_ptr(), 2, 6, 1, 2, nullptr),
+            cudaErrorInvalidValue);
+  // Nothing to do: no launch, nothing written.
+  EXPECT_EQ(gpu::rope(gpu::Elem::Float32, false, x.data_ptr(), f, y.data_ptr(), 0, 6, 1, 2, nullptr), 0);
+  EXPECT_TRUE(at::isnan(y).all().item<bool>());
+  EXPECT_TRUE(arena.intact());
+}
+
+// ---- Cross-entropy ----------------------------------------------------------------------
+void check_cross_entropy(int64_t rows, int64_t V, at::ScalarType t, bool misaligned) {
+  SCOPED_TRACE("cross-entropy [" + std::to_string(rows) + ", " + std::to_string(V) + "]" +
+               (t == at::kBFloat16 ? " bf16" : " fp32") + (misaligned ? " misaligned" : ""));
+  auto values = random_values({rows, V}, t, 4.0);
+  auto label_values = at::randint(V, {rows}, at::kLong);
+  label_values[0] = 0;
+  if (rows > 1) label_values[1] = V - 1;
+  if (rows > 2 && V > 8) values[2][label_values[2].item<int64_t>() == 5 ? 6 : 5] = -INFINITY;
+  Arena arena;
+  const auto x = arena.copy_of(values, misaligned);
+  const auto labels = arena.copy_of(label_values);
+  const double coef = 0.75 / static_cast<double>(rows);
+  const auto c = arena.copy_of(at::full({1}, coef, at::kFloat));
+  auto lse = arena.output({rows}, at::kFloat), row_loss = arena.output({rows}, at::kFloat);
+  auto dx = arena.output({rows, V}, t, misaligned);
+  ASSERT_EQ(gpu::cross_entropy_forward(elem_of(t), x.data_ptr(), labels.data_ptr<int64_t>(), rows, V,
+                                       lse.data_ptr<float>(), row_loss.data_ptr<float>(), nullptr),
+            0);
+  ASSERT_EQ(gpu::cross_entropy_backward(elem_of(t), x.data_ptr(), labels.data_ptr<int64_t>(), lse.data_ptr<float>(),
+                                        c.data_ptr<float>(), rows, V, dx.data_ptr(), nullptr),
+            0);
+  // Each row's lse and loss within 1e-5 of the larger of 1 and |lse| (a loss near 0 is a
+  // difference of two values of that size), their sum within 1e-5 of the larger of 1 and the
+  // reference's, the gradient as on the GPU.
+  double lse_err = 0, loss_err = 0, grad_err = 0;
+  const double loss_ref = cross_entropy_ref64(
+      x, labels, static_cast<float>(coef),
+      [&](int64_t r, int64_t n, const Tensor& l, const Tensor& rl, const Tensor& d) {
+        const auto scale = l.abs().clamp_min(1.0).squeeze(1);
+        lse_err = std::max(lse_err,
+                           ((lse.narrow(0, r, n).to(at::kDouble) - l.squeeze(1)).abs() / scale).max().item<double>());
+        loss_err = std::max(
+            loss_err, ((row_loss.narrow(0, r, n).to(at::kDouble) - rl.squeeze(1)).abs() / scale).max().item<double>());
+        grad_err = std::max(grad_err, max_rel(dx.narrow(0, r, n), d));
+      });
+  EXPECT_LE(lse_err, 1e-5);
+  EXPECT_LE(loss_err, 1e-5);
+  EXPECT_LE(std::abs(row_loss.to(at::kDouble).sum().item<double>() - loss_ref) / std::max(1.0, std::abs(loss_ref)),
+            1e-5);
+  EXPECT_LE(grad_err, cross_entropy_grad_bound(t));
+  EXPECT_TRUE(arena.intact()) << "a kernel wrote outside its operands";
+}
+
+TEST(CudaKernelsOnHost, CrossEntropyMatchesTheReferenceOnEveryPath) {
+  torch::manual_seed(4);
+  for (const auto t : {at::kFloat, at::kBFloat16}) {
+    check_cross_entropy(37, 2051, t, false);  // V not a multiple of a pack: one value a thread, 256 threads
+    check_cross_entropy(6, 2048, t, false);   // 16-byte packs, 256 threads
+    check_cross_entropy(6, 2048, t, true);    // misaligned: one value a thread
+    check_cross_entropy(3, 16384, t, false);  // 16-byte packs, 512 threads
+    check_cross_entropy(3, 16385, t, false);  // one value a thread, 512 threads
+    check_cross_entropy(4, 7, t, false);      // fewer values than threads
+    check_cross_entropy(2, 1, t, false);      // one class: loss 0, gradient 0
+  }
+}
+
+// A label outside [0, V) gives that row a NaN loss (no host check, which would synchronise on a
+// GPU) and a gradient without the one-hot term; the other rows are unaffected.
+TEST(CudaKernelsOnHost, CrossEntropyLabelsOutsideTheVocabulary) {
+  torch::manual_seed(5);
+  const int64_t rows = 3, V = 64;
+  Arena arena;
+  const auto x = arena.copy_of(random_values({rows, V}, at::kFloat, 2.0));
+  const auto labels = arena.copy_of(at::tensor({int64_t{-1}, V, int64_t{7}}));
+  const auto c = arena.copy_of(at::full({1}, 1.0, at::kFloat));
+  auto lse = arena.output({rows}, at::kFloat), row_loss = arena.output({rows}, at::kFloat);
+  auto dx = arena.output({rows, V}, at::kFloat);
+  ASSERT_EQ(gpu::cross_entropy_forward(gpu::Elem::Float32, x.data_ptr(), labels.data_ptr<int64_t>(), rows, V,
+                                       lse.data_ptr<float>(), row_loss.data_ptr<float>(), nullptr),
+            0);
+  ASSERT_EQ(gpu::cross_entropy_backward(gpu::Elem::Float32, x.data_ptr(), labels.data_ptr<int64_t>(),
+                                        lse.data_ptr<float>(), c.data_ptr<float>(), rows, V, dx.data_ptr(), nullptr),
+            0);
+  const auto xd = x.to(at::kDouble);
+  const auto lse_ref = at::logsumexp(xd, {1});
+  EXPECT_LE(max_rel(lse, lse_ref), 1e-6);
+  EXPECT_TRUE(std::isnan(row_loss[0].item<float>()));
+  EXPECT_TRUE(std::isnan(row_loss[1].item<float>()));
+  EXPECT_NEAR(row_loss[2].item<double>(), (lse_ref[2] - xd[2][7]).item<double>(), 1e-5);
+  auto grad_ref = at::softmax(xd, 1);
+  grad_ref[2][7] -= 1.0;
+  EXPECT_LE(max_rel(dx, grad_ref), 1e-5);
+  EXPECT_TRUE(arena.intact());
+}
+
+TEST(CudaKernelsOnHost, CrossEntropyWithNothingToDoLaunchesNothing) {
+  Arena arena;
+  const auto labels = arena.copy_of(at::zeros({1}, at::kLong));
+  auto lse = arena.output({1}, at::kFloat), row_loss = arena.output({1}, at::kFloat);
+  const auto x = arena.copy_of(at::zeros({1}, at::kFloat));
+  EXPECT_EQ(gpu::cross_entropy_forward(gpu::Elem::Float32, x.data_ptr(), labels.data_ptr<int64_t>(), 0, 5,
+                                       lse.data_ptr<float>(), row_loss.data_ptr<float>(), nullptr),
+            0);
+  EXPECT_EQ(gpu::cross_entropy_forward(gpu::Elem::Float32, x.data_ptr(), labels.data_ptr<int64_t>(), 1, 0,
+                                       lse.data_ptr<float>(), row_loss.data_ptr<float>(), nullptr),
+            0);
+  EXPECT_TRUE(at::isnan(lse).all().item<bool>());
+  EXPECT_TRUE(arena.intact());
+}
+
+// ---- The model itself -------------------------------------------------------------------
+// A block's sum by warp shuffles, shared memory and __syncthreads, as the cross-entropy's
+// reduction does; every thread then reads the block's sum back from shared memory.
+__global__ void block_sums(const int* in, int* out, int* seen, int n) {
+  __shared__ int per_warp[32];
+  __shared__ int total;
+  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  int v = i < n ? in[i] : 0;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) per_warp[threadIdx.x >> 5] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int s = 0;
+    for (unsigned w = 0; w < blockDim.x / 32; ++w) s += per_warp[w];
+    total = s;
+    out[blockIdx.x] = s;
+  }
+  __syncthreads();
+  seen[blockIdx.x * blockDim.x + threadIdx.x] = total;
+}
+
+TEST(CudaOnHost, BlocksThreadsSharedMemoryAndShuffles) {
+  const int blocks = 5, threads = 96, n = blocks * threads - 17;
+  const auto in = at::randint(-1000, 1000, {n}, at::kInt);
+  auto out = at::full({blocks}, -1, at::kInt), seen = at::full({blocks * threads}, -1, at::kInt);
+  ctitan::cuda_host::launch(block_sums, blocks, threads)(in.data_ptr<int>(), out.data_ptr<int>(), seen.data_ptr<int>(),
+                                                         n);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const auto want = at::constant_pad_nd(in, {0, blocks * threads - n}).view({blocks, threads}).sum(1, false, at::kInt);
+  EXPECT_TRUE(at::equal(out, want)) << out << want;
+  EXPECT_TRUE(at::equal(seen.view({blocks, threads}), want.unsqueeze(1).expand({blocks, threads})));
+}
+
+__global__ void divergent_syncthreads(int* out) {
+  if (threadIdx.x < 40) __syncthreads();
+  out[threadIdx.x] = 1;
+}
+
+__global__ void divergent_shuffle(int* out) {
+  int v = static_cast<int>(threadIdx.x);
+  if ((threadIdx.x & 31) < 16) v = __shfl_xor_sync(0xffffffffu, v, 1);
+  out[threadIdx.x] = v;
+}
+
+TEST(CudaOnHostDeathTest, BarriersNotEveryThreadReachesStopTheProcess) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto out = at::zeros({64}, at::kInt);
+  EXPECT_DEATH(ctitan::cuda_host::launch(divergent_syncthreads, 1, 64)(out.data_ptr<int>()),
+               "__syncthreads that not every thread of the block reaches");
+  EXPECT_DEATH(ctitan::cuda_host::launch(divergent_shuffle, 1, 64)(out.data_ptr<int>()),
+               "a warp shuffle that not every lane of the warp reaches");
+}
+
+__global__ void mark(int* out) { out[blockIdx.x * blockDim.x + threadIdx.x] = 1; }
+
+TEST(CudaOnHost, AnInvalidConfigurationIsTheLaunchsErrorAndRunsNothing) {
+  auto out = at::zeros({2048}, at::kInt);
+  ctitan::cuda_host::launch(mark, 1, 2048)(out.data_ptr<int>());  // more than 1024 threads a block
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);                   // reading the error clears it, as CUDA's does
+  ctitan::cuda_host::launch(mark, 0, 32)(out.data_ptr<int>());  // no blocks
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  EXPECT_EQ(out.sum().item<int>(), 0);
+  ctitan::cuda_host::launch(mark, 2, 1024)(out.data_ptr<int>());
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(out.sum().item<int>(), 2048);
+}
+
+// The operands' guard: a read one element past the end faults, and a write into the slack
+// before the page is seen by intact().
+TEST(CudaOnHostDeathTest, OperandsEndAtAPageThatFaults) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  for (const bool misaligned : {false, true}) {
+    Arena arena;
+    const auto t = arena.output({10}, at::kFloat, misaligned);
+    EXPECT_EQ(is_aligned16(t), !misaligned);
+    EXPECT_TRUE(arena.intact());
+    // 10 floats end 8 bytes short of a 16-byte boundary when aligned: a write there is slack.
+    volatile float* p = t.data_ptr<float>();
+    if (!misaligned) {
+      p[10] = 1.0f;
+      EXPECT_FALSE(arena.intact());
+    }
+  }
+  EXPECT_DEATH(
+      {
+        Arena arena;
+        const auto t = arena.output({12}, at::kFloat);  // 48 bytes: ends exactly at the page
+        volatile float* p = t.data_ptr<float>();
+        std::printf("%f\n", static_cast<double>(p[12]));
+      },
+      "");
+}
+
+}  // namespace
