@@ -7,7 +7,9 @@
 // Compiled into the CUDA build only (kernels/fused_kernels_cuda.cu by nvcc, the torch side in
 // fused_ops_cuda.cpp); chosen with CTITAN_GPU_KERNELS=ctitan. ATen's route stays the default
 // until the two are measured against each other on a GPU: bench/gpu_kernel_check (part (g) of
-// scripts/gpu_check.sh) checks each kernel against ATen and times both.
+// scripts/gpu_check.sh) checks each kernel against ATen and times both. Without a GPU,
+// tests/test_cuda_kernels_on_host.cpp runs the kernels' source on the CPU (tests/cuda_host/:
+// CUDA's threads as fibers), which checks their paths, indexing and barriers.
 //
 // Numerics: as the CPU kernels of fused_ops.h. SwiGLU rounds silu(a) to the input dtype before
 // the product, and its backward rounds where autograd's mul and silu backward round, so it
