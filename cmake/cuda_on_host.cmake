@@ -17,7 +17,11 @@ foreach(_src ${_cuda_sources})
     VERBATIM)
   list(APPEND _host_sources "${_out}")
 endforeach()
-add_library(ctitan_cuda_kernels_on_host STATIC ${_host_sources} ${CMAKE_SOURCE_DIR}/tests/cuda_host/cuda_host.cpp)
+# With the torch side of the kernels (kernels/fused_ops_cuda.cpp: autograd functions), which
+# CTITAN_CUDA_ON_HOST points at CPU tensors.
+add_library(ctitan_cuda_kernels_on_host STATIC ${_host_sources} ${CMAKE_SOURCE_DIR}/tests/cuda_host/cuda_host.cpp
+  ${CMAKE_SOURCE_DIR}/kernels/fused_ops_cuda.cpp)
+target_compile_definitions(ctitan_cuda_kernels_on_host PUBLIC CTITAN_CUDA_ON_HOST=1)
 target_include_directories(ctitan_cuda_kernels_on_host BEFORE PRIVATE ${CMAKE_SOURCE_DIR}/tests/cuda_host)
 target_include_directories(ctitan_cuda_kernels_on_host PRIVATE ${CMAKE_SOURCE_DIR})
 # `#pragma unroll` is nvcc's; GCC's warning about it says nothing here.

@@ -45,7 +45,9 @@ int cross_entropy_backward(Elem t, const void* logits, const int64_t* labels, co
 
 }  // namespace ctitan::gpu
 
-#ifdef CTITAN_WITH_CUDA
+// The torch side (kernels/fused_ops_cuda.cpp): the CUDA build's, or the CPU build's copy that
+// runs the kernels on CPU tensors (CTITAN_CUDA_ON_HOST, tests/test_cuda_kernels_on_host.cpp).
+#if defined(CTITAN_WITH_CUDA) || defined(CTITAN_CUDA_ON_HOST)
 #include <ATen/core/Tensor.h>
 
 namespace ctitan {
@@ -55,7 +57,8 @@ bool own_gpu_kernels();
 // Whether the GPU route of a layer over t runs ctitan's kernel: own_gpu_kernels() and t
 // float32 or bfloat16 (other dtypes stay on ATen's ops).
 bool own_gpu_kernel_for(const at::Tensor& t);
-// The autograd functions over them (tensors on one CUDA device, float32 or bfloat16).
+// The autograd functions over them (tensors on one CUDA device, float32 or bfloat16; CPU
+// tensors with CTITAN_CUDA_ON_HOST).
 at::Tensor swiglu_cuda(const at::Tensor& a, const at::Tensor& b);
 // x [B, T, heads, hd], freqs_cis float32 [>= T, hd/2, 2] (any device: moved to x's).
 at::Tensor rotary_emb_cuda(const at::Tensor& x, const at::Tensor& freqs_cis);

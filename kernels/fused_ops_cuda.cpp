@@ -1,9 +1,17 @@
-// CUDA build only: the autograd functions over ctitan's own CUDA kernels (kernels/fused_cuda.h).
-#include <ATen/cuda/CUDAContext.h>
+// CUDA build: the autograd functions over ctitan's own CUDA kernels (kernels/fused_cuda.h).
+// The CPU build compiles this file as well, with CTITAN_CUDA_ON_HOST, into the library that
+// runs the kernels on the CPU under tests/cuda_host/'s model of CUDA (cmake/cuda_on_host.cmake):
+// there the tensors are CPU tensors, there is no device to guard and no stream, and the rest of
+// the file is the same code the GPU runs.
 #include <torch/torch.h>
 #include <ATen/record_function.h>
+#ifdef CTITAN_CUDA_ON_HOST
+#include <cuda_runtime.h>  // tests/cuda_host's
+#else
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
+#endif
 
 #include <stdexcept>
 
@@ -16,15 +24,25 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+#ifdef CTITAN_CUDA_ON_HOST
+struct DeviceGuard {
+  explicit DeviceGuard(at::Device) {}
+};
+bool on_kernel_device(const at::Tensor& t) { return t.is_cpu(); }
+void* stream_of(const at::Tensor&) { return nullptr; }
+#else
+using DeviceGuard = c10::cuda::CUDAGuard;
+bool on_kernel_device(const at::Tensor& t) { return t.is_cuda(); }
+// The current stream of t's device: the kernels queue where ATen's ops would.
+void* stream_of(const at::Tensor& t) { return at::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+#endif
+
 gpu::Elem elem_of(const at::Tensor& t) {
-  TORCH_CHECK(t.is_cuda() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
+  TORCH_CHECK(on_kernel_device(t) && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
               "[kernels] ctitan's CUDA kernels take float32 or bfloat16 tensors on a GPU, got ", t.scalar_type(),
               " on ", t.device());
   return t.scalar_type() == at::kBFloat16 ? gpu::Elem::BFloat16 : gpu::Elem::Float32;
 }
-
-// The current stream of t's device: the kernels queue where ATen's ops would.
-void* stream_of(const at::Tensor& t) { return at::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
 void launched(int rc, const char* what) {
   TORCH_CHECK(rc == 0, "[kernels] ", what,
@@ -35,7 +53,7 @@ class SwiGLUCudaFn : public torch::autograd::Function<SwiGLUCudaFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a_in, const at::Tensor& b_in) {
     RECORD_FUNCTION("ctitan::swiglu_forward_cuda", std::vector<c10::IValue>());
-    const c10::cuda::CUDAGuard device_guard(a_in.device());
+    const DeviceGuard device_guard(a_in.device());
     const auto a = a_in.contiguous(), b = b_in.contiguous();
     auto y = at::empty_like(a);
     launched(gpu::swiglu_forward(elem_of(a), a.data_ptr(), b.data_ptr(), y.data_ptr(), a.numel(), stream_of(a)),
@@ -47,7 +65,7 @@ class SwiGLUCudaFn : public torch::autograd::Function<SwiGLUCudaFn> {
     RECORD_FUNCTION("ctitan::swiglu_backward_cuda", std::vector<c10::IValue>());
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &a = saved[0], &b = saved[1];
-    const c10::cuda::CUDAGuard device_guard(a.device());
+    const DeviceGuard device_guard(a.device());
     const auto dy = grads[0].to(a.scalar_type()).contiguous();
     auto da = at::empty_like(a), db = at::empty_like(b);
     launched(gpu::swiglu_backward(elem_of(a), a.data_ptr(), b.data_ptr(), dy.data_ptr(), da.data_ptr(), db.data_ptr(),
@@ -63,7 +81,7 @@ class RotaryCudaFn : public torch::autograd::Function<RotaryCudaFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& freqs_cis) {
     RECORD_FUNCTION("ctitan::rotary_emb_forward_cuda", std::vector<c10::IValue>());
-    const c10::cuda::CUDAGuard device_guard(x_in.device());
+    const DeviceGuard device_guard(x_in.device());
     TORCH_CHECK(x_in.dim() == 4 && x_in.size(3) % 2 == 0 && freqs_cis.size(0) >= x_in.size(1),
                 "[kernels] rotary_emb_cuda: x ", x_in.sizes(), " and freqs_cis ", freqs_cis.sizes(), " do not match");
     const auto x = x_in.contiguous();
@@ -77,7 +95,7 @@ class RotaryCudaFn : public torch::autograd::Function<RotaryCudaFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     RECORD_FUNCTION("ctitan::rotary_emb_backward_cuda", std::vector<c10::IValue>());
     const auto f = ctx->get_saved_variables()[0];
-    const c10::cuda::CUDAGuard device_guard(f.device());
+    const DeviceGuard device_guard(f.device());
     const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
     const auto dy = grads[0].to(dtype).contiguous();
     auto dx = at::empty_like(dy);
@@ -101,7 +119,7 @@ class CrossEntropyCudaFn : public torch::autograd::Function<CrossEntropyCudaFn> 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits_in, const at::Tensor& labels_in,
                             double scale) {
     RECORD_FUNCTION("ctitan::cross_entropy_forward_cuda", std::vector<c10::IValue>());
-    const c10::cuda::CUDAGuard device_guard(logits_in.device());
+    const DeviceGuard device_guard(logits_in.device());
     const auto logits = logits_in.contiguous();
     const auto labels = labels_in.to(logits.device(), at::kLong).contiguous();
     const int64_t N = logits.size(0), V = logits.size(1);
@@ -118,7 +136,7 @@ class CrossEntropyCudaFn : public torch::autograd::Function<CrossEntropyCudaFn> 
     RECORD_FUNCTION("ctitan::cross_entropy_backward_cuda", std::vector<c10::IValue>());
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &logits = saved[0], &labels = saved[1], &lse = saved[2];
-    const c10::cuda::CUDAGuard device_guard(logits.device());
+    const DeviceGuard device_guard(logits.device());
     const auto coef = (grads[0].to(logits.device(), at::kFloat) * ctx->saved_data["scale"].toDouble()).contiguous();
     auto dx = at::empty_like(logits);
     launched(gpu::cross_entropy_backward(elem_of(logits), logits.data_ptr(), labels.data_ptr<int64_t>(),

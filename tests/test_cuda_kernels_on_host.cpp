@@ -304,6 +304,64 @@ TEST(CudaKernelsOnHost, CrossEntropyWithNothingToDoLaunchesNothing) {
   EXPECT_TRUE(arena.intact());
 }
 
+// ---- The torch side: kernels/fused_ops_cuda.cpp's autograd functions on CPU tensors ------
+// The functions the GPU route calls (swiglu_cuda, rotary_emb_cuda, cross_entropy_cuda), with
+// what the kernels' launchers do not see: operands that are not contiguous, RoPE's table with
+// more rows than positions, labels not int64, the loss's sum and scale, the upstream gradient.
+TEST(CudaKernelsOnHost, AutogradFunctionsMatchTheReferences) {
+  torch::manual_seed(6);
+  for (const auto t : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(t == at::kBFloat16 ? "bf16" : "fp32");
+    {  // SwiGLU over transposed (non-contiguous) operands
+      const auto a = random_values({40, 24}, t, 3.0).t().requires_grad_(true);
+      const auto b = random_values({40, 24}, t, 1.0).t().requires_grad_(true);
+      const auto gy = random_values({24, 40}, t, 1.0);
+      ASSERT_FALSE(a.is_contiguous());
+      const auto y = ctitan::swiglu_cuda(a, b);
+      const auto g = torch::autograd::grad({y}, {a, b}, {gy});
+      const auto ref = swiglu_ref64(a.detach(), b.detach(), gy);
+      EXPECT_LE(max_scaled_error(y, ref.y, ref.y.abs()), swiglu_bound(t));
+      EXPECT_LE(max_scaled_error(g[0], ref.da, ref.da_scale), swiglu_bound(t));
+      EXPECT_LE(max_scaled_error(g[1], ref.db, ref.db.abs()), swiglu_bound(t));
+    }
+    {  // RoPE over [B, T, h, hd] transposed from [B, h, T, hd], a table 5 rows longer than T
+      const auto x = random_values({2, 3, 9, 16}, t, 2.0).transpose(1, 2).requires_grad_(true);
+      const auto gy = random_values({2, 9, 3, 16}, t, 2.0);
+      const auto table = rope_table(9, 16, 5, at::kCPU);
+      const auto y = ctitan::rotary_emb_cuda(x, table);
+      const auto dx = torch::autograd::grad({y}, {x}, {gy})[0];
+      EXPECT_LE(max_pair_error(y, rope_ref64(x.detach(), table, false), x.detach()), rope_bound(t));
+      EXPECT_LE(max_pair_error(dx, rope_ref64(gy, table, true), gy), rope_bound(t));
+      EXPECT_EQ(dx.scalar_type(), t);
+    }
+    {  // The loss: int32 labels, scale 1/rows, an upstream gradient of 0.75
+      const int64_t rows = 37, V = 300;
+      const auto x = random_values({rows, V}, t, 4.0).requires_grad_(true);
+      const auto labels = at::randint(V, {rows}, at::kInt);
+      const double scale = 1.0 / rows;
+      const auto loss = ctitan::cross_entropy_cuda(x, labels, scale);
+      const auto dx = torch::autograd::grad({loss}, {x}, {at::full({}, 0.75, at::kFloat)})[0];
+      double grad_err = 0;
+      const double loss_ref =
+          cross_entropy_ref64(x.detach(), labels.to(at::kLong), 0.75 * scale,
+                              [&](int64_t r, int64_t n, const Tensor&, const Tensor&, const Tensor& d) {
+                                grad_err = std::max(grad_err, max_rel(dx.narrow(0, r, n), d));
+                              }) *
+          scale;
+      EXPECT_EQ(loss.scalar_type(), at::kFloat);
+      EXPECT_LE(std::abs(loss.item<double>() - loss_ref) / std::abs(loss_ref), 1e-5);
+      EXPECT_LE(grad_err, cross_entropy_grad_bound(t));
+    }
+  }
+  // What the kernels do not take: one line naming the dtype.
+  try {
+    ctitan::swiglu_cuda(at::ones({4}, at::kDouble), at::ones({4}, at::kDouble));
+    ADD_FAILURE() << "a float64 operand was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("take float32 or bfloat16 tensors"), std::string::npos) << e.what();
+  }
+}
+
 // ---- The model itself -------------------------------------------------------------------
 // A block's sum by warp shuffles, shared memory and __syncthreads, as the cross-entropy's
 // reduction does; every thread then reads the block's sum back from shared memory.

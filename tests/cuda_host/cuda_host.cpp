@@ -141,6 +141,15 @@ cudaError_t cudaGetLastError() {
   return e;
 }
 
+const char* cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+  }
+  return "unrecognized error code";
+}
+
 namespace ctitan::cuda_host {
 
 void run_grid(dim3 grid, dim3 block, const std::function<void()>& body) {

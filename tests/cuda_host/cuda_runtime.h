@@ -47,6 +47,7 @@ extern dim3 blockDim, gridDim;
 #define __shared__ static
 
 cudaError_t cudaGetLastError();
+const char* cudaGetErrorString(cudaError_t e);
 
 namespace ctitan::cuda_host {
 
