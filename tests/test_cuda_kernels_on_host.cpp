@@ -406,6 +406,13 @@ __global__ void divergent_shuffle(int* out) {
   out[threadIdx.x] = v;
 }
 
+// Blocks that differ in whether they synchronise: legal CUDA, but the model runs the blocks after
+// a barrier-free first block without fibers, so it stops rather than run them wrongly.
+__global__ void barrier_after_block_zero(int* out) {
+  if (blockIdx.x > 0) __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = 1;
+}
+
 TEST(CudaOnHostDeathTest, BarriersNotEveryThreadReachesStopTheProcess) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   auto out = at::zeros({64}, at::kInt);
@@ -413,6 +420,8 @@ TEST(CudaOnHostDeathTest, BarriersNotEveryThreadReachesStopTheProcess) {
                "__syncthreads that not every thread of the block reaches");
   EXPECT_DEATH(ctitan::cuda_host::launch(divergent_shuffle, 1, 64)(out.data_ptr<int>()),
                "a warp shuffle that not every lane of the warp reaches");
+  EXPECT_DEATH(ctitan::cuda_host::launch(barrier_after_block_zero, 2, 32)(out.data_ptr<int>()),
+               "a barrier in a block after the first");
 }
 
 __global__ void mark(int* out) { out[blockIdx.x * blockDim.x + threadIdx.x] = 1; }

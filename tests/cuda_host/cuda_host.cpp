@@ -1,5 +1,6 @@
 // The scheduler behind cuda_runtime.h here: a launch's blocks run one after another on the
-// calling OS thread, each CUDA thread of a block a ucontext fiber with its own stack. A fiber
+// calling OS thread, each CUDA thread of a block a ucontext fiber with its own stack (after the
+// first block, only if that block's threads reached a barrier). A fiber
 // runs until it finishes or reaches a barrier (__syncthreads, or the two halves of a warp
 // shuffle); when none can run, the scheduler releases a warp whose 32 lanes all wait at a
 // shuffle, else the block when every thread waits at __syncthreads, else stops the process:
@@ -45,6 +46,8 @@ struct Grid {
   std::vector<std::array<uint64_t, 32>> lanes;  // a warp's shuffle values
   const std::function<void()>* body = nullptr;
   unsigned current = 0;
+  bool barriers = false;  // a thread of this launch has reached a barrier
+  bool direct = false;    // threads run straight through, without fibers
 };
 
 Grid* g_grid = nullptr;  // the grid being run (one at a time)
@@ -59,6 +62,11 @@ void fiber_entry() {
 void wait_as(State s) {
   Grid* g = g_grid;
   if (g == nullptr) fail("a barrier outside a kernel");
+  if (g->direct)
+    fail(
+        "a barrier in a block after the first, whose threads reached none: the host model runs such a launch's "
+        "later blocks without fibers");
+  g->barriers = true;
   Fiber& f = g->fibers[g->current];
   f.state = s;
   if (swapcontext(&f.context, &g->scheduler) != 0) fail("swapcontext failed");
@@ -172,9 +180,21 @@ void run_grid(dim3 grid, dim3 block, const std::function<void()>& body) {
   blockDim = block;
   gridDim = grid;
   g_grid = &g;
+  // The first block runs on fibers. When none of its threads reached a barrier (an element-wise
+  // kernel), the other blocks run each thread straight through on this stack: the same order,
+  // without the fibers' cost (a grid-stride launch has millions of threads).
   for (unsigned b = 0; b < grid.x; ++b) {
     blockIdx = {b, 0, 0};
-    run_block(g);
+    if (!g.direct) {
+      run_block(g);
+      g.direct = !g.barriers;
+      continue;
+    }
+    for (unsigned t = 0; t < block.x; ++t) {
+      g.current = t;
+      threadIdx = {t, 0, 0};
+      body();
+    }
   }
   g_grid = nullptr;
   threadIdx = {0, 0, 0};

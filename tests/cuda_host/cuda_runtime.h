@@ -8,7 +8,8 @@
 // How a launch runs (cuda_host.cpp): the `<<<grid, block, shmem, stream>>>` of the source is
 // rewritten into ctitan::cuda_host::launch(...) at build time; the blocks run one after another,
 // and each thread of a block is a fiber (ucontext) on one OS thread, switched at __syncthreads and
-// at warp shuffles. A barrier that not every thread of its block (or warp) reaches, a shuffle
+// at warp shuffles. When no thread of the first block reaches a barrier, the later blocks' threads
+// run one after another without fibers (a barrier reached there then stops the process). A barrier that not every thread of its block (or warp) reaches, a shuffle
 // with a lane that does not exist, or an invalid launch configuration ends the process with one
 // line saying which; an invalid configuration is also cudaGetLastError()'s answer, as on a GPU.
 #pragma once
