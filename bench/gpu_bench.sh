@@ -14,11 +14,8 @@
 #   CTITAN_BENCH_COMPILE=0 ...                             # no torch.compile column
 #   CTITAN_BENCH_VARIANTS="sdpa_flash sdpa_cudnn" ...     # more ctitan rows per shape, each with
 #       one setting changed (sdpa_<backend>: model.sdpa_backend <backend>; own_kernels:
-#       CTITAN_GPU_KERNELS=ctitan, ctitan's own SwiGLU, RoPE and cross-entropy kernels;
-#       reshard_never: parallelism.fsdp_reshard_after_forward never, so one GPU's FSDP over a group
-#       of one casts each parameter to bf16 once a step instead of twice, its bf16 copy kept from
-#       forward to backward as autocast's weight cache keeps it), against the same eager and
-#       compile numbers
+#       CTITAN_GPU_KERNELS=ctitan, ctitan's own SwiGLU, RoPE and cross-entropy kernels), against the
+#       same eager and compile numbers
 # ctitan runs 12 steps: tokens/s and memory are the log line of step 10 (steps 6-10); step 12 is
 # recorded by the profiler, and its summary (scripts/profile_summary.py: the ops, and on a GPU
 # the kernels and how busy the GPU was) goes to OUT_DIR/<shape>.profile.txt.
@@ -70,7 +67,6 @@ for shape in $SHAPES; do
       ctitan) ;;
       sdpa_*) extra=(--model.sdpa_backend "${variant#sdpa_}") ;;
       own_kernels) run_env+=(CTITAN_GPU_KERNELS=ctitan) ;;
-      reshard_never) extra=(--parallelism.fsdp_reshard_after_forward never) ;;
       *) log "unknown variant $variant"; exit 2 ;;
     esac
     log "$shape: $variant ($flavor, seq $seq, batch $batch)"
@@ -159,8 +155,6 @@ for row in sys.argv[3:]:
         label = f"{shape}, seq {seq}, batch {batch}"
         if variant == "own_kernels":
             label += " — ctitan with CTITAN_GPU_KERNELS=ctitan"
-        elif variant == "reshard_never":
-            label += " — ctitan with parallelism.fsdp_reshard_after_forward never"
         elif variant != "ctitan":
             label += f" — ctitan with model.sdpa_backend {variant[len('sdpa_'):]}"
         print(f"| {label} | {cell(tps[0], '{:,.0f}')} | {cell(tps[1], '{:,.0f}')} "
