@@ -3,7 +3,9 @@
 // thread hierarchy that runs the kernels' own source on the CPU, so that their indexing, bounds,
 // tails and barriers are checked without a GPU. What it does not model: the GPU's float
 // arithmetic (expf and friends are glibc's here), its memory model beyond barriers, partial-warp
-// masks, several streams, shared memory sizes.
+// masks, several streams, shared memory sizes, and uninitialised shared memory (here it starts
+// at zero, then holds what the block before left: a kernel that reads it before writing it
+// may pass here and fail on a GPU).
 //
 // How a launch runs (cuda_host.cpp): the `<<<grid, block, shmem, stream>>>` of the source is
 // rewritten into ctitan::cuda_host::launch(...) at build time; the blocks run one after another,
