@@ -35,7 +35,8 @@
 #       with CTITAN_SYNC_CHECK=1 (CUDA's sync debug mode as errors in steps 2-5 and 7-11, which
 #       log and save nothing: a synchronising operation fails the run, naming it) and
 #       CTITAN_TRACE_HOST_READS (those steps read nothing back);
-#   (g) ctitan's own CUDA kernels (kernels/fused_cuda.h: SwiGLU, the cross-entropy):
+#   (g) ctitan's own CUDA kernels (kernels/fused_cuda.h: SwiGLU, RoPE, the cross-entropy; their
+#       source also runs on the CPU in CI, tests/test_cuda_kernels_on_host.cpp):
 #       build-gpu/gpu_kernel_check checks each against ATen's route (forward and backward,
 #       float32 and bf16, odd and misaligned shapes, the 150M and 8B shapes) and times both;
 #       then the debug model with CTITAN_GPU_KERNELS=ctitan, 20 steps: float32 within 1e-4
