@@ -395,6 +395,27 @@ TEST(CudaOnHost, BlocksThreadsSharedMemoryAndShuffles) {
   EXPECT_TRUE(at::equal(seen.view({blocks, threads}), want.unsqueeze(1).expand({blocks, threads})));
 }
 
+// Shared memory read before it is written: poison (0xFF bytes) in every block, not a zero and
+// not what the block before left.
+__global__ void read_shared_before_writing(int* out, float* outf) {
+  __shared__ int count;
+  __shared__ float value;
+  out[blockIdx.x * blockDim.x + threadIdx.x] = count;
+  outf[blockIdx.x * blockDim.x + threadIdx.x] = value;
+  __syncthreads();
+  count = 7;
+  value = 1.5f;
+}
+
+TEST(CudaOnHost, SharedMemoryStartsAsPoisonInEveryBlock) {
+  auto out = at::zeros({3 * 32}, at::kInt);
+  auto outf = at::zeros({3 * 32}, at::kFloat);
+  ctitan::cuda_host::launch(read_shared_before_writing, 3, 32)(out.data_ptr<int>(), outf.data_ptr<float>());
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_TRUE(at::equal(out, at::full({3 * 32}, -1, at::kInt))) << out;
+  EXPECT_TRUE(at::isnan(outf).all().item<bool>()) << outf;
+}
+
 __global__ void divergent_syncthreads(int* out) {
   if (threadIdx.x < 40) __syncthreads();
   out[threadIdx.x] = 1;

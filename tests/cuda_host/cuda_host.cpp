@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -20,9 +21,21 @@
 uint3 threadIdx{0, 0, 0}, blockIdx{0, 0, 0};
 dim3 blockDim, gridDim;
 
+// The bounds of the section every __shared__ variable is in (the linker's names for a section
+// named like an identifier); weak: null when no kernel linked in has shared memory.
+extern "C" char __start_ctitan_cuda_shared[] __attribute__((weak));
+extern "C" char __stop_ctitan_cuda_shared[] __attribute__((weak));
+
 namespace {
 
 cudaError_t g_last_error = cudaSuccess;
+
+// Before each block: shared memory holds no value a kernel may rely on.
+void poison_shared_memory() {
+  char* const begin = __start_ctitan_cuda_shared;
+  char* const end = __stop_ctitan_cuda_shared;
+  if (begin != nullptr && end > begin) std::memset(begin, 0xFF, static_cast<size_t>(end - begin));
+}
 
 [[noreturn]] void fail(const char* what) {
   std::fprintf(stderr, "[cuda_host] block %u, thread %u: %s\n", blockIdx.x, threadIdx.x, what);
@@ -185,6 +198,7 @@ void run_grid(dim3 grid, dim3 block, const std::function<void()>& body) {
   // without the fibers' cost (a grid-stride launch has millions of threads).
   for (unsigned b = 0; b < grid.x; ++b) {
     blockIdx = {b, 0, 0};
+    poison_shared_memory();
     if (!g.direct) {
       run_block(g);
       g.direct = !g.barriers;

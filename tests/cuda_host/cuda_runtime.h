@@ -3,9 +3,7 @@
 // thread hierarchy that runs the kernels' own source on the CPU, so that their indexing, bounds,
 // tails and barriers are checked without a GPU. What it does not model: the GPU's float
 // arithmetic (expf and friends are glibc's here), its memory model beyond barriers, partial-warp
-// masks, several streams, shared memory sizes, and uninitialised shared memory (here it starts
-// at zero, then holds what the block before left: a kernel that reads it before writing it
-// may pass here and fail on a GPU).
+// masks, several streams, shared memory sizes.
 //
 // How a launch runs (cuda_host.cpp): the `<<<grid, block, shmem, stream>>>` of the source is
 // rewritten into ctitan::cuda_host::launch(...) at build time; the blocks run one after another,
@@ -46,8 +44,11 @@ extern dim3 blockDim, gridDim;
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-// One block runs at a time, so a function-local static is the block's shared memory.
-#define __shared__ static
+// One block runs at a time, so a function-local static is the block's shared memory. All of
+// them share one ELF section, which the scheduler fills with 0xFF bytes before each block (NaN
+// as a float, −1 as an integer): shared memory starts undefined on a GPU, and a kernel that
+// reads it before writing it gets poison here, not a zero or the previous block's value.
+#define __shared__ static __attribute__((section("ctitan_cuda_shared")))
 
 cudaError_t cudaGetLastError();
 const char* cudaGetErrorString(cudaError_t e);
