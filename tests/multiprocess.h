@@ -187,6 +187,9 @@ inline int env_int(const char* name) {
         std::cerr << "unknown child " << child << std::endl;                   \
         return 99;                                                             \
       }                                                                        \
+      /* As train_main does: a write to a dead peer's socket is an error */    \
+      /* Gloo reports (EPIPE), not a silent SIGPIPE death (exit 141). */       \
+      signal(SIGPIPE, SIG_IGN);                                                \
       try {                                                                    \
         return it->second();                                                   \
       } catch (const std::exception& e) {                                      \
