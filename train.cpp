@@ -751,9 +751,10 @@ void choose_attention(const Job& j, const ModelArgs& margs) {
       "attention: {} ({}; model.sdpa_backend {}{})", c.name(), c.summary(), key_name(asked),
       asked == SdpaBackend::Auto ? ": the first of cudnn, flash, efficient that takes " + what : ", on " + what);
 #ifdef CTITAN_WITH_CUDA
-  spdlog::info("SwiGLU, RoPE and cross-entropy: {}",
-               own_gpu_kernels() ? "ctitan's own CUDA kernels (CTITAN_GPU_KERNELS=ctitan; not yet measured against "
-                                   "ATen's on a GPU: bench/gpu_kernel_check)"
+  spdlog::info("SwiGLU, RoPE, cross-entropy and AdamW: {}",
+               own_gpu_kernels() ? "ctitan's own CUDA kernels (CTITAN_GPU_KERNELS=ctitan; bf16 on one GPU: AdamW reads "
+                                   "the bf16 gradients; not yet measured against ATen's on a GPU: "
+                                   "bench/gpu_kernel_check)"
                                  : "ATen's ops (CTITAN_GPU_KERNELS=ctitan: ctitan's own CUDA kernels)");
 #endif
 }

@@ -14,7 +14,7 @@
 #   CTITAN_BENCH_COMPILE=0 ...                             # no torch.compile column
 #   CTITAN_BENCH_VARIANTS="sdpa_flash sdpa_cudnn" ...     # more ctitan rows per shape, each with
 #       one setting changed (sdpa_<backend>: model.sdpa_backend <backend>; own_kernels:
-#       CTITAN_GPU_KERNELS=ctitan, ctitan's own SwiGLU, RoPE and cross-entropy kernels), against the
+#       CTITAN_GPU_KERNELS=ctitan, ctitan's own SwiGLU, RoPE, cross-entropy and AdamW kernels), against the
 #       same eager and compile numbers
 # ctitan runs 12 steps: tokens/s and memory are the log line of step 10 (steps 6-10); step 12 is
 # recorded by the profiler, and its summary (scripts/profile_summary.py: the ops, and on a GPU

@@ -13,9 +13,20 @@
 //   the cross-entropy against a float64 reference written here (logsumexp, softmax, one-hot):
 //     the loss within 1e-5 relative, each gradient element within 3e-5 relative of it (float32
 //     sums), plus 2^-8 in bf16 (its rounding); ATen's route (chunked_cross_entropy) is measured
-//     the same way and printed beside it.
+//     the same way and printed beside it;
+//   AdamW (adamw_cuda; float32 and bf16 gradients, 68 tensors of 0 to 2^20 + 3 elements, more than
+//     one launch's 48, step counts from 1 to 1000, grad_scale 1.7, bf16 copies) against the
+//     float64 evaluation of ctitan's CPU formula (tests/fused_cuda_reference.h: within 14, 4 and
+//     6 float32 units of the terms for param, exp_avg and exp_avg_sq), each copy bf16(param)
+//     bitwise, and ATen's at::_fused_adamw_ on copies with float32 gradients (the bf16 ones
+//     upcast): within 1e-5 of the terms (ATen's float32 bias corrections and fused multiply-adds
+//     are the difference); the line also counts the elements that differ from the CPU's float32
+//     update (expected none: the same operations, each rounded to nearest). found_inf 1: nothing
+//     changes.
 // Timings: forward + backward (torch::autograd::grad, nothing accumulated), CUDA events, median
-// of 20 after 3 warm-ups, each route in turn; ratio = ATen's time / ctitan's.
+// of 20 after 3 warm-ups, each route in turn; ratio = ATen's time / ctitan's. AdamW: one step
+// over the 150M and 8B_8L models' parameter lists, bf16 gradients for ctitan's kernel, float32
+// ones for ATen's (timed alone and after the cast from bf16 that today's route makes).
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <torch/torch.h>
@@ -23,6 +34,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -183,6 +195,155 @@ void time_pair(const std::string& what, const std::function<void()>& aten, const
   std::fflush(stdout);
 }
 
+// ---- AdamW ------------------------------------------------------------------------------
+// ctitan's defaults (OptimizerSpec) with a larger learning rate, as the host test's.
+constexpr double kLr = 3e-3, kBeta1 = 0.9, kBeta2 = 0.95, kEps = 1e-8, kWd = 0.1;
+
+struct AdamWLists {
+  std::vector<Tensor> params, grads, exp_avgs, exp_avg_sqs, copies, steps;
+};
+
+std::vector<Tensor> clones(const std::vector<Tensor>& list) {
+  std::vector<Tensor> out;
+  for (const auto& t : list) out.push_back(t.clone());
+  return out;
+}
+
+// Parameters ~ N(0, 1), gradients ~ N(0, 10^-4) in grad_dtype, exp_avg ~ N(0, 10^-4), exp_avg_sq
+// the square of N(0, 10^-4) values; step counts 1 to 50, the fifth tensor's 1000; bf16 copies
+// NaN until written (or none).
+AdamWLists adamw_lists(const std::vector<int64_t>& sizes, at::ScalarType grad_dtype, bool copies) {
+  const auto f32 = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
+  AdamWLists s;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const int64_t n = sizes[i];
+    s.params.push_back(random_tensor({n}, at::kFloat, 1.0));
+    s.grads.push_back(random_tensor({n}, grad_dtype, 1e-2));
+    s.exp_avgs.push_back(random_tensor({n}, at::kFloat, 1e-2));
+    s.exp_avg_sqs.push_back(random_tensor({n}, at::kFloat, 1e-2).square());
+    s.copies.push_back(copies ? at::full({n}, NAN, f32.dtype(at::kBFloat16)) : Tensor());
+    s.steps.push_back(at::full({}, i == 4 ? 1000.0 : 1.0 + static_cast<double>((i * 7) % 50), f32));
+  }
+  return s;
+}
+
+void check_adamw(at::ScalarType grad_dtype) {
+  std::vector<int64_t> sizes = {1, 7, 1000, 256, 4096, 4097, 3 * 4096 + 17, (1 << 20) + 3};
+  for (int64_t i = 0; i < 60; ++i) sizes.push_back((i * 677) % 4401);
+  auto s = adamw_lists(sizes, grad_dtype, true);
+  const auto p0 = clones(s.params), m0 = clones(s.exp_avgs), v0 = clones(s.exp_avg_sqs);
+  // ATen's fused AdamW on copies, with float32 gradients (the bf16 ones upcast, as today's route
+  // casts them; copies: ATen writes the unscaled gradients back).
+  auto ap = clones(s.params), am = clones(s.exp_avgs), av = clones(s.exp_avg_sqs);
+  std::vector<Tensor> ag;
+  for (const auto& g : s.grads) ag.push_back(g.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+  const float scale_value = 1.7f;
+  const auto scale = at::full({}, scale_value, s.steps[0].options());
+  ctitan::adamw_cuda(s.params, s.grads, s.exp_avgs, s.exp_avg_sqs, s.copies, s.steps, kLr, kBeta1, kBeta2, kEps, kWd,
+                     scale, std::nullopt);
+  at::_fused_adamw_(ap, ag, am, av, {}, clones(s.steps), kLr, kBeta1, kBeta2, kWd, kEps, /*amsgrad=*/false,
+                    /*maximize=*/false, scale, std::nullopt);
+  const AdamWBounds bound;
+  double ref_err[3] = {0, 0, 0}, aten_diff[3] = {0, 0, 0};
+  int64_t differ = 0, elements = 0;
+  bool copies_ok = true;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] == 0) continue;
+    const auto k = adamw_coefficients(kLr, kBeta1, kBeta2, kEps, kWd, s.steps[i].item<double>());
+    const auto ref = adamw_ref64(p0[i], s.grads[i], m0[i], v0[i], k, scale_value);
+    const Tensor got[3] = {s.params[i], s.exp_avgs[i], s.exp_avg_sqs[i]}, aten[3] = {ap[i], am[i], av[i]};
+    const Tensor want[3] = {ref.param, ref.exp_avg, ref.exp_avg_sq};
+    const Tensor terms[3] = {ref.param_scale, ref.exp_avg_scale, ref.exp_avg_sq_scale};
+    for (int j = 0; j < 3; ++j) {
+      ref_err[j] = std::max(ref_err[j], max_scaled_error(got[j], want[j], terms[j]) / bound.u);
+      aten_diff[j] = std::max(aten_diff[j], max_scaled_error(aten[j], got[j].to(at::kDouble), terms[j]));
+    }
+    copies_ok = copies_ok && at::equal(s.copies[i], s.params[i].to(at::kBFloat16));
+    // The CPU's float32 update of the same state.
+    auto p = p0[i].cpu(), m = m0[i].cpu(), v = v0[i].cpu();
+    adamw_float32(p, s.grads[i].cpu(), m, v, k, scale_value);
+    differ += s.params[i].cpu().ne(p).sum().item<int64_t>() + s.exp_avgs[i].cpu().ne(m).sum().item<int64_t>() +
+              s.exp_avg_sqs[i].cpu().ne(v).sum().item<int64_t>();
+    elements += 3 * sizes[i];
+  }
+  const double aten_bound = 1e-5;
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "max error / terms against float64, in float32 units: param %.2f, exp_avg %.2f, exp_avg_sq %.2f "
+                "(bounds %.0f, %.0f, %.0f); against ATen's _fused_adamw_ (float32 gradients): %.2e, %.2e, %.2e "
+                "(bound %.0e); copies bf16(param): %s; values differing from the CPU's float32 update: %lld of %lld",
+                ref_err[0], ref_err[1], ref_err[2], bound.param / bound.u, bound.exp_avg / bound.u,
+                bound.exp_avg_sq / bound.u, aten_diff[0], aten_diff[1], aten_diff[2], aten_bound,
+                copies_ok ? "yes" : "NO", static_cast<long long>(differ), static_cast<long long>(elements));
+  const bool ok = ref_err[0] <= bound.param / bound.u && ref_err[1] <= bound.exp_avg / bound.u &&
+                  ref_err[2] <= bound.exp_avg_sq / bound.u && aten_diff[0] <= aten_bound &&
+                  aten_diff[1] <= aten_bound && aten_diff[2] <= aten_bound && copies_ok;
+  report(ok,
+         std::string("adamw ") + dtype_name(grad_dtype) + " gradients, " + std::to_string(sizes.size()) +
+             " tensors, grad_scale 1.7",
+         buf);
+}
+
+// found_inf nonzero: no parameter, moment or copy changes.
+void check_adamw_found_inf() {
+  auto s = adamw_lists({1000, 4097, 3 * 4096 + 17}, at::kBFloat16, true);
+  const auto p0 = clones(s.params), m0 = clones(s.exp_avgs), v0 = clones(s.exp_avg_sqs);
+  ctitan::adamw_cuda(s.params, s.grads, s.exp_avgs, s.exp_avg_sqs, s.copies, s.steps, kLr, kBeta1, kBeta2, kEps, kWd,
+                     std::nullopt, at::full({}, 1.0, s.steps[0].options()));
+  bool same = true;
+  for (size_t i = 0; i < s.params.size(); ++i)
+    same = same && at::equal(s.params[i], p0[i]) && at::equal(s.exp_avgs[i], m0[i]) &&
+           at::equal(s.exp_avg_sqs[i], v0[i]) && at::isnan(s.copies[i]).all().item<bool>();
+  report(same, "adamw found_inf 1", same ? "nothing changed" : "something changed");
+}
+
+// The parameters of a Llama model (as models/llama builds them): the embedding; per layer wq, wk,
+// wv, wo, w1, w2, w3 and the two norms; the final norm and the output projection.
+std::vector<int64_t> llama_param_sizes(int64_t dim, int64_t layers, int64_t kv_dim, int64_t hidden, int64_t vocab) {
+  std::vector<int64_t> sizes = {vocab * dim};
+  for (int64_t l = 0; l < layers; ++l)
+    for (const int64_t n :
+         {dim * dim, kv_dim * dim, kv_dim * dim, dim * dim, hidden * dim, dim * hidden, hidden * dim, dim, dim})
+      sizes.push_back(n);
+  sizes.push_back(dim);
+  sizes.push_back(vocab * dim);
+  return sizes;
+}
+
+void time_adamw(const std::string& name, const std::vector<int64_t>& sizes) {
+  auto s = adamw_lists(sizes, at::kBFloat16, true);
+  std::vector<Tensor> g32;
+  int64_t elements = 0;
+  for (const auto& g : s.grads) {
+    g32.push_back(at::empty(g.sizes(), g.options().dtype(at::kFloat)));
+    elements += g.numel();
+  }
+  at::_foreach_copy_(g32, s.grads);
+  const auto aten = [&] {
+    at::_fused_adamw_(s.params, g32, s.exp_avgs, s.exp_avg_sqs, {}, s.steps, kLr, kBeta1, kBeta2, kWd, kEps,
+                      /*amsgrad=*/false, /*maximize=*/false, std::nullopt, std::nullopt);
+  };
+  const double a = median_ms(aten);
+  const double a_cast = median_ms([&] {
+    at::_foreach_copy_(g32, s.grads);
+    aten();
+  });
+  const double o = median_ms([&] {
+    ctitan::adamw_cuda(s.params, s.grads, s.exp_avgs, s.exp_avg_sqs, {}, s.steps, kLr, kBeta1, kBeta2, kEps, kWd,
+                       std::nullopt, std::nullopt);
+  });
+  const double o_copy = median_ms([&] {
+    ctitan::adamw_cuda(s.params, s.grads, s.exp_avgs, s.exp_avg_sqs, s.copies, s.steps, kLr, kBeta1, kBeta2, kEps, kWd,
+                       std::nullopt, std::nullopt);
+  });
+  std::printf(
+      "[gpu_kernel_check] time adamw step %s (%zu tensors, %.1fM elements): ATen (float32 gradients) %.3f ms, "
+      "after the cast from bf16 %.3f ms; ctitan (bf16 gradients) %.3f ms: %.2fx (%.2fx with the cast), writing bf16 "
+      "copies %.3f ms\n",
+      name.c_str(), sizes.size(), static_cast<double>(elements) / 1e6, a, a_cast, o, a / o, a_cast / o, o_copy);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main() {
@@ -218,6 +379,9 @@ int main() {
            "cross-entropy bf16 [64, 2048] misaligned",
            "the one-value path against the 16-byte path on a copy: bitwise equal");
   }
+  check_adamw(at::kFloat);
+  check_adamw(at::kBFloat16);
+  check_adamw_found_inf();
 
   for (const auto& [rows, hidden, vocab, name] : std::vector<std::tuple<int64_t, int64_t, int64_t, std::string>>{
            {16384, 2816, 8192, "150M"}, {8192, 14336, 128256, "8B"}}) {
@@ -249,6 +413,8 @@ int main() {
         [&] { torch::autograd::grad({ctitan::chunked_cross_entropy(x, labels, s)}, {x}); },
         [&] { torch::autograd::grad({ctitan::cross_entropy_cuda(x, labels, s)}, {x}); });
   }
+  time_adamw("150M", llama_param_sizes(1024, 12, 512, 2816, 8192));
+  time_adamw("8B_8L", llama_param_sizes(4096, 8, 1024, 14336, 128256));
   std::printf("[gpu_kernel_check] %d checks, %s\n", g_checks,
               g_failed ? (std::to_string(g_failed) + " FAILED").c_str() : "all PASS");
   return g_failed ? 1 : 0;

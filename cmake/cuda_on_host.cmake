@@ -24,7 +24,8 @@ add_library(ctitan_cuda_kernels_on_host STATIC ${_host_sources} ${CMAKE_SOURCE_D
 target_compile_definitions(ctitan_cuda_kernels_on_host PUBLIC CTITAN_CUDA_ON_HOST=1)
 target_include_directories(ctitan_cuda_kernels_on_host BEFORE PRIVATE ${CMAKE_SOURCE_DIR}/tests/cuda_host)
 target_include_directories(ctitan_cuda_kernels_on_host PRIVATE ${CMAKE_SOURCE_DIR})
-# `#pragma unroll` is nvcc's; GCC's warning about it says nothing here.
-target_compile_options(ctitan_cuda_kernels_on_host PRIVATE ${CTITAN_WARNINGS} -Wno-unknown-pragmas)
+# `#pragma unroll` is nvcc's; GCC's warning about it says nothing here. No contraction of a · b + c
+# into a fused multiply-add: the kernels' __fmul_rn and friends round each operation, as on a GPU.
+target_compile_options(ctitan_cuda_kernels_on_host PRIVATE ${CTITAN_WARNINGS} -Wno-unknown-pragmas -ffp-contract=off)
 # The test includes ctitan's headers and LibTorch's through the kernels' library.
 target_link_libraries(ctitan_cuda_kernels_on_host PUBLIC ctitan_kernels)

@@ -1,5 +1,6 @@
 #include "components/optimizer.h"
 
+#include <algorithm>
 #include <optional>
 #include <unordered_map>
 #include <unordered_set>
@@ -10,6 +11,7 @@
 
 #include "config/errors.h"
 #include "kernels/device_route.h"
+#include "kernels/fused_cuda.h"
 #include "kernels/kernel_math.h"
 
 namespace ctitan {
@@ -25,10 +27,13 @@ struct AdamWCoefs {
   float grad_coef;  // the clip's factor, read with each gradient (1: none; g · 1 is g, bitwise)
 };
 
-// One AdamW update of elements [begin, end) (formula above the class below).
-CTITAN_KERNEL void adamw_range(float* P, const float* G, float* M, float* V, AdamWCoefs k, int64_t begin, int64_t end) {
+// One AdamW update of elements [begin, end) (formula above the class below). Grad: float, or
+// c10::BFloat16 (FSDP over one rank keeps the compute dtype's gradient; widening it is exact,
+// so the update is bitwise the one from its float32 cast).
+template <class Grad>
+CTITAN_KERNEL void adamw_range(float* P, const Grad* G, float* M, float* V, AdamWCoefs k, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
-    const float gi = G[i] * k.grad_coef;
+    const float gi = static_cast<float>(G[i]) * k.grad_coef;
     const float pi = P[i] * k.decay;
     const float mi = M[i] * k.b1 + gi * k.c1;
     const float vi = V[i] * k.b2 + gi * gi * k.c2;
@@ -91,9 +96,10 @@ class FusedAdamW : public torch::optim::AdamW {
       if (cpu_skip) continue;
       for (auto& p : group.params()) {
         if (!p.grad().defined()) continue;
+        const auto gt = p.grad().scalar_type();
         TORCH_CHECK(p.scalar_type() == torch::kFloat && p.is_contiguous() && p.grad().is_contiguous() &&
-                        p.grad().scalar_type() == torch::kFloat,
-                    "[optimizer] FusedAdamW needs contiguous float32 parameters and gradients");
+                        (gt == torch::kFloat || gt == torch::kBFloat16),
+                    "[optimizer] FusedAdamW needs contiguous float32 parameters and float32 or bfloat16 gradients");
         auto& st = state_for(p);
         st.step(st.step() + 1);
         update(p, p.grad(), st.exp_avg(), st.exp_avg_sq(), o, st.step(), cpu_grad_coef);
@@ -143,9 +149,20 @@ class FusedAdamW : public torch::optim::AdamW {
     at::_foreach_add_(steps, 1.0);
     const std::optional<at::Tensor> found_inf =
         skip.defined() ? std::optional<at::Tensor>(skip.to(torch::kFloat)) : std::nullopt;
-    at::_fused_adamw_(ps, gs, ms, vs, {}, steps, o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()),
-                      o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false,
-                      grad_scale.defined() ? std::optional<at::Tensor>(grad_scale) : std::nullopt, found_inf);
+    const std::optional<at::Tensor> scale = grad_scale.defined() ? std::optional<at::Tensor>(grad_scale) : std::nullopt;
+    const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
+#ifdef CTITAN_WITH_CUDA
+    // ctitan's AdamW kernel (the CPU's formula, kernels/fused_cuda.h): with CTITAN_GPU_KERNELS=ctitan,
+    // and for bf16 gradients (FSDP over one rank keeps them then), which torch's kernel does not take.
+    const bool bf16_grads =
+        std::any_of(gs.begin(), gs.end(), [](const at::Tensor& g) { return g.scalar_type() != torch::kFloat; });
+    if (own_gpu_kernels() || bf16_grads) {
+      adamw_cuda(ps, gs, ms, vs, /*param_copies=*/{}, steps, o.lr(), b1, b2, o.eps(), o.weight_decay(), scale,
+                 found_inf);
+    } else
+#endif
+      at::_fused_adamw_(ps, gs, ms, vs, {}, steps, o.lr(), b1, b2, o.weight_decay(), o.eps(), /*amsgrad=*/false,
+                        /*maximize=*/false, scale, found_inf);
     if (found_inf) at::_foreach_sub_(steps, std::vector<at::Tensor>(steps.size(), *found_inf));
   }
 
@@ -180,30 +197,35 @@ class FusedAdamW : public torch::optim::AdamW {
     const float eps = static_cast<float>(o.eps());
     const float step_size = static_cast<float>(o.lr() / bc1);
     float* P = p.data_ptr<float>();
-    const float* G = g.data_ptr<float>();
     float* M = m.data_ptr<float>();
     float* V = v.data_ptr<float>();
     // float(grad_coef), as ATen's mul_(double) on a float32 tensor rounds it: the same bits as
     // clipping the gradient in place before the update.
     const AdamWCoefs k{decay, fb1, fb2, c1, c2, sqrt_bc2, eps, step_size, static_cast<float>(grad_coef)};
-    at::parallel_for(0, p.numel(), kChunk, [&](int64_t begin, int64_t end) { adamw_range(P, G, M, V, k, begin, end); });
+    if (g.scalar_type() == torch::kBFloat16) {
+      const c10::BFloat16* G = g.data_ptr<c10::BFloat16>();
+      at::parallel_for(0, p.numel(), kChunk, [&](int64_t b, int64_t e) { adamw_range(P, G, M, V, k, b, e); });
+    } else {
+      const float* G = g.data_ptr<float>();
+      at::parallel_for(0, p.numel(), kChunk, [&](int64_t b, int64_t e) { adamw_range(P, G, M, V, k, b, e); });
+    }
   }
 };
 
-// Σ x² of x[begin, end) in float64, in 8 lanes (a single chain waits on every add).
-CTITAN_KERNEL double sum_of_squares_range(const float* x, int64_t begin, int64_t end) {
+// Σ x² of x[begin, end) in float64, in 8 lanes (a single chain waits on every add). X: float or
+// c10::BFloat16 (widened exactly: a bf16 gradient's sum is bitwise its float32 cast's).
+template <class X>
+CTITAN_KERNEL double sum_of_squares_range(const X* x, int64_t begin, int64_t end) {
   return kernel::lane_sum<double>(end - begin, [&](int64_t i) {
-    const double v = x[begin + i];
+    const double v = static_cast<float>(x[begin + i]);
     return v * v;
   });
 }
 
-// Σ x² of a float32 tensor in float64, one pass: fixed-size chunks summed in index order.
-double sum_of_squares(const torch::Tensor& t) {
-  const auto c = t.contiguous();
-  if (c.scalar_type() != torch::kFloat) return c.to(torch::kFloat64).pow(2).sum().item<double>();
-  const float* x = c.data_ptr<float>();
-  const int64_t n = c.numel(), chunks = (n + kChunk - 1) / kChunk;
+// Σ x² of x[0, n) in float64, one pass: fixed-size chunks summed in index order.
+template <class X>
+double sum_of_squares_of(const X* x, int64_t n) {
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
   std::vector<double> partial(chunks, 0.0);
   at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
     for (int64_t k = b; k < e; ++k) {
@@ -213,6 +235,15 @@ double sum_of_squares(const torch::Tensor& t) {
   double total = 0.0;
   for (double v : partial) total += v;
   return total;
+}
+
+// Σ x² of a float32 or bf16 tensor in float64 (the same sum for a bf16 tensor and its float32
+// cast); other dtypes through a float64 copy.
+double sum_of_squares(const torch::Tensor& t) {
+  const auto c = t.contiguous();
+  if (c.scalar_type() == torch::kFloat) return sum_of_squares_of(c.data_ptr<float>(), c.numel());
+  if (c.scalar_type() == torch::kBFloat16) return sum_of_squares_of(c.data_ptr<c10::BFloat16>(), c.numel());
+  return c.to(torch::kFloat64).pow(2).sum().item<double>();
 }
 
 }  // namespace
@@ -293,8 +324,13 @@ GradNorm grad_norm_impl(const std::vector<torch::Tensor>& params, double max_nor
     }
     return out;
   }
-  auto sq_dev = gpu_counted.empty() ? torch::zeros({}, gpu_grads[0].options().dtype(torch::kFloat64))
-                                    : at::stack(at::_foreach_norm(gpu_counted, 2)).to(torch::kFloat64).square().sum();
+  // Norms of bf16 gradients (FSDP over one rank keeps them) are taken in float32, not rounded to bf16.
+  const bool all_float = std::all_of(gpu_counted.begin(), gpu_counted.end(),
+                                     [](const torch::Tensor& g) { return g.scalar_type() == torch::kFloat; });
+  const std::optional<at::ScalarType> norm_dtype = all_float ? std::nullopt : std::optional(at::kFloat);
+  auto sq_dev = gpu_counted.empty()
+                    ? torch::zeros({}, gpu_grads[0].options().dtype(torch::kFloat64))
+                    : at::stack(at::_foreach_norm(gpu_counted, 2, norm_dtype)).to(torch::kFloat64).square().sum();
   if (all_reduce_sum)  // through the host (Gloo): the one read of a step with sharded gradients
     sq_dev = torch::full({}, all_reduce_sum(read_to_host(sq_dev).item<double>() + sq), sq_dev.options());
   GradNorm out{sq_dev.sqrt(), torch::Tensor()};

@@ -4,12 +4,16 @@
 // Element-wise kernels (SwiGLU, RoPE) move 16 bytes per load and store where the pointers allow it
 // (8 bf16 or 4 float32 values), with a scalar tail; the cross-entropy runs one block per row,
 // each thread keeping a running maximum and sum of exp over its share of the row (one exp per
-// element), combined across the block in a fixed order, so every result is reproducible.
+// element), combined across the block in a fixed order, so every result is reproducible. AdamW
+// runs over a table of tensors passed by value (up to 48 a launch), each block taking 4096
+// consecutive elements of one of them, with the operations of ctitan's CPU update each rounded on
+// its own (__fmul_rn and friends, which nvcc never contracts into a fused multiply-add).
 #include "kernels/fused_cuda.h"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -324,6 +328,109 @@ int cross_entropy_backward_as(const void* logits, const int64_t* labels, const f
   });
 }
 
+// ---- AdamW ------------------------------------------------------------------------------
+// A launch's table: entry e covers blocks [first_block[e], first_block[e + 1]), kAdamWPerThread
+// elements a thread (thread t of a block: its elements start + t + k · blockDim). A tensor of
+// more than kAdamWMaxPieceBlocks blocks takes several entries (pieces), so the block counts of a
+// full table stay far below CUDA's 2^31 − 1 blocks.
+constexpr int kAdamWTensors = 48;
+constexpr int kAdamWPerThread = 16;
+constexpr int64_t kAdamWChunk = int64_t{kThreads} * kAdamWPerThread;  // elements a block
+constexpr int64_t kAdamWMaxPieceBlocks = int64_t{1} << 24;
+
+struct AdamWTable {
+  AdamWTensor t[kAdamWTensors];
+  unsigned first_block[kAdamWTensors + 1];
+  int count;
+};
+
+// The step-independent coefficients, rounded to float32 as the CPU update rounds them, and what
+// the bias corrections need in float64.
+struct AdamWConstants {
+  double lr, beta1, beta2;
+  float decay, b1, b2, c1, c2, eps;
+};
+
+// A launch's arguments: at most 4 KiB (32 KiB only from CUDA 12.1 on, on Volta and later GPUs).
+static_assert(sizeof(AdamWTable) + sizeof(AdamWConstants) + 2 * sizeof(void*) <= 4096, "adamw's arguments");
+
+// The block's tensor is found by a scan of the table (entries are read by value: taking the
+// address of a kernel argument would copy the whole table to each thread's local memory). Its
+// step's coefficients are computed by each thread before its elements, in float64 as the CPU
+// update computes them from the integer step count; then, per element, the CPU update's float32
+// operations in its order.
+template <class G>
+__global__ void __launch_bounds__(kThreads)
+    adamw_kernel(const AdamWTable table, const AdamWConstants k, const float* __restrict__ grad_scale,
+                 const float* __restrict__ found_inf) {
+  if (found_inf != nullptr && *found_inf != 0.0f) return;
+  int e = 0;
+  while (blockIdx.x >= table.first_block[e + 1]) ++e;
+  const AdamWTensor t = table.t[e];
+  const double s = static_cast<double>(*t.step);
+  const double bc1 = 1.0 - pow(k.beta1, s), bc2 = 1.0 - pow(k.beta2, s);
+  const float sqrt_bc2 = static_cast<float>(sqrt(bc2));
+  const float step_size = static_cast<float>(k.lr / bc1);
+  const float scale = grad_scale != nullptr ? *grad_scale : 1.0f;
+  float* __restrict__ P = t.param;
+  const G* __restrict__ Gr = static_cast<const G*>(t.grad);
+  float* __restrict__ M = t.exp_avg;
+  float* __restrict__ V = t.exp_avg_sq;
+  bf16* __restrict__ C = static_cast<bf16*>(t.param_copy);
+  const int64_t start =
+      int64_t{blockIdx.x - table.first_block[e]} * blockDim.x * kAdamWPerThread + int64_t{threadIdx.x};
+#pragma unroll
+  for (int j = 0; j < kAdamWPerThread; ++j) {
+    const int64_t i = start + int64_t{j} * blockDim.x;
+    if (i >= t.n) break;
+    float g = widen(Gr[i]);
+    if (grad_scale != nullptr) g = __fdiv_rn(g, scale);
+    const float p = __fmul_rn(P[i], k.decay);
+    const float m = __fadd_rn(__fmul_rn(M[i], k.b1), __fmul_rn(g, k.c1));
+    const float v = __fadd_rn(__fmul_rn(V[i], k.b2), __fmul_rn(__fmul_rn(g, g), k.c2));
+    M[i] = m;
+    V[i] = v;
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), sqrt_bc2), k.eps);
+    const float out = __fsub_rn(p, __fmul_rn(step_size, __fdiv_rn(m, denom)));
+    P[i] = out;
+    if (C != nullptr) C[i] = narrow<bf16>(out);
+  }
+}
+
+// Fills tables of up to kAdamWTensors pieces and launches each when full, and the last.
+template <class G>
+int adamw_as(const AdamWTensor* tensors, int64_t count, const AdamWConstants& k, const float* grad_scale,
+             const float* found_inf, cudaStream_t s) {
+  AdamWTable table{};
+  auto flush = [&]() -> int {
+    if (table.count == 0) return 0;
+    adamw_kernel<G><<<table.first_block[table.count], kThreads, 0, s>>>(table, k, grad_scale, found_inf);
+    table.count = 0;
+    return static_cast<int>(cudaGetLastError());
+  };
+  for (int64_t i = 0; i < count; ++i) {
+    const AdamWTensor& t = tensors[i];
+    for (int64_t done = 0; done < t.n;) {
+      const int64_t n = std::min(t.n - done, kAdamWMaxPieceBlocks * kAdamWChunk);
+      bf16* copy = static_cast<bf16*>(t.param_copy);
+      table.t[table.count] = {t.param + done,
+                              static_cast<const G*>(t.grad) + done,
+                              t.exp_avg + done,
+                              t.exp_avg_sq + done,
+                              copy ? copy + done : nullptr,
+                              t.step,
+                              n};
+      table.first_block[table.count + 1] =
+          table.first_block[table.count] + static_cast<unsigned>((n + kAdamWChunk - 1) / kAdamWChunk);
+      done += n;
+      if (++table.count == kAdamWTensors) {
+        if (const int rc = flush()) return rc;
+      }
+    }
+  }
+  return flush();
+}
+
 }  // namespace
 
 int swiglu_forward(Elem t, const void* a, const void* b, void* y, int64_t n, void* stream) {
@@ -365,6 +472,26 @@ int cross_entropy_backward(Elem t, const void* logits, const int64_t* labels, co
   const auto s = static_cast<cudaStream_t>(stream);
   return t == Elem::BFloat16 ? cross_entropy_backward_as<bf16>(logits, labels, lse, coef, rows, V, dx, s)
                              : cross_entropy_backward_as<float>(logits, labels, lse, coef, rows, V, dx, s);
+}
+
+int adamw(Elem grad, const AdamWTensor* tensors, int64_t count, const AdamWHyper& h, const float* grad_scale,
+          const float* found_inf, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (count < 0 || (count > 0 && tensors == nullptr)) return static_cast<int>(cudaErrorInvalidValue);
+  for (int64_t i = 0; i < count; ++i)
+    if (tensors[i].n < 0) return static_cast<int>(cudaErrorInvalidValue);
+  // As components/optimizer.cpp's FusedAdamW::update rounds them.
+  const AdamWConstants k{h.lr,
+                         h.beta1,
+                         h.beta2,
+                         static_cast<float>(1.0 - h.lr * h.weight_decay),
+                         static_cast<float>(h.beta1),
+                         static_cast<float>(h.beta2),
+                         static_cast<float>(1.0 - h.beta1),
+                         static_cast<float>(1.0 - h.beta2),
+                         static_cast<float>(h.eps)};
+  return grad == Elem::BFloat16 ? adamw_as<bf16>(tensors, count, k, grad_scale, found_inf, s)
+                                : adamw_as<float>(tensors, count, k, grad_scale, found_inf, s);
 }
 
 }  // namespace ctitan::gpu

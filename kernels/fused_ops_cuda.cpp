@@ -14,6 +14,7 @@
 #endif
 
 #include <stdexcept>
+#include <string>
 
 #include "kernels/fused_cuda.h"
 #include "util/env.h"
@@ -171,6 +172,81 @@ at::Tensor rotary_emb_cuda(const at::Tensor& x, const at::Tensor& freqs_cis) {
 
 at::Tensor cross_entropy_cuda(const at::Tensor& logits, const at::Tensor& labels, double scale) {
   return CrossEntropyCudaFn::apply(logits, labels, scale);
+}
+
+void adamw_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                const std::vector<at::Tensor>& param_copies, const std::vector<at::Tensor>& steps, double lr,
+                double beta1, double beta2, double eps, double weight_decay,
+                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  RECORD_FUNCTION("ctitan::adamw_cuda", std::vector<c10::IValue>());
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n &&
+                  (param_copies.empty() || param_copies.size() == n),
+              "[kernels] adamw_cuda: ", n, " params, ", grads.size(), " grads, ", exp_avgs.size(), " exp_avgs, ",
+              exp_avg_sqs.size(), " exp_avg_sqs, ", param_copies.size(), " param_copies (none or one per param), ",
+              steps.size(), " steps");
+  if (n == 0) return;
+  TORCH_CHECK(params[0].defined() && on_kernel_device(params[0]),
+              "[kernels] adamw_cuda: the tensors must be on a GPU, got params[0] ",
+              params[0].defined() ? params[0].device().str() : std::string("undefined"));
+  const at::Device device = params[0].device();
+  // t (named `what`): defined, on the parameters' device, one of the dtypes, contiguous.
+  auto check = [&](const at::Tensor& t, const std::string& what, at::ScalarType a,
+                   std::optional<at::ScalarType> b = std::nullopt) {
+    TORCH_CHECK(t.defined(), "[kernels] adamw_cuda: ", what, " is undefined");
+    TORCH_CHECK(t.device() == device, "[kernels] adamw_cuda: ", what, " is on ", t.device(), ", the params on ",
+                device);
+    TORCH_CHECK(t.scalar_type() == a || (b && t.scalar_type() == *b), "[kernels] adamw_cuda: ", what, " is ",
+                t.scalar_type(), ", not ", a, b ? std::string(" or ") + c10::toString(*b) : std::string());
+    TORCH_CHECK(t.is_contiguous(), "[kernels] adamw_cuda: ", what, " is not contiguous");
+  };
+  auto check_numel = [](const at::Tensor& t, const std::string& what, int64_t numel, size_t i) {
+    TORCH_CHECK(t.numel() == numel, "[kernels] adamw_cuda: ", what, " has ", t.numel(), " elements, params[", i, "] ",
+                numel);
+  };
+  auto check_0d = [&](const at::Tensor& t, const std::string& what) {
+    check(t, what, at::kFloat);
+    TORCH_CHECK(t.dim() == 0, "[kernels] adamw_cuda: ", what, " must be 0-d, got ", t.sizes());
+  };
+  auto scalar = [&](const std::optional<at::Tensor>& t, const char* what) -> const float* {
+    if (!t) return nullptr;
+    check_0d(*t, what);
+    return t->data_ptr<float>();
+  };
+  std::vector<gpu::AdamWTensor> by_dtype[2];  // float32 gradients, bf16 gradients
+  for (size_t i = 0; i < n; ++i) {
+    const auto name = [i](const char* list) { return std::string(list) + "[" + std::to_string(i) + "]"; };
+    const at::Tensor& p = params[i];
+    check(p, name("params"), at::kFloat);
+    const int64_t numel = p.numel();
+    check(grads[i], name("grads"), at::kFloat, at::kBFloat16);
+    check_numel(grads[i], name("grads"), numel, i);
+    check(exp_avgs[i], name("exp_avgs"), at::kFloat);
+    check_numel(exp_avgs[i], name("exp_avgs"), numel, i);
+    check(exp_avg_sqs[i], name("exp_avg_sqs"), at::kFloat);
+    check_numel(exp_avg_sqs[i], name("exp_avg_sqs"), numel, i);
+    check_0d(steps[i], name("steps"));
+    void* copy = nullptr;
+    if (!param_copies.empty() && param_copies[i].defined()) {
+      check(param_copies[i], name("param_copies"), at::kBFloat16);
+      check_numel(param_copies[i], name("param_copies"), numel, i);
+      copy = param_copies[i].data_ptr();
+    }
+    const bool bf16 = grads[i].scalar_type() == at::kBFloat16;
+    by_dtype[bf16].push_back({p.data_ptr<float>(), grads[i].data_ptr(), exp_avgs[i].data_ptr<float>(),
+                              exp_avg_sqs[i].data_ptr<float>(), copy, steps[i].data_ptr<float>(), numel});
+  }
+  const float* scale = scalar(grad_scale, "grad_scale");
+  const float* inf = scalar(found_inf, "found_inf");
+  const DeviceGuard device_guard(device);
+  const gpu::AdamWHyper h{lr, beta1, beta2, eps, weight_decay};
+  for (const auto e : {gpu::Elem::Float32, gpu::Elem::BFloat16}) {
+    const auto& list = by_dtype[e == gpu::Elem::BFloat16];
+    if (list.empty()) continue;
+    launched(gpu::adamw(e, list.data(), static_cast<int64_t>(list.size()), h, scale, inf, stream_of(params[0])),
+             "adamw");
+  }
 }
 
 }  // namespace ctitan

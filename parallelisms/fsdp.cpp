@@ -258,6 +258,15 @@ void FSDP::on_param_grad(size_t i) {
   if (++u.grads_seen == static_cast<int64_t>(u.params.size())) reduce_grads(u);
 }
 
+// Whether the one-rank path makes g the shard's gradient as it is (FSDPOptions::keep_compute_grads):
+// the first micro-batch's gradient (nothing to add it to), not a view (optimizers may detach
+// gradients in place), of the shard's shape, float32 or bf16, and not rounded by the reduce dtype.
+bool FSDP::keeps_as_is(const at::Tensor& g, const at::Tensor& shard) const {
+  if (!opt_.keep_compute_grads || shard.grad().defined() || g.is_view() || g.sizes() != shard.sizes()) return false;
+  if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kBFloat16) return false;
+  return opt_.reduce_dtype == at::kFloat || opt_.reduce_dtype == g.scalar_type();
+}
+
 void FSDP::reduce_grads(Unit& u) {
   if (u.reduced) return;
   RECORD_FUNCTION("ctitan::fsdp_reduce_grads", std::vector<c10::IValue>());
@@ -269,10 +278,14 @@ void FSDP::reduce_grads(Unit& u) {
     // general path does; the mean over one rank divides by 1) — one pass instead of five.
     for (auto& p : u.params) {
       const at::Tensor g = p.full.grad();
-      if (g.defined()) {
+      if (g.defined() && keeps_as_is(g, p.shard)) {
+        p.shard.mutable_grad() = g;  // opt_.keep_compute_grads: the compute dtype's gradient itself
+      } else if (g.defined()) {
         // Reshaped first, so that a cast makes a tensor of its own, not a view of one.
         const auto gr = g.reshape(p.shard.sizes()).to(opt_.reduce_dtype);
-        if (p.shard.grad().defined())
+        if (p.shard.grad().defined() && p.shard.grad().scalar_type() != p.shard.scalar_type())
+          p.shard.mutable_grad() = p.shard.grad().to(p.shard.scalar_type()).add_(gr);  // a kept one, widened
+        else if (p.shard.grad().defined())
           p.shard.mutable_grad().add_(gr);  // computed in fp32, as fp32 + fp32 would be
         else if (gr.scalar_type() == p.shard.scalar_type() && !gr.is_alias_of(g))
           p.shard.mutable_grad() = gr;  // the cast's own result (bf16 compute, fp32 reduce): no copy

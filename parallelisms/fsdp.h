@@ -45,6 +45,15 @@ struct FSDPOptions {
   // parameters may be initialised on the CPU (deferred init: one unit at a time, the values a
   // CPU run has); each rank's rows then move here. A GPU needs NCCL groups (CommKind::Nccl).
   at::Device device = at::kCPU;
+  // One data-parallel rank (a shard group of one, no replicas): the gradient autograd made in the
+  // compute dtype becomes the shard's gradient as it is, instead of a float32 copy of it, when
+  // the reduce dtype would not round it (float32, or the compute dtype itself). The float32 cast
+  // of a bf16 gradient is exact, so an optimizer that reads bf16 gradients and widens them
+  // (ctitan's AdamW) computes what it computed from the cast, without the cast's pass and with
+  // half the gradient memory. Accumulation over micro-batches still adds in float32 (the
+  // second micro-batch widens the first's gradient). Only for such an optimizer: train sets it
+  // for AdamW on the CPU, and on a GPU with CTITAN_GPU_KERNELS=ctitan (ctitan's AdamW kernel).
+  bool keep_compute_grads = false;
 };
 
 struct FSDPStats {
@@ -124,6 +133,7 @@ class FSDP {
   void ensure_unsharded(Unit& u);
   void reshard(Unit& u);
   void reduce_grads(Unit& u);
+  bool keeps_as_is(const at::Tensor& g, const at::Tensor& shard) const;
   void complete_reduction(Unit& u);
   void wait(PendingCollective& p);
   size_t index_of(const std::string& unit) const;

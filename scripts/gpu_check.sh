@@ -293,8 +293,8 @@ if part g; then
   cat "$OUT/g_kernels.log"
   ((rc == 0)) || fail_line "(g) FAIL: gpu_kernel_check exited $rc: $(tail -1 "$OUT/g_kernels.log")"
   if run g_f32 CTITAN_GPU_KERNELS=ctitan -- --training.steps 20; then
-    if ! grep -q "SwiGLU, RoPE and cross-entropy: ctitan's own CUDA kernels" "$OUT/g_f32.log"; then
-      fail_line "(g) FAIL: g_f32 did not say it ran ctitan's kernels: $(grep -m1 'SwiGLU, RoPE and cross-entropy' "$OUT/g_f32.log")"
+    if ! grep -q "SwiGLU, RoPE, cross-entropy and AdamW: ctitan's own CUDA kernels" "$OUT/g_f32.log"; then
+      fail_line "(g) FAIL: g_f32 did not say it ran ctitan's kernels: $(grep -m1 'SwiGLU, RoPE, cross-entropy and AdamW' "$OUT/g_f32.log")"
     elif [[ -s "$OUT/a_gpu.losses" ]]; then
       losses "$OUT/g_f32/metrics.jsonl" >"$OUT/g_f32.losses"
       report "(g) float32, ctitan's kernels vs ATen's (a)" "$OUT/g_f32.losses" "$OUT/a_gpu.losses" 1e-4 || status=1

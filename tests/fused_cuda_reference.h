@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 
@@ -118,5 +119,91 @@ inline double cross_entropy_ref64(
 // exps of a row in float32 (and a log-sum-exp ~25 has a float32 ulp of 2e-6); bf16: its
 // rounding (2^-8 relative at most) on top of that. The loss's bound is 1e-5 relative.
 inline double cross_entropy_grad_bound(at::ScalarType t) { return (t == at::kBFloat16 ? 1.0 / 256 : 0) + 3e-5; }
+
+// ---- AdamW ------------------------------------------------------------------------------
+// One step's coefficients as components/optimizer.cpp's FusedAdamW::update computes them: in
+// float64 from the step count, each rounded to float32.
+struct AdamWCoefficients {
+  float decay, b1, b2, c1, c2, sqrt_bc2, eps, step_size;
+};
+
+inline AdamWCoefficients adamw_coefficients(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                            double step) {
+  const double bc1 = 1.0 - std::pow(beta1, step), bc2 = 1.0 - std::pow(beta2, step);
+  return {static_cast<float>(1.0 - lr * weight_decay),
+          static_cast<float>(beta1),
+          static_cast<float>(beta2),
+          static_cast<float>(1.0 - beta1),
+          static_cast<float>(1.0 - beta2),
+          static_cast<float>(std::sqrt(bc2)),
+          static_cast<float>(eps),
+          static_cast<float>(lr / bc1)};
+}
+
+// The same update as adamw_range there, written out again in float32: in place on CPU tensors
+// (p, m, v float32 contiguous; g float32 or bf16), each operation rounded on its own, in its
+// order; grad_scale 0: none, else each gradient divided by it in float32 first (as the kernel
+// and ATen's fused AdamW divide). Returns bf16(p), the parameter copy.
+inline at::Tensor adamw_float32(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v,
+                                const AdamWCoefficients& k, float grad_scale) {
+  const auto gf = g.to(at::kFloat).contiguous();
+  float* P = p.data_ptr<float>();
+  float* M = m.data_ptr<float>();
+  float* V = v.data_ptr<float>();
+  const float* G = gf.data_ptr<float>();
+  for (int64_t i = 0; i < p.numel(); ++i) {
+    const float gi = grad_scale != 0 ? G[i] / grad_scale : G[i];
+    const float pi = P[i] * k.decay;
+    const float mi = M[i] * k.b1 + gi * k.c1;
+    const float vi = V[i] * k.b2 + gi * gi * k.c2;
+    M[i] = mi;
+    V[i] = vi;
+    P[i] = pi - k.step_size * (mi / (std::sqrt(vi) / k.sqrt_bc2 + k.eps));
+  }
+  return p.to(at::kBFloat16);
+}
+
+// The update in float64 with the coefficients' float32 values, without rounding between
+// operations (any device; grad_scale 0: none, else g = G / grad_scale exactly), and the size of
+// the terms each result is made of, which its error is measured against:
+//   exp_avg: |β1·M| + |(1 − β1)·g| (the two may cancel); exp_avg_sq: v itself (no cancellation);
+//   param: |P·decay| + step_size · (|β1·M| + |(1 − β1)·g|) / (√v / √bc2 + eps).
+struct AdamWRef {
+  at::Tensor param, exp_avg, exp_avg_sq;
+  at::Tensor param_scale, exp_avg_scale, exp_avg_sq_scale;
+};
+
+inline AdamWRef adamw_ref64(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                            const at::Tensor& exp_avg_sq, const AdamWCoefficients& k, float grad_scale) {
+  auto g = grad.to(at::kDouble);
+  if (grad_scale != 0) g = g / static_cast<double>(grad_scale);
+  const auto p = param.to(at::kDouble) * static_cast<double>(k.decay);
+  const auto mb = exp_avg.to(at::kDouble) * static_cast<double>(k.b1), gc = g * static_cast<double>(k.c1);
+  const auto m = mb + gc, m_scale = mb.abs() + gc.abs();
+  const auto v = exp_avg_sq.to(at::kDouble) * static_cast<double>(k.b2) + g * g * static_cast<double>(k.c2);
+  const auto d = v.sqrt() / static_cast<double>(k.sqrt_bc2) + static_cast<double>(k.eps);
+  const double step = k.step_size;
+  return {p - step * (m / d), m, v, p.abs() + step * m_scale / d, m_scale, v};
+}
+
+// The bounds on max_scaled_error(kernel, AdamWRef's value, its scale), in units of u = 2^-24
+// (float32's relative rounding error). Each float32 operation adds at most u of its result; to
+// first order in u:
+//   g = G / S: u (0 without a grad_scale, or with a bf16 or float32 gradient alone: exact);
+//   m = fl(fl(M·b1) + fl(g·c1)): 2u of |M·b1| and 3u of |g·c1| → 3u of the terms; 4u allowed;
+//   v = fl(fl(V·b2) + fl(fl(g·g)·c2)): 2u of V·b2 and 5u of g²·c2, all ≥ 0 → 5u of v; 6u allowed;
+//   d = √v / √bc2 + eps: v's 5u halved by the root, + the root's, the division's and the sum's
+//     roundings → 5.5u of d (eps > 0: no cancellation);
+//   update = step_size · (m / d): m's 3u of its terms, d's 5.5u, the division's and the product's
+//     u each → 10.5u of step_size · (terms of m) / d; and p = P·decay within u of |P·decay|;
+//   param = fl(p − update): those, plus u of the result → at most 11.5u of the terms; 14u allowed,
+//     which also covers step_size and √bc2 each one float32 ulp away from the reference's (a
+//     device pow a last bit off glibc's moving a rounding): u of the update each.
+// The second-order terms (~10^2 u^2) and the float64 reference's own error (~2^-50 of the terms)
+// are far below the half u of slack.
+struct AdamWBounds {
+  static constexpr double u = 1.0 / (1 << 24);
+  double exp_avg = 4 * u, exp_avg_sq = 6 * u, param = 14 * u;
+};
 
 }  // namespace ctitan::kernel_reference

@@ -227,6 +227,36 @@ TEST(Optimizer, ClipAsTheFusedAdamWsGradScaleIsTheClipThenTheStep) {
 // factor clip_grad_norm multiplies them by; step_unless applies it inside the fused AdamW's
 // pass (or, for other optimizers, to the gradients first). Either way the update is bitwise the
 // clip-then-step one, and with no clip (norm under max_norm) the factor is exactly 1.
+// bf16 gradients (FSDP over one rank keeps the compute dtype's gradients): the norm and the
+// AdamW step read them widened, which is exact, so both are bitwise those of the float32 cast,
+// clipped or not, over several steps (the moments carry every difference forward). A
+// gradient rounded to bf16 differs from the float32 one, so the float32 side gets the cast.
+TEST(Optimizer, Bf16GradientsGiveBitwiseTheStepOfTheirFloat32Cast) {
+  torch::manual_seed(8);
+  const auto init = torch::randn({70001});  // more than one chunk of the fused loop, and a tail
+  for (const double scale : {3.0, 1e-4}) {  // clipped; not
+    auto a = init.clone().requires_grad_(true), b = init.clone().requires_grad_(true);
+    auto opt_a = build_optimizer({a}, OptimizerSpec{"AdamW", 1e-2, 0.9, 0.95, 1e-8, 0.1});
+    auto opt_b = build_optimizer({b}, OptimizerSpec{"AdamW", 1e-2, 0.9, 0.95, 1e-8, 0.1});
+    for (int step = 1; step <= 3; ++step) {
+      const auto g16 = (torch::randn({70001}) * scale).to(torch::kBFloat16);
+      a.mutable_grad() = g16.clone();
+      b.mutable_grad() = g16.to(torch::kFloat);
+      const GradNorm na = grad_norm_for_step({a}, 1.0), nb = grad_norm_for_step({b}, 1.0);
+      EXPECT_EQ(na.norm.item<double>(), nb.norm.item<double>()) << "step " << step;
+      EXPECT_EQ(na.cpu_grad_coef, nb.cpu_grad_coef);
+      // The norm is the float64 one of the values (not of a bf16-rounded sum).
+      EXPECT_NEAR(na.norm.item<double>(), g16.to(torch::kFloat64).norm().item<double>(),
+                  1e-12 * na.norm.item<double>());
+      step_unless(*opt_a, torch::tensor(false), na.grad_scale, na.cpu_grad_coef);
+      step_unless(*opt_b, torch::tensor(false), nb.grad_scale, nb.cpu_grad_coef);
+      EXPECT_EQ(a.grad().scalar_type(), torch::kBFloat16);  // read as it is, not replaced by a cast
+      EXPECT_TRUE(torch::equal(a, b)) << "step " << step << " scale " << scale;
+    }
+    EXPECT_GT((a - init).abs().max().item<double>(), 1e-3);  // it did move
+  }
+}
+
 TEST(Optimizer, CpuClipInsideTheStepIsBitwiseTheClipThenTheStep) {
   torch::manual_seed(7);
   const auto init = torch::randn({70001});  // not a multiple of the fused loop's chunk

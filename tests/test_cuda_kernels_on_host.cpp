@@ -5,7 +5,8 @@
 // misaligned operands, 256 or 512 threads a row), the kernels' indexing (each output element
 // written, nothing read or written past an operand: every operand ends at an inaccessible page),
 // the grid-stride loops, the block reductions' barriers, and the arithmetic's formulas against
-// float64 references and ATen. What it cannot check: the GPU's own float arithmetic (expf is
+// float64 references and ATen (AdamW: against the CPU update's float32 operations bit for bit,
+// and a float64 evaluation). What it cannot check: the GPU's own float arithmetic (expf is
 // glibc's here) and speed; bench/gpu_kernel_check (scripts/gpu_check.sh part (g)) does that on a
 // GPU, with the same references (tests/fused_cuda_reference.h).
 #include <gtest/gtest.h>
@@ -15,7 +16,10 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "kernels/fused_cuda.h"
@@ -360,6 +364,285 @@ TEST(CudaKernelsOnHost, AutogradFunctionsMatchTheReferences) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("take float32 or bfloat16 tensors"), std::string::npos) << e.what();
   }
+}
+
+// ---- AdamW ------------------------------------------------------------------------------
+// adamw_cuda on CPU tensors in guarded memory, against the CPU update written out in float32
+// (adamw_float32: expected bit for bit, the kernel's operations being the same ones, each
+// rounded to nearest, and the bias corrections from glibc's pow here as there) and against the
+// float64 evaluation within AdamWBounds. The hyperparameters: ctitan's defaults (OptimizerSpec)
+// with a larger learning rate, so every update moves a parameter by far more than the bounds.
+constexpr double kLr = 3e-3, kBeta1 = 0.9, kBeta2 = 0.95, kEps = 1e-8, kWd = 0.1;
+
+struct AdamWSpec {
+  int64_t n;
+  at::ScalarType grad;
+  bool copy;
+  double step;
+  bool misaligned = false;
+};
+
+struct AdamWState {
+  std::vector<Tensor> params, grads, exp_avgs, exp_avg_sqs, copies, steps;
+};
+
+// Parameters ~ N(0, 1); gradients ~ N(0, 10^-4) in their dtype; exp_avg ~ N(0, 10^-4) (so β1·m
+// and (1 − β1)·g are of a size and sometimes cancel); exp_avg_sq the square of N(0, 10^-4)
+// values (√v from 0 to a few 10^-2: eps counts where it is small); the copies undefined.
+AdamWState random_adamw(const std::vector<AdamWSpec>& specs) {
+  AdamWState s;
+  for (const auto& sp : specs) {
+    s.params.push_back(random_values({sp.n}, at::kFloat, 1.0));
+    s.grads.push_back(random_values({sp.n}, sp.grad, 1e-2));
+    s.exp_avgs.push_back(random_values({sp.n}, at::kFloat, 1e-2));
+    s.exp_avg_sqs.push_back(random_values({sp.n}, at::kFloat, 1e-2).square());
+    s.copies.emplace_back();
+    s.steps.push_back(at::full({}, sp.step, at::kFloat));
+  }
+  return s;
+}
+
+// A copy of s in guarded memory, each operand misaligned where its spec says, with a copy
+// (NaN until written) for each spec that asks for one.
+AdamWState guarded(Arena& arena, const AdamWState& s, const std::vector<AdamWSpec>& specs) {
+  AdamWState g;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const bool mis = specs[i].misaligned;
+    g.params.push_back(arena.copy_of(s.params[i], mis));
+    g.grads.push_back(arena.copy_of(s.grads[i], mis));
+    g.exp_avgs.push_back(arena.copy_of(s.exp_avgs[i], mis));
+    g.exp_avg_sqs.push_back(arena.copy_of(s.exp_avg_sqs[i], mis));
+    g.copies.push_back(specs[i].copy ? arena.output({specs[i].n}, at::kBFloat16, mis) : Tensor());
+    g.steps.push_back(arena.copy_of(s.steps[i]));
+  }
+  return g;
+}
+
+void run_adamw(const AdamWState& s, bool with_copies, const std::optional<Tensor>& grad_scale = std::nullopt,
+               const std::optional<Tensor>& found_inf = std::nullopt) {
+  ctitan::adamw_cuda(s.params, s.grads, s.exp_avgs, s.exp_avg_sqs, with_copies ? s.copies : std::vector<Tensor>{},
+                     s.steps, kLr, kBeta1, kBeta2, kEps, kWd, grad_scale, found_inf);
+}
+
+double max_abs_diff(const Tensor& a, const Tensor& b) {
+  return a.numel() == 0 ? 0.0 : (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+// `after` is `before` updated once (gradients divided by grad_scale; 0: none): bitwise the float32
+// evaluation, within the bounds of the float64 one, each defined copy of `after` bf16(param)
+// exactly, the gradients and step counts untouched.
+void expect_updated(const AdamWState& before, const AdamWState& after, float grad_scale) {
+  const AdamWBounds bound;
+  for (size_t i = 0; i < before.params.size(); ++i) {
+    const int64_t n = before.params[i].numel();
+    SCOPED_TRACE("tensor " + std::to_string(i) + " of " + std::to_string(before.params.size()) + ", " +
+                 std::to_string(n) + " elements, " +
+                 (before.grads[i].scalar_type() == at::kBFloat16 ? "bf16" : "fp32") + " gradient, step " +
+                 std::to_string(before.steps[i].item<double>()));
+    const auto k = adamw_coefficients(kLr, kBeta1, kBeta2, kEps, kWd, before.steps[i].item<double>());
+    auto p = before.params[i].clone(), m = before.exp_avgs[i].clone(), v = before.exp_avg_sqs[i].clone();
+    const auto copy = adamw_float32(p, before.grads[i], m, v, k, grad_scale);
+    EXPECT_TRUE(at::equal(after.params[i], p)) << "param: max |kernel − float32| " << max_abs_diff(after.params[i], p);
+    EXPECT_TRUE(at::equal(after.exp_avgs[i], m))
+        << "exp_avg: max |kernel − float32| " << max_abs_diff(after.exp_avgs[i], m);
+    EXPECT_TRUE(at::equal(after.exp_avg_sqs[i], v))
+        << "exp_avg_sq: max |kernel − float32| " << max_abs_diff(after.exp_avg_sqs[i], v);
+    if (after.copies[i].defined()) {
+      EXPECT_TRUE(at::equal(after.copies[i], copy)) << "the bf16 copy is not bf16(param)";
+      EXPECT_TRUE(at::equal(after.copies[i], after.params[i].to(at::kBFloat16)));
+    }
+    EXPECT_TRUE(at::equal(after.grads[i], before.grads[i])) << "the gradient changed";
+    EXPECT_TRUE(at::equal(after.steps[i], before.steps[i])) << "the step count changed";
+    if (n == 0) continue;
+    const auto ref =
+        adamw_ref64(before.params[i], before.grads[i], before.exp_avgs[i], before.exp_avg_sqs[i], k, grad_scale);
+    EXPECT_LE(max_scaled_error(after.params[i], ref.param, ref.param_scale), bound.param);
+    EXPECT_LE(max_scaled_error(after.exp_avgs[i], ref.exp_avg, ref.exp_avg_scale), bound.exp_avg);
+    EXPECT_LE(max_scaled_error(after.exp_avg_sqs[i], ref.exp_avg_sq, ref.exp_avg_sq_scale), bound.exp_avg_sq);
+  }
+}
+
+// Bitwise the same tensors (NaN bits included: a copy never written stays the same NaN).
+bool same_bits(const Tensor& a, const Tensor& b) {
+  if (!a.defined() || !b.defined()) return a.defined() == b.defined();
+  const auto as_ints = [](const Tensor& t) { return t.view(t.element_size() == 2 ? at::kShort : at::kInt); };
+  return at::equal(as_ints(a), as_ints(b));
+}
+
+bool same_state(const AdamWState& a, const AdamWState& b) {
+  for (size_t i = 0; i < a.params.size(); ++i)
+    if (!same_bits(a.params[i], b.params[i]) || !same_bits(a.exp_avgs[i], b.exp_avgs[i]) ||
+        !same_bits(a.exp_avg_sqs[i], b.exp_avg_sqs[i]) || !same_bits(a.copies[i], b.copies[i]))
+      return false;
+  return true;
+}
+
+AdamWState clone(const AdamWState& s) {
+  const auto all = [](const std::vector<Tensor>& list) {
+    std::vector<Tensor> out;
+    for (const auto& t : list) out.push_back(t.defined() ? t.clone() : Tensor());
+    return out;
+  };
+  return {all(s.params), all(s.grads), all(s.exp_avgs), all(s.exp_avg_sqs), all(s.copies), all(s.steps)};
+}
+
+// Sizes around a block's 4096 elements (256 threads × 16): one element, fewer than a warp, fewer
+// than the threads, exactly the threads, exactly a block, a block and one, several blocks and a
+// part; step counts from 1 (the largest bias correction) to 1000; copies for some tensors only;
+// misaligned operands for some.
+std::vector<AdamWSpec> odd_sizes(at::ScalarType grad) {
+  return {{1, grad, true, 1},
+          {7, grad, false, 2},
+          {1000, grad, true, 3, true},
+          {256, grad, true, 10},
+          {4096, grad, false, 1000},
+          {4097, grad, true, 7},
+          {3 * 4096 + 17, grad, true, 100, true},
+          {5, grad, false, 1, true}};
+}
+
+TEST(CudaKernelsOnHost, AdamWMatchesTheCpuFormulaOnEveryTensor) {
+  torch::manual_seed(7);
+  for (const auto t : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(t == at::kBFloat16 ? "bf16 gradients" : "fp32 gradients");
+    const auto specs = odd_sizes(t);
+    const auto before = random_adamw(specs);
+    for (const bool with_copies : {true, false}) {
+      SCOPED_TRACE(with_copies ? "with copies" : "param_copies empty");
+      Arena arena;
+      const auto s = guarded(arena, before, specs);
+      run_adamw(s, with_copies);
+      if (with_copies) {
+        expect_updated(before, s, 0);
+      } else {  // the copies not passed: never written
+        auto without = s;
+        without.copies.assign(specs.size(), Tensor());
+        expect_updated(before, without, 0);
+        for (const auto& c : s.copies) {
+          if (c.defined()) {
+            EXPECT_TRUE(at::isnan(c).all().item<bool>());
+          }
+        }
+      }
+      EXPECT_TRUE(arena.intact()) << "the kernel wrote outside its operands";
+    }
+  }
+}
+
+// One launch takes 48 tensors: 48 (a full table, no second launch), 49 and 100 (a second and a
+// third launch, the last partial), and 110 with the gradients' dtypes interleaved (55 of each: two
+// launches each), sizes from 0 (skipped) to 4400.
+TEST(CudaKernelsOnHost, AdamWMoreTensorsThanOneLaunchTakes) {
+  torch::manual_seed(8);
+  for (const int count : {48, 49, 100, 110}) {
+    SCOPED_TRACE(std::to_string(count) + " tensors");
+    std::vector<AdamWSpec> specs;
+    for (int i = 0; i < count; ++i)
+      specs.push_back({(i * 677) % 4401, count == 110 && i % 2 ? at::kBFloat16 : at::kFloat, i % 3 == 0,
+                       1.0 + (i * 7) % 50, i % 5 == 1});
+    const auto before = random_adamw(specs);
+    Arena arena;
+    const auto s = guarded(arena, before, specs);
+    run_adamw(s, true);
+    expect_updated(before, s, 0);
+    EXPECT_TRUE(arena.intact()) << "the kernel wrote outside its operands";
+  }
+}
+
+// grad_scale divides each gradient as it is read; found_inf nonzero changes nothing at all (the
+// copies stay the NaN they were), zero changes what no found_inf changes, bit for bit.
+TEST(CudaKernelsOnHost, AdamWGradScaleAndFoundInf) {
+  torch::manual_seed(9);
+  for (const auto t : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(t == at::kBFloat16 ? "bf16 gradients" : "fp32 gradients");
+    const auto specs = odd_sizes(t);
+    const auto before = random_adamw(specs);
+    Arena arena;
+    const auto scale = arena.copy_of(at::full({}, 1.7, at::kFloat));
+    const auto yes = arena.copy_of(at::full({}, 1.0, at::kFloat)), no = arena.copy_of(at::full({}, 0.0, at::kFloat));
+    {
+      const auto s = guarded(arena, before, specs);
+      run_adamw(s, true, scale);
+      expect_updated(before, s, 1.7f);
+    }
+    {
+      const auto s = guarded(arena, before, specs);
+      const auto untouched = clone(s);
+      run_adamw(s, true, scale, yes);
+      EXPECT_TRUE(same_state(s, untouched)) << "found_inf 1 with grad_scale: something changed";
+      run_adamw(s, true, std::nullopt, at::full({}, -0.5, at::kFloat));
+      EXPECT_TRUE(same_state(s, untouched)) << "found_inf −0.5: something changed";
+    }
+    {
+      const auto s = guarded(arena, before, specs), plain = guarded(arena, before, specs);
+      run_adamw(s, true, std::nullopt, no);
+      run_adamw(plain, true);
+      EXPECT_TRUE(same_state(s, plain)) << "found_inf 0 is not the step without found_inf";
+      expect_updated(before, s, 0);
+    }
+    EXPECT_TRUE(arena.intact()) << "the kernel wrote outside its operands";
+  }
+}
+
+// Each precondition refused with a line naming it, before anything is launched: the first
+// tensor of the list is unchanged when the last one is refused.
+TEST(CudaKernelsOnHost, AdamWRefusesWhatItCannotTake) {
+  const std::vector<AdamWSpec> specs = {{5, at::kFloat, true, 1}, {6, at::kBFloat16, true, 1}};
+  const auto refused = [&](const std::function<void(AdamWState&)>& spoil, const std::string& message,
+                           std::optional<Tensor> grad_scale = std::nullopt,
+                           std::optional<Tensor> found_inf = std::nullopt) {
+    SCOPED_TRACE(message);
+    auto s = random_adamw(specs);
+    s.copies = {at::full({5}, NAN, at::kBFloat16), at::full({6}, NAN, at::kBFloat16)};
+    spoil(s);
+    const auto untouched = clone(s);
+    try {
+      run_adamw(s, true, grad_scale, found_inf);
+      ADD_FAILURE() << "accepted";
+    } catch (const c10::Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("[kernels] adamw_cuda: " + message), std::string::npos) << what;
+    }
+    EXPECT_TRUE(same_bits(s.params[0], untouched.params[0]) && same_bits(s.exp_avgs[0], untouched.exp_avgs[0]));
+  };
+  refused([](AdamWState& s) { s.grads.pop_back(); }, "2 params, 1 grads");
+  refused([](AdamWState& s) { s.copies.pop_back(); }, "2 params, 2 grads, 2 exp_avgs, 2 exp_avg_sqs, 1 param_copies");
+  refused([](AdamWState& s) { s.params[1] = s.params[1].to(at::kDouble); }, "params[1] is Double, not Float");
+  refused([](AdamWState& s) { s.grads[1] = s.grads[1].to(at::kHalf); }, "grads[1] is Half, not Float or BFloat16");
+  refused([](AdamWState& s) { s.exp_avgs[1] = s.exp_avgs[1].to(at::kBFloat16); }, "exp_avgs[1] is BFloat16");
+  refused([](AdamWState& s) { s.exp_avg_sqs[1] = at::zeros({7}); }, "exp_avg_sqs[1] has 7 elements, params[1] 6");
+  refused([](AdamWState& s) { s.grads[1] = at::zeros({12}, at::kBFloat16).slice(0, 0, 12, 2); },
+          "grads[1] is not contiguous");
+  refused([](AdamWState& s) { s.copies[1] = at::zeros({6}); }, "param_copies[1] is Float, not BFloat16");
+  refused([](AdamWState& s) { s.copies[1] = at::zeros({5}, at::kBFloat16); }, "param_copies[1] has 5 elements");
+  refused([](AdamWState& s) { s.steps[1] = at::ones({1}); }, "steps[1] must be 0-d");
+  refused([](AdamWState& s) { s.steps[1] = at::ones({}, at::kDouble); }, "steps[1] is Double");
+  refused([](AdamWState& s) { s.grads[1] = Tensor(); }, "grads[1] is undefined");
+  refused([](AdamWState&) {}, "grad_scale must be 0-d", at::ones({1}));
+  refused([](AdamWState&) {}, "found_inf is Bool, not Float", std::nullopt, at::zeros({}, at::kBool));
+  // Nothing to update: nothing to refuse.
+  EXPECT_NO_THROW(
+      ctitan::adamw_cuda({}, {}, {}, {}, {}, {}, kLr, kBeta1, kBeta2, kEps, kWd, std::nullopt, std::nullopt));
+}
+
+// The launcher itself: nothing to do launches nothing; what it cannot take is cudaErrorInvalidValue.
+TEST(CudaKernelsOnHost, AdamWLauncherEdgeCases) {
+  Arena arena;
+  auto p = arena.output({4}, at::kFloat), m = arena.output({4}, at::kFloat), v = arena.output({4}, at::kFloat);
+  const auto g = arena.copy_of(at::ones({4}));
+  const auto step = arena.copy_of(at::ones({}));
+  const gpu::AdamWHyper h{kLr, kBeta1, kBeta2, kEps, kWd};
+  gpu::AdamWTensor t{
+      p.data_ptr<float>(), g.data_ptr(), m.data_ptr<float>(), v.data_ptr<float>(), nullptr, step.data_ptr<float>(), 0};
+  EXPECT_EQ(gpu::adamw(gpu::Elem::Float32, &t, 0, h, nullptr, nullptr, nullptr), 0);
+  EXPECT_EQ(gpu::adamw(gpu::Elem::Float32, &t, 1, h, nullptr, nullptr, nullptr), 0);  // no elements
+  EXPECT_TRUE(at::isnan(p).all().item<bool>());
+  t.n = -1;
+  EXPECT_EQ(gpu::adamw(gpu::Elem::Float32, &t, 1, h, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(gpu::adamw(gpu::Elem::Float32, &t, -1, h, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(gpu::adamw(gpu::Elem::Float32, nullptr, 1, h, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_TRUE(at::isnan(p).all().item<bool>() && at::isnan(m).all().item<bool>() && at::isnan(v).all().item<bool>());
+  EXPECT_TRUE(arena.intact());
 }
 
 // ---- The model itself -------------------------------------------------------------------

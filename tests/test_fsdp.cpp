@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iostream>
 #include <optional>
+#include <set>
 
 #include "components/optimizer.h"
 #include "models/init.h"
@@ -207,6 +208,74 @@ TEST(FSDP, Bf16ParametersFollowTheFp32Curve) {
     const double got = ts[0][s].item<double>(), want = reference.losses[s];
     EXPECT_LE(std::abs(got - want), 1e-2 * std::abs(want)) << "step " << s + 1;
     EXPECT_NE(got, want);  // bf16 compute really happened
+  }
+}
+
+// One process, bf16 compute over a shard group of one (what train runs for mixed precision on
+// one CPU with native bf16 or one GPU), trained as the trainer does: the norm and clip of
+// grad_norm_for_step inside ctitan's AdamW (step_unless). keep: FSDPOptions::keep_compute_grads.
+struct OneRankRun {
+  std::vector<double> losses;
+  std::map<std::string, torch::Tensor> params;
+  std::vector<int64_t> grad_bytes;       // after each step's backward
+  std::set<at::ScalarType> grad_dtypes;  // of the shards' gradients, every step
+};
+
+OneRankRun train_one_rank(bool keep, int64_t accum) {
+  torch::manual_seed(7);
+  auto args = tiny_args();
+  args.n_layers = 2;  // bf16 matmuls are emulated on CPUs without native bf16: keep it small
+  llama::Transformer model(args);
+  model->init_weights();
+  auto opts = fsdp_options("default", "bfloat16", "float32");
+  opts.keep_compute_grads = keep;
+  FSDP fsdp(model->units(), Comm::single("local"), nullptr, opts);
+  model->set_unit_wrapper(fsdp.wrapper());
+  const auto params = fsdp.sharded_parameters();
+  auto opt = build_optimizer(params, OptimizerSpec{"AdamW", 8e-4, 0.9, 0.95, 1e-8, 0.1});
+  OneRankRun out;
+  for (int64_t step = 1; step <= 4; ++step) {
+    opt->zero_grad();
+    double loss_sum = 0;
+    for (int64_t micro = 0; micro < accum; ++micro) {
+      auto batch = global_batch(step).narrow(0, micro * 4 / accum, 4 / accum);
+      auto logits = model->forward(batch.narrow(1, 0, kSeq)).to(torch::kFloat);
+      auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                       batch.narrow(1, 1, kSeq).reshape({-1})) /
+                  static_cast<double>(accum);
+      loss.backward();
+      loss_sum += loss.item<double>();
+    }
+    fsdp.finish_backward();
+    out.grad_bytes.push_back(fsdp.sharded_grad_bytes());
+    for (const auto& p : params) out.grad_dtypes.insert(p.grad().scalar_type());
+    const GradNorm gn = grad_norm_for_step(params, 0.5);  // clips on some steps
+    step_unless(*opt, torch::tensor(false), gn.grad_scale, gn.cpu_grad_coef);
+    out.losses.push_back(loss_sum);
+  }
+  out.params = fsdp.gather_full_parameters();
+  return out;
+}
+
+// Keeping the bf16 gradients (no float32 copy of them) changes no bit of training: the norm and
+// AdamW widen them exactly as the cast did. With one micro-batch the shards' gradients stay
+// bf16 (half the bytes); with two the second widens the first and adds in float32, as before.
+TEST(FSDP, OneRankKeepsBf16GradientsAndTrainsBitwiseAsWithTheirCast) {
+  for (const int64_t accum : {1, 2}) {
+    const OneRankRun cast = train_one_rank(false, accum), kept = train_one_rank(true, accum);
+    ASSERT_EQ(kept.losses.size(), cast.losses.size());
+    for (size_t s = 0; s < cast.losses.size(); ++s)
+      EXPECT_EQ(kept.losses[s], cast.losses[s]) << "step " << s + 1 << ", " << accum << " micro-batches";
+    for (const auto& [name, want] : cast.params)
+      EXPECT_TRUE(torch::equal(kept.params.at(name), want)) << name << ", " << accum << " micro-batches";
+    EXPECT_EQ(cast.grad_dtypes, std::set<at::ScalarType>{at::kFloat});
+    if (accum == 1) {
+      EXPECT_EQ(kept.grad_dtypes, std::set<at::ScalarType>{at::kBFloat16});
+      for (size_t s = 0; s < cast.grad_bytes.size(); ++s) EXPECT_EQ(2 * kept.grad_bytes[s], cast.grad_bytes[s]);
+    } else {
+      EXPECT_EQ(kept.grad_dtypes, std::set<at::ScalarType>{at::kFloat});
+    }
+    EXPECT_LT(cast.losses.back(), cast.losses.front());  // it trained
   }
 }
 

@@ -6,9 +6,19 @@
 #include <spdlog/spdlog.h>
 
 #include "config/errors.h"
+#include "kernels/fused_cuda.h"
 
 namespace ctitan {
 namespace {
+
+// Whether a GPU run's AdamW is ctitan's kernel (CTITAN_GPU_KERNELS=ctitan; CUDA build only).
+bool own_gpu_adamw() {
+#ifdef CTITAN_WITH_CUDA
+  return own_gpu_kernels();
+#else
+  return false;
+#endif
+}
 
 // init_unit: for a model built with ModelInit::Deferred, what fills each unit before FSDP
 // keeps this rank's rows (empty: the shards start as zeros for a checkpoint to fill).
@@ -22,6 +32,10 @@ std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, 
   auto opts = fsdp_options(reshard, cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce);
   opts.prefetch = cfg.parallelism.fsdp_prefetch;
   if (device.cuda) opts.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(device.index));
+  // One rank keeps the compute dtype's gradients where the optimizer reads them as they are:
+  // ctitan's AdamW on the CPU, and its CUDA kernel (CTITAN_GPU_KERNELS=ctitan) on a GPU; torch's
+  // fused AdamW (the GPU's default route) and torch::optim's Adam want float32 ones.
+  opts.keep_compute_grads = cfg.optimizer.name == "AdamW" && (!device.cuda || own_gpu_adamw());
   auto fsdp = std::make_shared<FSDP>(model.units(), par.fsdp_shard, par.fsdp_replicate, opts, init_unit);
   if (par.fsdp_reduce_scatter) fsdp->use_reduce_scatter_group(par.fsdp_reduce_scatter);
   model.set_unit_runner(fsdp->wrapper());

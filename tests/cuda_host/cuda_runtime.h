@@ -13,6 +13,7 @@
 // with a lane that does not exist, or an invalid launch configuration ends the process with one
 // line saying which; an invalid configuration is also cudaGetLastError()'s answer, as on a GPU.
 #pragma once
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -70,6 +71,15 @@ auto launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t /*shmem*/ = 0, c
 }  // namespace ctitan::cuda_host
 
 inline void __syncthreads() { ctitan::cuda_host::sync_block(); }
+
+// CUDA's float operations rounded to nearest even one at a time (nvcc never contracts them into a
+// fused multiply-add): the host's IEEE operations, which GCC does not contract in ISO C++ mode
+// (cmake/cuda_on_host.cmake also passes -ffp-contract=off).
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 
 template <class V>
 V __shfl_xor_sync(unsigned mask, V v, int lane_mask, int width = 32) {
