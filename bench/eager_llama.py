@@ -17,7 +17,8 @@ torch.autocast("cpu", torch.bfloat16), and optionally:
               synchronisation (each step's loss.item()), peak CUDA memory reported.
 
 Two modes:
-  speed:  random tokens, --warmup steps untimed, then --steps timed; prints one JSON line.
+  speed:  random tokens, --warmup steps untimed, then --steps timed; prints one JSON line
+          (--profile PATH: then one more step under torch.profiler, its trace written to PATH).
   parity: --weights <ctitan export .pt> --windows <CTITAN_TRACE_WINDOWS file>
           --lrs <comma-separated per-step learning rates>; prints the per-step losses.
 """
@@ -190,6 +191,8 @@ def main():
     p.add_argument("--fsdp", action="store_true", help="FSDP2 over Gloo (start with torchrun)")
     p.add_argument("--ffn-hidden", type=int, default=0, help="FFN width (default: torchtitan's from dim)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--profile", help="speed mode: one more step after the timed ones under torch.profiler "
+                   "(CPU ops, and CUDA kernels on a GPU), its Chrome trace written here")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -231,6 +234,15 @@ def main():
     for _ in range(args.steps):
         loss, _ = train_step(model, opt, inputs, labels, args)
     dt = (time.perf_counter() - t0) / args.steps
+    if args.profile:  # after the timing, so the numbers above are unprofiled
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if args.device == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            train_step(model, opt, inputs, labels, args)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+        prof.export_chrome_trace(args.profile)
     if args.fsdp and int(os.environ["RANK"]) != 0:
         return
     out = {

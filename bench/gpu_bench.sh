@@ -18,7 +18,9 @@
 #       same eager and compile numbers
 # ctitan runs 12 steps: tokens/s and memory are the log line of step 10 (steps 6-10); step 12 is
 # recorded by the profiler, and its summary (scripts/profile_summary.py: the ops, and on a GPU
-# the kernels and how busy the GPU was) goes to OUT_DIR/<shape>.profile.txt.
+# the kernels and how busy the GPU was) goes to OUT_DIR/<shape>.<variant>.profile.txt. The
+# references profile one step after their timed ones (eager_llama.py --profile): their summaries
+# go to OUT_DIR/<shape>.eager.profile.txt and <shape>.compile.profile.txt.
 #   CTITAN_BENCH_DEVICE=cpu CTITAN_BENCH_SHAPES=tiny CTITAN_BENCH_COMPILE=0 bench/gpu_bench.sh
 #       # the pipeline on a CPU with a debug-sized shape (tests/test_launchers' smoke run): the
 #       # numbers mean nothing there, the table's arithmetic and the runs are what it checks.
@@ -88,9 +90,13 @@ for shape in $SHAPES; do
     flags=()
     [[ $ref == compile ]] && flags=(--compile)
     log "$shape: PyTorch $ref"
+    rm -f "$OUT/$shape.$ref.trace.json" "$OUT/$shape.$ref.profile.txt"
     "$PY" bench/eager_llama.py --device "$DEVICE" "${model_args[@]}" --seq "$seq" --batch "$batch" --steps 5 \
-      --warmup 2 --dtype bf16 "${flags[@]}" >"$OUT/$shape.$ref.json" 2>"$OUT/$shape.$ref.log" ||
-      log "$shape: $ref failed: $(tail -1 "$OUT/$shape.$ref.log")"
+      --warmup 2 --dtype bf16 "${flags[@]}" --profile "$OUT/$shape.$ref.trace.json" >"$OUT/$shape.$ref.json" \
+      2>"$OUT/$shape.$ref.log" || log "$shape: $ref failed: $(tail -1 "$OUT/$shape.$ref.log")"
+    # The reference's step profiled as ctitan's is: the kernels side by side say where a gap is.
+    [[ -s "$OUT/$shape.$ref.trace.json" ]] &&
+      "$PY" scripts/profile_summary.py "$OUT/$shape.$ref.trace.json" 30 >"$OUT/$shape.$ref.profile.txt" 2>&1
   done
   rows+=("$shape $seq $batch $VARIANTS | ${model_args[*]}")
 done

@@ -52,7 +52,8 @@ struct FSDPOptions {
   // (ctitan's AdamW) computes what it computed from the cast, without the cast's pass and with
   // half the gradient memory. Accumulation over micro-batches still adds in float32 (the
   // second micro-batch widens the first's gradient). Only for such an optimizer: train sets it
-  // for AdamW on the CPU, and on a GPU with CTITAN_GPU_KERNELS=ctitan (ctitan's AdamW kernel).
+  // for AdamW on the CPU, and on a GPU with CTITAN_GPU_KERNELS=ctitan (ctitan's AdamW kernel),
+  // without tensor parallelism (whose sum of replicated gradients would add in bf16).
   bool keep_compute_grads = false;
 };
 

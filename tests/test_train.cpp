@@ -765,6 +765,14 @@ TEST_F(TrainE2E, GpuBenchTableOnTheCpu) {
   const double mfu_per_tps = 100 * flops_per_token / 1e9;
   for (const auto& [cell, tps] : {std::pair{std::stod(m[4]), ctitan}, std::pair{std::stod(m[5]), eager}})
     EXPECT_NEAR(cell, tps * mfu_per_tps, 0.051 + 0.5 * mfu_per_tps + 1e-6 * tps * mfu_per_tps);
+  // Both sides' steps profiled and summed by op: ctitan's step 12 (its own ops, ctitan::linear
+  // among them) and the reference's extra step (its matmuls: aten::mm).
+  for (const auto& [f, op] :
+       {std::pair{"tiny.ctitan.profile.txt", "ctitan::linear"}, std::pair{"tiny.eager.profile.txt", "aten::mm"}}) {
+    std::ifstream in(out + "/" + f);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_TRUE(std::regex_search(text, std::regex(std::string(op) + " +[0-9]+ +[0-9.]+"))) << f << ":\n" << text;
+  }
 }
 
 TEST_F(TrainE2E, TwoRanksThroughTheLauncher) {

@@ -34,8 +34,11 @@ std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, 
   if (device.cuda) opts.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(device.index));
   // One rank keeps the compute dtype's gradients where the optimizer reads them as they are:
   // ctitan's AdamW on the CPU, and its CUDA kernel (CTITAN_GPU_KERNELS=ctitan) on a GPU; torch's
-  // fused AdamW (the GPU's default route) and torch::optim's Adam want float32 ones.
-  opts.keep_compute_grads = cfg.optimizer.name == "AdamW" && (!device.cuda || own_gpu_adamw());
+  // fused AdamW (the GPU's default route) and torch::optim's Adam want float32 ones. Not with
+  // tensor parallelism: its sum of the replicated norms' gradients over the tp ranks would then
+  // add in bf16, not float32.
+  opts.keep_compute_grads =
+      cfg.optimizer.name == "AdamW" && (!device.cuda || own_gpu_adamw()) && !par.dims.tp_enabled();
   auto fsdp = std::make_shared<FSDP>(model.units(), par.fsdp_shard, par.fsdp_replicate, opts, init_unit);
   if (par.fsdp_reduce_scatter) fsdp->use_reduce_scatter_group(par.fsdp_reduce_scatter);
   model.set_unit_runner(fsdp->wrapper());
