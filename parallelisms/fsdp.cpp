@@ -260,9 +260,12 @@ void FSDP::on_param_grad(size_t i) {
 
 // Whether the one-rank path makes g the shard's gradient as it is (FSDPOptions::keep_compute_grads):
 // the first micro-batch's gradient (nothing to add it to), not a view (optimizers may detach
-// gradients in place), of the shard's shape, float32 or bf16, and not rounded by the reduce dtype.
+// gradients in place), contiguous and of the shard's shape (the fused AdamW's and the norm's
+// loops read it flat), float32 or bf16, and not rounded by the reduce dtype.
 bool FSDP::keeps_as_is(const at::Tensor& g, const at::Tensor& shard) const {
-  if (!opt_.keep_compute_grads || shard.grad().defined() || g.is_view() || g.sizes() != shard.sizes()) return false;
+  if (!opt_.keep_compute_grads || shard.grad().defined() || g.is_view() || !g.is_contiguous() ||
+      g.sizes() != shard.sizes())
+    return false;
   if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kBFloat16) return false;
   return opt_.reduce_dtype == at::kFloat || opt_.reduce_dtype == g.scalar_type();
 }
