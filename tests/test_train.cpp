@@ -26,6 +26,7 @@
 #include "config/job_config.h"
 #include "datasets/dataloader.h"
 #include "datasets/tokenizer.h"
+#include "training/parallelize.h"
 #include "training/prefetcher.h"
 #include "util/text.h"
 #include "train.h"
@@ -724,6 +725,21 @@ TEST_F(TrainE2E, StepsReadResultsBackOnlyWhenTheHostNeedsThem) {
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("error: step 2: loss is nan; stopping"), std::string::npos) << r.out;
   EXPECT_FALSE(fs::exists(dump + "/checkpoint/step-3")) << "no save after a step the policy stops at";
+}
+
+// Which runs keep one rank's bf16 gradients as autograd made them: AdamW on the CPU, AdamW on a
+// GPU only with ctitan's kernels (torch's fused AdamW takes float32 gradients), never Adam (its
+// update would mix dtypes), never with tensor parallelism (its gradient sum would add in bf16).
+TEST(Parallelize, OneRankKeepsBf16GradientsOnlyWhereTheOptimizerReadsThem) {
+  const ctitan::JobConfig adamw = ctitan::load_job_config({"--optimizer.name", "AdamW"}).config;
+  const ctitan::JobConfig adam = ctitan::load_job_config({"--optimizer.name", "Adam"}).config;
+  EXPECT_TRUE(ctitan::fsdp_keeps_compute_grads(adamw, /*cuda=*/false, /*own_gpu_kernels=*/false, /*tp=*/false));
+  EXPECT_TRUE(ctitan::fsdp_keeps_compute_grads(adamw, true, true, false));
+  EXPECT_FALSE(ctitan::fsdp_keeps_compute_grads(adamw, true, false, false));
+  EXPECT_FALSE(ctitan::fsdp_keeps_compute_grads(adamw, false, false, true));
+  EXPECT_FALSE(ctitan::fsdp_keeps_compute_grads(adamw, true, true, true));
+  EXPECT_FALSE(ctitan::fsdp_keeps_compute_grads(adam, false, false, false));
+  EXPECT_FALSE(ctitan::fsdp_keeps_compute_grads(adam, true, true, false));
 }
 
 // bench/gpu_bench.sh's pipeline on the CPU (its tiny shape: the debug model at seq 64, batch 2,

@@ -32,13 +32,7 @@ std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, 
   auto opts = fsdp_options(reshard, cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce);
   opts.prefetch = cfg.parallelism.fsdp_prefetch;
   if (device.cuda) opts.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(device.index));
-  // One rank keeps the compute dtype's gradients where the optimizer reads them as they are:
-  // ctitan's AdamW on the CPU, and its CUDA kernel (CTITAN_GPU_KERNELS=ctitan) on a GPU; torch's
-  // fused AdamW (the GPU's default route) and torch::optim's Adam want float32 ones. Not with
-  // tensor parallelism: its sum of the replicated norms' gradients over the tp ranks would then
-  // add in bf16, not float32.
-  opts.keep_compute_grads =
-      cfg.optimizer.name == "AdamW" && (!device.cuda || own_gpu_adamw()) && !par.dims.tp_enabled();
+  opts.keep_compute_grads = fsdp_keeps_compute_grads(cfg, device.cuda, own_gpu_adamw(), par.dims.tp_enabled());
   auto fsdp = std::make_shared<FSDP>(model.units(), par.fsdp_shard, par.fsdp_replicate, opts, init_unit);
   if (par.fsdp_reduce_scatter) fsdp->use_reduce_scatter_group(par.fsdp_reduce_scatter);
   model.set_unit_runner(fsdp->wrapper());
@@ -101,6 +95,10 @@ std::shared_ptr<TensorParallel> maybe_apply_tp(TrainModel& model, ParallelizeArg
 // FSDP's reshard_after_forward as it applies on dp ranks. One process: freeing the bf16
 // copies after forward saves little and costs a second cast in backward, so "default" keeps
 // them (explicit "always" still frees).
+bool fsdp_keeps_compute_grads(const JobConfig& cfg, bool cuda, bool own_gpu_kernels, bool tensor_parallel) {
+  return cfg.optimizer.name == "AdamW" && (!cuda || own_gpu_kernels) && !tensor_parallel;
+}
+
 std::string fsdp_reshard_policy(const JobConfig& cfg, int64_t dp) {
   return dp <= 1 && cfg.parallelism.fsdp_reshard_after_forward == "default"
              ? "never"

@@ -46,4 +46,12 @@ void default_parallelize(TrainModel& model, ParallelizeArgs& p);
 // FSDP's reshard_after_forward as it applies with dp data-parallel ranks.
 std::string fsdp_reshard_policy(const JobConfig& cfg, int64_t dp);
 
+// FSDPOptions::keep_compute_grads (what it changes applies on one data-parallel rank only):
+// where the optimizer reads the compute dtype's gradients as they are — ctitan's AdamW on the
+// CPU, and its CUDA kernel on a GPU with CTITAN_GPU_KERNELS=ctitan (own_gpu_kernels); torch's
+// fused AdamW (the GPU's default route) and torch::optim's Adam want float32 ones. Not with
+// tensor parallelism: its sum of the replicated norms' gradients over the tp ranks would then
+// add in bf16, not float32.
+bool fsdp_keeps_compute_grads(const JobConfig& cfg, bool cuda, bool own_gpu_kernels, bool tensor_parallel);
+
 }  // namespace ctitan
