@@ -202,13 +202,13 @@ class FusedAdamW : public torch::optim::AdamW {
     // float(grad_coef), as ATen's mul_(double) on a float32 tensor rounds it: the same bits as
     // clipping the gradient in place before the update.
     const AdamWCoefs k{decay, fb1, fb2, c1, c2, sqrt_bc2, eps, step_size, static_cast<float>(grad_coef)};
-    if (g.scalar_type() == torch::kBFloat16) {
-      const c10::BFloat16* G = g.data_ptr<c10::BFloat16>();
+    auto over = [&](const auto* G) {
       at::parallel_for(0, p.numel(), kChunk, [&](int64_t b, int64_t e) { adamw_range(P, G, M, V, k, b, e); });
-    } else {
-      const float* G = g.data_ptr<float>();
-      at::parallel_for(0, p.numel(), kChunk, [&](int64_t b, int64_t e) { adamw_range(P, G, M, V, k, b, e); });
-    }
+    };
+    if (g.scalar_type() == torch::kBFloat16)
+      over(g.data_ptr<c10::BFloat16>());
+    else
+      over(g.data_ptr<float>());
   }
 };
 

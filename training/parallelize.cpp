@@ -92,13 +92,13 @@ std::shared_ptr<TensorParallel> maybe_apply_tp(TrainModel& model, ParallelizeArg
 
 }  // namespace
 
-// FSDP's reshard_after_forward as it applies on dp ranks. One process: freeing the bf16
-// copies after forward saves little and costs a second cast in backward, so "default" keeps
-// them (explicit "always" still frees).
 bool fsdp_keeps_compute_grads(const JobConfig& cfg, bool cuda, bool own_gpu_kernels, bool tensor_parallel) {
   return cfg.optimizer.name == "AdamW" && (!cuda || own_gpu_kernels) && !tensor_parallel;
 }
 
+// FSDP's reshard_after_forward as it applies on dp ranks. One process: freeing the bf16
+// copies after forward saves little and costs a second cast in backward, so "default" keeps
+// them (explicit "always" still frees).
 std::string fsdp_reshard_policy(const JobConfig& cfg, int64_t dp) {
   return dp <= 1 && cfg.parallelism.fsdp_reshard_after_forward == "default"
              ? "never"
