@@ -14,6 +14,7 @@
 #include <functional>
 #include <optional>
 #include <iostream>
+#include <numeric>
 #include <random>
 
 #include <spdlog/sinks/basic_file_sink.h>
@@ -323,8 +324,18 @@ Parallelism build_parallelism(const JobConfig& cfg, bool use_nccl) {
     std::shared_ptr<Comm> gloo_tp;
     const auto tp_groups = p.dims.tp_groups(), shard_tp_groups = p.dims.shard_tp_groups();
     for (size_t g = 0; g < tp_groups.size(); ++g) make(tp_groups[g], "tp" + std::to_string(g), gloo_tp, p.tp, nullptr);
-    for (size_t g = 0; g < shard_tp_groups.size(); ++g)
-      if (auto c = p.dist->new_group(shard_tp_groups[g], "dp_shard_tp" + std::to_string(g))) p.shard_tp = c;
+    for (size_t g = 0; g < shard_tp_groups.size(); ++g) {
+      const std::string name = "dp_shard_tp" + std::to_string(g);
+      if (auto c = p.dist->new_group(shard_tp_groups[g], name)) p.shard_tp = c;
+      if (use_nccl && shard_tp_groups[g].size() > 1)
+        if (auto c = p.dist->new_nccl_group(shard_tp_groups[g], name + "_nccl")) p.shard_tp_nccl = c;
+    }
+  }
+  // The step's loss mean over every rank, summed on the GPUs (Trainer::train_step).
+  if (use_nccl && p.env.world_size > 1) {
+    std::vector<int64_t> all(static_cast<size_t>(p.env.world_size));
+    std::iota(all.begin(), all.end(), int64_t{0});
+    p.world_nccl = p.dist->new_nccl_group(all, "world_nccl");
   }
   p.dp_rank = p.dims.dp_rank(p.env.rank);  // the global rank while tp = 1
   return p;
@@ -585,7 +596,7 @@ struct Job {
   std::vector<torch::Tensor> params;         // the optimizer's: FSDP's local shards, or the model's
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<LRScheduler> lr;
-  std::function<double(double)> grad_sq_all_reduce;
+  SumOverRanks grad_sq_all_reduce;
   std::vector<torch::Tensor> grad_counted_elsewhere;  // of params: squares another rank adds to the norm
   TrainState train_state;
   std::unique_ptr<Checkpointing> ckpt;
@@ -808,18 +819,6 @@ void setup_model(Job& j, const ModelArgs& margs) {
   choose_attention(j, margs);
 }
 
-// The gradient norm's sum of squares added up over `group` (through the host: Gloo). Empty for
-// no group or a group of one: this rank's sum is the norm's, and on a GPU it is then never read
-// back to the host (a device synchronisation per step, gpu_check.sh (f)).
-std::function<double(double)> squares_summed_over(const std::shared_ptr<Comm>& group) {
-  if (!group || group->size() <= 1) return nullptr;
-  return [group](double v) {
-    auto t = torch::tensor({v}, torch::kFloat64);
-    group->all_reduce_sum(t, "grad_norm").wait();
-    return t.item<double>();
-  };
-}
-
 // Tensor parallelism's gradients: the replicated parameters' (norms) are summed over the tp
 // group before the norm (the trainer's sync), and the norm's squares add up over dp_shard × tp,
 // each replicated parameter counted once: tp rank 0 adds its squares, the others leave them out.
@@ -828,7 +827,7 @@ void setup_tp_gradients(Job& j) {
   for (const std::string& fqn : j.tp->replicated())
     j.tp_replicated.push_back(j.fsdp ? j.fsdp->local_shard(fqn) : named[fqn]);
   if (j.tp->rank() != 0) j.grad_counted_elsewhere = j.tp_replicated;
-  j.grad_sq_all_reduce = squares_summed_over(j.par.shard_tp);
+  j.grad_sq_all_reduce = sum_over(j.par.shard_tp, j.par.shard_tp_nccl, "grad_norm");
 }
 
 std::function<void()> tp_gradient_sync(const Job& j) {
@@ -846,8 +845,9 @@ void setup_optimizer(Job& j) {
   spdlog::info("lr schedule: warmup {} / stable {} / decay {} ({}), min_lr_factor {}", j.lr->warmup_steps(),
                j.lr->stable_steps(), j.lr->decay_steps(), cfg.lr_scheduler.decay_type, cfg.lr_scheduler.min_lr_factor);
   // Sharded gradients: the norm's sum of squares over the shard group (a group of one, as bf16
-  // on one GPU through FSDP's machinery, has nothing to add); with tp over dp_shard × tp.
-  if (j.fsdp) j.grad_sq_all_reduce = squares_summed_over(j.par.shard);
+  // on one GPU through FSDP's machinery, has nothing to add); with tp over dp_shard × tp. On
+  // GPUs the sum runs over the shard's NCCL group on the device (gpu_check.sh (f)'s rule).
+  if (j.fsdp) j.grad_sq_all_reduce = sum_over(j.par.shard, j.par.fsdp_shard, "grad_norm");
   if (j.tp) setup_tp_gradients(j);
 }
 

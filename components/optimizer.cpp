@@ -287,9 +287,8 @@ namespace {
 // clip_grad_norm_tensor and grad_norm_for_step: with `apply` false the gradients are left as
 // they are and the clip is returned instead: the factor to divide GPU gradients by, or the one
 // to multiply CPU gradients by (as the fused AdamW reads them).
-GradNorm grad_norm_impl(const std::vector<torch::Tensor>& params, double max_norm,
-                        const std::function<double(double)>& all_reduce_sum, bool apply,
-                        const std::vector<torch::Tensor>& counted_elsewhere = {}) {
+GradNorm grad_norm_impl(const std::vector<torch::Tensor>& params, double max_norm, const SumOverRanks& all_reduce_sum,
+                        bool apply, const std::vector<torch::Tensor>& counted_elsewhere = {}) {
   RECORD_FUNCTION("ctitan::clip_grad_norm", std::vector<c10::IValue>());
   torch::NoGradGuard no_grad;
   std::unordered_set<const c10::TensorImpl*> skip;
@@ -310,7 +309,11 @@ GradNorm grad_norm_impl(const std::vector<torch::Tensor>& params, double max_nor
       }
     }
   if (gpu_grads.empty()) {  // the CPU: the sum is host memory already
-    if (all_reduce_sum) sq = all_reduce_sum(sq);
+    if (all_reduce_sum) {
+      auto t = torch::tensor({sq}, torch::kFloat64);
+      all_reduce_sum(t);
+      sq = t.item<double>();
+    }
     const double norm = std::sqrt(sq);
     GradNorm out{torch::tensor(norm, torch::kFloat64), torch::Tensor()};
     if (max_norm > 0 && std::isfinite(norm)) {
@@ -328,12 +331,14 @@ GradNorm grad_norm_impl(const std::vector<torch::Tensor>& params, double max_nor
   const bool all_float = std::all_of(gpu_counted.begin(), gpu_counted.end(),
                                      [](const torch::Tensor& g) { return g.scalar_type() == torch::kFloat; });
   const std::optional<at::ScalarType> norm_dtype = all_float ? std::nullopt : std::optional(at::kFloat);
-  auto sq_dev = gpu_counted.empty()
-                    ? torch::zeros({}, gpu_grads[0].options().dtype(torch::kFloat64))
-                    : at::stack(at::_foreach_norm(gpu_counted, 2, norm_dtype)).to(torch::kFloat64).square().sum();
-  if (all_reduce_sum)  // through the host (Gloo): the one read of a step with sharded gradients
-    sq_dev = torch::full({}, all_reduce_sum(read_to_host(sq_dev).item<double>() + sq), sq_dev.options());
-  GradNorm out{sq_dev.sqrt(), torch::Tensor()};
+  auto sq_dev =
+      gpu_counted.empty()
+          ? torch::zeros({1}, gpu_grads[0].options().dtype(torch::kFloat64))
+          : at::stack(at::_foreach_norm(gpu_counted, 2, norm_dtype)).to(torch::kFloat64).square().sum().view({1});
+  if (sq != 0.0) sq_dev.add_(sq);  // CPU gradients beside GPU ones
+  // The other shards' squares, added on the device (NCCL; nothing is read back here).
+  if (all_reduce_sum) all_reduce_sum(sq_dev);
+  GradNorm out{sq_dev.view({}).sqrt(), torch::Tensor()};
   if (max_norm > 0) {
     // Decided on the device: the gradients shrink by max_norm / (norm + 1e-6) when that is below
     // 1 and the norm is finite, else stay (x · 1 = x).
@@ -353,18 +358,16 @@ GradNorm grad_norm_impl(const std::vector<torch::Tensor>& params, double max_nor
 }  // namespace
 
 torch::Tensor clip_grad_norm_tensor(const std::vector<torch::Tensor>& params, double max_norm,
-                                    const std::function<double(double)>& all_reduce_sum) {
+                                    const SumOverRanks& all_reduce_sum) {
   return grad_norm_impl(params, max_norm, all_reduce_sum, /*apply=*/true).norm;
 }
 
 GradNorm grad_norm_for_step(const std::vector<torch::Tensor>& params, double max_norm,
-                            const std::function<double(double)>& all_reduce_sum,
-                            const std::vector<torch::Tensor>& counted_elsewhere) {
+                            const SumOverRanks& all_reduce_sum, const std::vector<torch::Tensor>& counted_elsewhere) {
   return grad_norm_impl(params, max_norm, all_reduce_sum, /*apply=*/false, counted_elsewhere);
 }
 
-double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
-                      const std::function<double(double)>& all_reduce_sum) {
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm, const SumOverRanks& all_reduce_sum) {
   return read_to_host(clip_grad_norm_tensor(params, max_norm, all_reduce_sum)).item<double>();
 }
 

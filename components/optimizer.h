@@ -32,14 +32,18 @@ struct TrainingStateBytes {
 };
 TrainingStateBytes training_state_bytes(torch::optim::Optimizer& opt);
 
+// Sums a float64 tensor over a group of ranks, in place, where the tensor is (training/world.h's
+// sum_over: on a GPU over NCCL without the host waiting). Empty: nothing to add.
+using SumOverRanks = std::function<void(torch::Tensor&)>;
+
 // Global L2 norm of the gradients of `params`, then scales them so the norm is at most
 // max_norm (max_norm <= 0: measure only). Returns the norm before clipping, a float64 0-d
 // tensor where the gradients are: on a GPU the norm and the clipping stay on the device, and
-// nothing is read back unless all_reduce_sum must add other ranks' sums (one read_to_host).
-// With sharded parameters, all_reduce_sum adds the local sums of squares of every shard's
-// rank so the norm is the global one.
+// nothing is read back. With sharded parameters, all_reduce_sum adds the local sums of squares
+// of every shard's rank (a float64 tensor of one element on the gradients' device) so the norm
+// is the global one.
 torch::Tensor clip_grad_norm_tensor(const std::vector<torch::Tensor>& params, double max_norm,
-                                    const std::function<double(double)>& all_reduce_sum = nullptr);
+                                    const SumOverRanks& all_reduce_sum = nullptr);
 // The norm of clip_grad_norm_tensor, for an optimizer step that follows at once. The gradients
 // are left as they are and the clip goes to step_unless, which applies it inside the fused
 // AdamW's own pass over them: one read and write of every gradient fewer than clipping them
@@ -55,11 +59,11 @@ struct GradNorm {
 // counted_elsewhere: parameters among params whose gradients are clipped here but whose
 // squares another rank adds to the sum (tensor parallelism's replicated norms: tp rank 0's).
 GradNorm grad_norm_for_step(const std::vector<torch::Tensor>& params, double max_norm,
-                            const std::function<double(double)>& all_reduce_sum = nullptr,
+                            const SumOverRanks& all_reduce_sum = nullptr,
                             const std::vector<torch::Tensor>& counted_elsewhere = {});
 // The same, the norm read to the host.
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
-                      const std::function<double(double)>& all_reduce_sum = nullptr);
+                      const SumOverRanks& all_reduce_sum = nullptr);
 
 // opt.step(), skipped when `skip` (a bool 0-d tensor on the parameters' device; undefined:
 // never) is true, without reading `skip` back from a GPU for the fused AdamW (torch's fused

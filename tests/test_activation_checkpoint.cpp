@@ -114,13 +114,8 @@ TrainRun train(Comm* world, const Mode& m, Order order = Order::Compose) {
     model->set_unit_wrapper(compose(fsdp ? fsdp->wrapper() : UnitWrapper(), ac->transform()));
   std::vector<torch::Tensor> params = fsdp ? fsdp->sharded_parameters() : model->parameters();
   auto opt = build_optimizer(params, OptimizerSpec{"AdamW", 8e-4, 0.9, 0.95, 1e-8, 0.1});
-  std::function<double(double)> reduce;
-  if (world)
-    reduce = [world](double v) {
-      auto t = torch::tensor({v}, torch::kFloat64);
-      world->all_reduce_sum(t, "grad_norm").wait();
-      return t.item<double>();
-    };
+  SumOverRanks reduce;
+  if (world) reduce = [world](torch::Tensor& t) { world->all_reduce_sum(t, "grad_norm").wait(); };
   TrainRun out;
   for (int64_t step = 1; step <= kSteps; ++step) {
     opt->zero_grad();

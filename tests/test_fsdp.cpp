@@ -89,21 +89,20 @@ RunResult train(Comm* world, const std::string& param_dtype, bool prefetch, cons
     auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}));
     loss.backward();
     auto reported = loss.detach().clone();
-    std::function<double(double)> reduce;
+    SumOverRanks reduce;
     if (world) {
       fsdp->finish_backward();
       world->all_reduce_sum(reported, "loss").wait();
       reported.div_(static_cast<double>(N));
       // Sum of squares over the shard group only: replicas hold identical shards.
       Comm* shard_group = fsdp->shard_size() == N ? world : nullptr;
-      reduce = [world, shard_group, replicate](double v) {
-        auto t = torch::tensor({v}, torch::kFloat64);
+      reduce = [world, shard_group, replicate](torch::Tensor& t) {
         if (shard_group) {
           shard_group->all_reduce_sum(t, "grad_norm").wait();
-          return t.item<double>();
+          return;
         }
         world->all_reduce_sum(t, "grad_norm").wait();  // every replica adds the same value
-        return t.item<double>() / static_cast<double>(replicate);
+        t.div_(static_cast<double>(replicate));
       };
     }
     clip_grad_norm(params, 1.0, reduce);

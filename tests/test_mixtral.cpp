@@ -284,8 +284,8 @@ TrainRun train(Comm* world, const Mode& m) {
     if (world) world->all_reduce_sum(t, "test").wait();
     return t;
   };
-  std::function<double(double)> reduce;
-  if (world) reduce = [&](double v) { return sum(torch::tensor({v}, torch::kFloat64)).item<double>(); };
+  SumOverRanks reduce;
+  if (world) reduce = [&](torch::Tensor& t) { sum(t); };
   TrainRun out;
   for (int64_t step = 1; step <= kSteps; ++step) {
     opt->zero_grad();

@@ -209,7 +209,7 @@ RunResult train_tp(Distributed& d, const Groups& g, const std::string& family, c
     g.shard_tp->all_reduce_sum(split, "split_sq").wait();
     if (g.shard && g.shard->size() > 1) g.shard->all_reduce_sum(rep, "rep_sq").wait();
     const double total = split.item<double>() + rep.item<double>();
-    clip_grad_norm(m.params, 1.0, [total](double) { return total; });
+    clip_grad_norm(m.params, 1.0, [total](torch::Tensor& t) { t.fill_(total); });
     opt->step();
     auto reported = loss.detach().to(torch::kFloat64).reshape({1});
     d.world->all_reduce_sum(reported, "loss").wait();  // tp ranks agree: the mean over the world is dp's

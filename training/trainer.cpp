@@ -122,7 +122,8 @@ Trainer::Trainer(TrainerParts parts)
       local_tokens_(static_cast<double>(B_ * T_ * p_.accum)),
       first_step_(p_.train_state.step + 1),
       spikes_(p_.cfg.training.loss_spike_factor),
-      last_step_(first_step_ - 1) {
+      last_step_(first_step_ - 1),
+      loss_sum_over_world_(sum_over(p_.par.dist ? p_.par.dist->world : nullptr, p_.par.world_nccl, "loss")) {
   maybe_enable_tensorboard(metrics_, p_.cfg, p_.par);
   train_start_ = Clock::now();
   window_start_ = Clock::now();
@@ -234,9 +235,12 @@ void Trainer::train_step(int64_t step) {
   // Both values are the same on every rank (a world mean; a norm all-reduced over the
   // shards, whose replicas hold equal gradients), so every rank skips or updates alike.
   enter_phase(p_.at, step, "optimizer");
-  v.loss_mean = p_.par.dist ? torch::full({}, world_mean(p_.par, read_to_host(v.loss_sum).item<double>(), "loss"),
-                                          v.loss_sum.options())
-                            : v.loss_sum;
+  v.loss_mean = v.loss_sum;
+  if (loss_sum_over_world_) {  // summed where the loss is: nothing read back
+    v.loss_mean = v.loss_sum.clone();
+    loss_sum_over_world_(v.loss_mean);
+    v.loss_mean.div_(static_cast<double>(p_.par.env.world_size));
+  }
   // Where the loss is (the compute device), so the step's values sit together for settle().
   // The clip itself happens inside the optimizer's pass (grad_scale, cpu_grad_coef).
   const GradNorm g =

@@ -41,7 +41,7 @@ struct TrainerParts {
   FSDP* fsdp;  // null without FSDP
   torch::optim::Optimizer& optimizer;
   std::vector<torch::Tensor> params;                  // the optimizer's (FSDP's local shards)
-  std::function<double(double)> grad_sq_all_reduce;   // empty: this rank's norm is the norm
+  SumOverRanks grad_sq_all_reduce;                    // empty: this rank's norm is the norm
   std::vector<torch::Tensor> grad_counted_elsewhere;  // of params: squares another rank adds (TP)
   LRScheduler& lr;
   BatchPrefetcher& batches;    // the DataLoader's batches, read ahead by training.prefetch_batches
@@ -74,7 +74,8 @@ struct StepResult {
 
 // One step's results where they were computed (float64 0-d tensors on the compute device),
 // kept until the host needs them: on a GPU reading one waits for the step's work, so the
-// step itself reads none (one process; with several, the loss's world mean is read).
+// step itself reads none (with several ranks the world mean and the norm's squares are summed
+// where they are: over NCCL on GPUs).
 struct StepValues {
   int64_t step = 0;
   double lr = 0;
@@ -137,6 +138,9 @@ class Trainer {
   StopRequest stop_;
   bool stop_saved_ = false;
   int64_t last_step_;
+  // The step's loss summed over every rank where it is (sum_over: NCCL on GPUs); empty on one
+  // process.
+  SumOverRanks loss_sum_over_world_;
 };
 
 }  // namespace ctitan

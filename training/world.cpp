@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "components/preemption.h"
+#include "kernels/device_route.h"
 
 namespace ctitan {
 
@@ -29,6 +30,25 @@ void world_sum(const Parallelism& par, std::vector<double>& v, const char* tag) 
   auto t = torch::tensor(v, torch::kFloat64);
   par.dist->world->all_reduce_sum(t, tag).wait();
   for (size_t i = 0; i < v.size(); ++i) v[i] = t[static_cast<int64_t>(i)].item<double>();
+}
+
+SumOverRanks sum_over(std::shared_ptr<Comm> gloo, std::shared_ptr<Comm> nccl, std::string tag) {
+  if (!gloo || gloo->size() <= 1) return nullptr;
+  if (nccl && nccl->kind() != CommKind::Nccl) nccl = nullptr;
+  return [gloo = std::move(gloo), nccl = std::move(nccl), tag = std::move(tag)](torch::Tensor& t) {
+    TORCH_CHECK(t.scalar_type() == torch::kFloat64 && t.is_contiguous(), "sum_over(", tag,
+                "): a contiguous float64 tensor, got ", t.scalar_type());
+    auto flat = t.view({-1});  // the collectives take tensors of one dimension or more
+    if (!on_gpu(t)) {
+      gloo->all_reduce_sum(flat, tag).wait();
+    } else if (nccl) {
+      nccl->all_reduce_sum(flat, tag).wait();
+    } else {
+      auto host = read_to_host(flat);
+      gloo->all_reduce_sum(host, tag).wait();
+      flat.copy_(host);
+    }
+  };
 }
 
 StopRequest agree_on_stop(const Parallelism& par) {

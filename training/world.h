@@ -3,8 +3,10 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "components/optimizer.h"
 #include "parallelisms/comm.h"
 #include "parallelisms/launch_env.h"
 #include "parallelisms/parallel_dims.h"
@@ -24,8 +26,17 @@ struct Parallelism {
   // Tensor parallelism (tp > 1): the tp group (its collectives: NCCL on GPUs, Gloo else), and the
   // ranks of one replicate index, dp_shard × tp, over which the gradient norm's squares add up.
   std::shared_ptr<Comm> tp, shard_tp;
+  // GPUs: NCCL groups of every rank and of shard_tp's ranks, for the step's device-side sums
+  // (the loss's world mean, the norm's squares with tp); null on the CPU.
+  std::shared_ptr<Comm> world_nccl, shard_tp_nccl;
   int64_t dp_rank = 0;
 };
+
+// A step's sum over ranks of a float64 tensor, in place where the tensor is, so that the step
+// reads nothing back: a CPU tensor over `gloo`; a GPU tensor over `nccl` when that is a NCCL
+// group of the same ranks (stream-ordered: the host goes on queueing), else through the host
+// (one read_to_host, counted). Null (nothing to add) for a group of one or none.
+SumOverRanks sum_over(std::shared_ptr<Comm> gloo, std::shared_ptr<Comm> nccl, std::string tag);
 
 // Mean over ranks (sum / world) of a scalar, or the value itself on one process.
 double world_mean(const Parallelism& par, double v, const char* tag);
