@@ -426,11 +426,14 @@ MemoryModel memory_model(const ModelArgs& a) {
   return m;
 }
 
-MemoryRun memory_run(const JobConfig& cfg, int64_t dp, bool sharded) {
+MemoryRun memory_run(const JobConfig& cfg, int64_t dp, bool sharded, bool cuda) {
   MemoryRun r;
   r.dp = dp;
   r.fsdp = sharded;
   r.compute_bytes = sharded && cfg.training.mixed_precision_param == "bfloat16" ? 2 : 4;
+  r.compute_dtype_grads = sharded && dp <= 1 &&
+                          one_rank_keeps_bf16_grads(cfg, cuda, cfg.parallelism.tensor_parallel_degree > 1,
+                                                    gradient_accumulation_steps(cfg, dp));
   r.reshard_after_forward = fsdp_reshard_policy(cfg, dp);
   r.batch = cfg.training.local_batch_size;
   r.seq = cfg.training.seq_len;
@@ -447,7 +450,7 @@ MemoryRun memory_run(const JobConfig& cfg, int64_t dp, bool sharded) {
 MemoryEstimate check_memory_fits(const JobConfig& cfg, const ModelArgs& margs, const LaunchEnv& env, int64_t dp,
                                  bool sharded, const DeviceChoice& device) {
   const MemoryModel mm = memory_model(margs);
-  const MemoryRun run = memory_run(cfg, dp, sharded);
+  const MemoryRun run = memory_run(cfg, dp, sharded, device.cuda);
   if (device.cuda) {
     const MemoryEstimate est = estimate_memory(mm, run, /*base=*/0);
     const GpuMemoryInfo gpu = gpu_memory_info(device.index);
@@ -468,7 +471,8 @@ MemoryEstimate check_memory_fits(const JobConfig& cfg, const ModelArgs& margs, c
   const double G = 1 << 30;
   std::vector<std::string> fits;
   for (int64_t n = std::max<int64_t>(2, 2 * dp); n <= (1 << 20); n *= 2) {
-    const MemoryRun more = memory_run(cfg, n, /*sharded=*/true);  // FSDP's dtype and reshard policy on n ranks
+    const MemoryRun more =
+        memory_run(cfg, n, /*sharded=*/true, device.cuda);  // FSDP's dtype and reshard policy on n ranks
     if (estimate_memory(mm, more, base).total() <= avail) {
       fits.push_back(std::to_string(n) + " ranks with as much memory each");
       break;

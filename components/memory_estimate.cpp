@@ -32,7 +32,7 @@ MemoryEstimate estimate_memory(const MemoryModel& m, const MemoryRun& r, double 
   // this rank's 1/N of the rows. (zero_grad frees the gradients; backward makes them again
   // while the activations are being freed: counting both at once errs on the safe side.)
   e.params = 4 * P / N;
-  e.grads = 4 * P / N;
+  e.grads = (r.compute_dtype_grads ? eb : 4.0) * P / N;
   e.optimizer = 8 * P / N;
   if (r.fsdp) {
     // Unsharded parameters in e bytes. A unit not resharded after forward keeps its copy
@@ -42,9 +42,10 @@ MemoryEstimate estimate_memory(const MemoryModel& m, const MemoryRun& r, double 
                         : r.reshard_after_forward == "default" ? static_cast<double>(m.last_unit)
                                                                : 0.0;
     e.gathered = eb * kept + (r.reshard_after_forward == "never" ? 0.0 : 2 * eb * U);
-    // Gradient reduction, per unit: its unsharded gradients (e·U), and on N > 1 ranks the
-    // send buffer [N, S] and the received shard in fp32 (4U + 4U/N), two reductions in flight.
-    e.gathered += eb * U + (r.dp > 1 ? 2 * (4 * U + 4 * U / N) : 0.0);
+    // Gradient reduction, per unit: its unsharded gradients (e·U; kept ones are the grads
+    // above), and on N > 1 ranks the send buffer [N, S] and the received shard in fp32
+    // (4U + 4U/N), two reductions in flight.
+    e.gathered += (r.compute_dtype_grads ? 0.0 : eb * U) + (r.dp > 1 ? 2 * (4 * U + 4 * U / N) : 0.0);
   }
   // What one block keeps for backward, per token: its input and the two norms' outputs (3D),
   // q, k, v (D + 2·Dkv), the attention output (D), the FFN's w1, w3 and SwiGLU outputs (3F),

@@ -24,6 +24,9 @@ struct MemoryRun {    // the run's choices
   // FSDP's policy as it applies (one process turns "default" into "never"): always | default | never.
   std::string reshard_after_forward = "default";
   int64_t compute_bytes = 4;  // e
+  // One rank keeps autograd's gradients in the compute dtype as the shards' gradients
+  // (training/parallelize.h's one_rank_keeps_bf16_grads): e·P of them, no float32 copy.
+  bool compute_dtype_grads = false;
   int64_t batch = 1, seq = 1;
   ACMode ac_mode = ACMode::None;  // none | full | selective
   bool async_checkpoint = false;  // checkpoint.enable with async_mode other than "disabled"
@@ -33,7 +36,7 @@ struct MemoryEstimate {  // bytes
   double base = 0;       // the process before the model (LibTorch, data, tokenizer): measured
   double workspace = 0;  // MKL's kept GEMM buffers + the code and thread state training touches
   double params = 0;     // fp32 shard, 4P/N
-  double grads = 0;      // fp32, 4P/N
+  double grads = 0;      // fp32, 4P/N (e·P where one rank keeps the compute dtype's)
   double optimizer = 0;  // AdamW exp_avg + exp_avg_sq, 8P/N
   double gathered = 0;   // FSDP: unsharded units in e (those kept from forward to backward, the
                          // one running and the one prefetched) + the gradient reduction's buffers

@@ -11,6 +11,7 @@
 #include <optional>
 #include <set>
 
+#include "components/memory_estimate.h"
 #include "components/optimizer.h"
 #include "models/init.h"
 #include "models/llama/model.h"
@@ -218,6 +219,7 @@ struct OneRankRun {
   std::map<std::string, torch::Tensor> params;
   std::vector<int64_t> grad_bytes;       // after each step's backward
   std::set<at::ScalarType> grad_dtypes;  // of the shards' gradients, every step
+  int64_t numel = 0;                     // of the shards
 };
 
 OneRankRun train_one_rank(bool keep, int64_t accum) {
@@ -233,6 +235,7 @@ OneRankRun train_one_rank(bool keep, int64_t accum) {
   const auto params = fsdp.sharded_parameters();
   auto opt = build_optimizer(params, OptimizerSpec{"AdamW", 8e-4, 0.9, 0.95, 1e-8, 0.1});
   OneRankRun out;
+  for (const auto& p : params) out.numel += p.numel();
   for (int64_t step = 1; step <= 4; ++step) {
     opt->zero_grad();
     double loss_sum = 0;
@@ -259,6 +262,7 @@ OneRankRun train_one_rank(bool keep, int64_t accum) {
 // Keeping the bf16 gradients (no float32 copy of them) changes no bit of training: the norm and
 // AdamW widen them exactly as the cast did. With one micro-batch the shards' gradients stay
 // bf16 (half the bytes); with two the second widens the first and adds in float32, as before.
+// The start-up memory estimate counts those bytes.
 TEST(FSDP, OneRankKeepsBf16GradientsAndTrainsBitwiseAsWithTheirCast) {
   for (const int64_t accum : {1, 2}) {
     const OneRankRun cast = train_one_rank(false, accum), kept = train_one_rank(true, accum);
@@ -274,6 +278,16 @@ TEST(FSDP, OneRankKeepsBf16GradientsAndTrainsBitwiseAsWithTheirCast) {
     } else {
       EXPECT_EQ(kept.grad_dtypes, std::set<at::ScalarType>{at::kFloat});
     }
+    // The start-up memory estimate's gradients term is what the shards hold (train.cpp marks a
+    // run whose one rank keeps bf16 gradients: one micro-batch).
+    MemoryModel mm;
+    mm.params = cast.numel;
+    MemoryRun run;
+    run.fsdp = true;
+    run.compute_bytes = 2;
+    EXPECT_EQ(estimate_memory(mm, run, 0).grads, static_cast<double>(cast.grad_bytes.back()));
+    run.compute_dtype_grads = accum == 1;
+    EXPECT_EQ(estimate_memory(mm, run, 0).grads, static_cast<double>(kept.grad_bytes.back())) << accum;
     EXPECT_LT(cast.losses.back(), cast.losses.front());  // it trained
   }
 }

@@ -741,6 +741,18 @@ TEST(Parallelize, OneRankKeepsBf16GradientsOnlyWhereTheOptimizerReadsThem) {
   EXPECT_FALSE(ctitan::fsdp_keeps_compute_grads(adamw, true, true, true));
   EXPECT_FALSE(ctitan::fsdp_keeps_compute_grads(adam, false, false, false));
   EXPECT_FALSE(ctitan::fsdp_keeps_compute_grads(adam, true, true, false));
+  // What the start-up line and the memory estimate say: bf16 gradients after a step only under
+  // bf16 compute, with one micro-batch, where FSDP keeps them (this CPU build: AdamW, no tp).
+  const auto with = [](std::vector<std::string> a) { return ctitan::load_job_config(a).config; };
+  const ctitan::JobConfig bf16 = with({"--training.mixed_precision_param", "bfloat16"});
+  EXPECT_TRUE(ctitan::one_rank_keeps_bf16_grads(bf16, false, false, 1));
+  EXPECT_FALSE(ctitan::one_rank_keeps_bf16_grads(bf16, false, false, 2));
+  EXPECT_FALSE(ctitan::one_rank_keeps_bf16_grads(bf16, false, true, 1));
+  EXPECT_FALSE(ctitan::one_rank_keeps_bf16_grads(bf16, /*cuda=*/true, false, 1)) << "torch's fused AdamW";
+  EXPECT_FALSE(ctitan::one_rank_keeps_bf16_grads(
+      with({"--training.mixed_precision_param", "bfloat16", "--optimizer.name", "Adam"}), false, false, 1));
+  EXPECT_FALSE(
+      ctitan::one_rank_keeps_bf16_grads(with({"--training.mixed_precision_param", "float32"}), false, false, 1));
 }
 
 // bench/gpu_bench.sh's pipeline on the CPU (its tiny shape: the debug model at seq 64, batch 2,

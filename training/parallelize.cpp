@@ -37,10 +37,11 @@ std::shared_ptr<FSDP> maybe_apply_fsdp(TrainModel& model, const JobConfig& cfg, 
   if (par.fsdp_reduce_scatter) fsdp->use_reduce_scatter_group(par.fsdp_reduce_scatter);
   model.set_unit_runner(fsdp->wrapper());
   if (par.dims.dp() <= 1)
-    spdlog::info(
-        "mixed precision on one process: {} compute, float32 master weights and optimizer state, {} "
-        "gradients",
-        cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce);
+    spdlog::info("mixed precision on one process: {} compute, float32 master weights and optimizer state, {}",
+                 cfg.training.mixed_precision_param,
+                 one_rank_keeps_bf16_grads(cfg, device.cuda, par.dims.tp_enabled(), 1)
+                     ? "bfloat16 gradients as autograd makes them (float32 when a step has several micro-batches)"
+                     : cfg.training.mixed_precision_reduce + " gradients");
   else
     spdlog::info("FSDP: {} units sharded over {} ranks (replicate {}), params {}, reduce {}, reshard_after_forward {}",
                  model.units().size(), par.dims.dp_shard, par.dims.dp_replicate, cfg.training.mixed_precision_param,
@@ -94,6 +95,13 @@ std::shared_ptr<TensorParallel> maybe_apply_tp(TrainModel& model, ParallelizeArg
 
 bool fsdp_keeps_compute_grads(const JobConfig& cfg, bool cuda, bool own_gpu_kernels, bool tensor_parallel) {
   return cfg.optimizer.name == "AdamW" && (!cuda || own_gpu_kernels) && !tensor_parallel;
+}
+
+bool one_rank_keeps_bf16_grads(const JobConfig& cfg, bool cuda, bool tensor_parallel, int64_t micro_batches) {
+  const auto& t = cfg.training;
+  return t.mixed_precision_param == "bfloat16" &&
+         (t.mixed_precision_reduce == "float32" || t.mixed_precision_reduce == "bfloat16") && micro_batches == 1 &&
+         fsdp_keeps_compute_grads(cfg, cuda, own_gpu_adamw(), tensor_parallel);
 }
 
 // FSDP's reshard_after_forward as it applies on dp ranks. One process: freeing the bf16

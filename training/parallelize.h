@@ -53,5 +53,10 @@ std::string fsdp_reshard_policy(const JobConfig& cfg, int64_t dp);
 // tensor parallelism: its sum of the replicated norms' gradients over the tp ranks would then
 // add in bf16, not float32.
 bool fsdp_keeps_compute_grads(const JobConfig& cfg, bool cuda, bool own_gpu_kernels, bool tensor_parallel);
+// Whether one data-parallel rank's gradients are bf16 after a step: FSDP over a group of one
+// keeps autograd's (fsdp_keeps_compute_grads, with this build's GPU AdamW route) under bf16
+// compute, the reduce dtype does not round them (float32 or bfloat16), and the step has one
+// micro-batch (a second widens the kept gradients to float32).
+bool one_rank_keeps_bf16_grads(const JobConfig& cfg, bool cuda, bool tensor_parallel, int64_t micro_batches);
 
 }  // namespace ctitan
