@@ -251,7 +251,9 @@ void Trainer::train_step(int64_t step) {
   p_.lr.step();
   if (p_.model.step.after_optimizer_step)
     p_.model.step.after_optimizer_step([this](torch::Tensor& t, const char* tag) {
-      if (p_.par.dist) p_.par.dist->world->all_reduce_sum(t, tag).wait();
+      // Where t is: Gloo on the CPU, the world's NCCL group on GPUs (the family's state update
+      // reads nothing back).
+      if (const SumOverRanks sum = sum_over(p_.par.dist ? p_.par.dist->world : nullptr, p_.par.world_nccl, tag)) sum(t);
     });
   pending_.push_back(std::move(v));
 }

@@ -36,8 +36,7 @@ SumOverRanks sum_over(std::shared_ptr<Comm> gloo, std::shared_ptr<Comm> nccl, st
   if (!gloo || gloo->size() <= 1) return nullptr;
   if (nccl && nccl->kind() != CommKind::Nccl) nccl = nullptr;
   return [gloo = std::move(gloo), nccl = std::move(nccl), tag = std::move(tag)](torch::Tensor& t) {
-    TORCH_CHECK(t.scalar_type() == torch::kFloat64 && t.is_contiguous(), "sum_over(", tag,
-                "): a contiguous float64 tensor, got ", t.scalar_type());
+    TORCH_CHECK(t.is_contiguous(), "sum_over(", tag, "): a contiguous tensor, got strides ", t.strides());
     auto flat = t.view({-1});  // the collectives take tensors of one dimension or more
     if (!on_gpu(t)) {
       gloo->all_reduce_sum(flat, tag).wait();

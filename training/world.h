@@ -32,10 +32,11 @@ struct Parallelism {
   int64_t dp_rank = 0;
 };
 
-// A step's sum over ranks of a float64 tensor, in place where the tensor is, so that the step
-// reads nothing back: a CPU tensor over `gloo`; a GPU tensor over `nccl` when that is a NCCL
-// group of the same ranks (stream-ordered: the host goes on queueing), else through the host
-// (one read_to_host, counted). Null (nothing to add) for a group of one or none.
+// A step's sum over ranks of a contiguous tensor (float64 for the loss and the norm's squares),
+// in place where the tensor is, so that the step reads nothing back: a CPU tensor over `gloo`;
+// a GPU tensor over `nccl` when that is a NCCL group of the same ranks (stream-ordered: the
+// host goes on queueing), else through the host (one read_to_host, counted). Null (nothing to
+// add) for a group of one or none.
 SumOverRanks sum_over(std::shared_ptr<Comm> gloo, std::shared_ptr<Comm> nccl, std::string tag);
 
 // Mean over ranks (sum / world) of a scalar, or the value itself on one process.
