@@ -331,11 +331,17 @@ Parallelism build_parallelism(const JobConfig& cfg, bool use_nccl) {
         if (auto c = p.dist->new_nccl_group(shard_tp_groups[g], name + "_nccl")) p.shard_tp_nccl = c;
     }
   }
-  // The step's loss mean over every rank, summed on the GPUs (Trainer::train_step).
+  // The step's loss mean over every rank, summed on the GPUs (Trainer::train_step): over the
+  // shard group's NCCL communicator when that group is the world (FSDP alone, the usual case;
+  // the same on every rank, so either every rank makes the world group or none does).
   if (use_nccl && p.env.world_size > 1) {
-    std::vector<int64_t> all(static_cast<size_t>(p.env.world_size));
-    std::iota(all.begin(), all.end(), int64_t{0});
-    p.world_nccl = p.dist->new_nccl_group(all, "world_nccl");
+    if (p.fsdp_shard && p.fsdp_shard->kind() == CommKind::Nccl && p.fsdp_shard->size() == p.env.world_size) {
+      p.world_nccl = p.fsdp_shard;
+    } else {
+      std::vector<int64_t> all(static_cast<size_t>(p.env.world_size));
+      std::iota(all.begin(), all.end(), int64_t{0});
+      p.world_nccl = p.dist->new_nccl_group(all, "world_nccl");
+    }
   }
   p.dp_rank = p.dims.dp_rank(p.env.rank);  // the global rank while tp = 1
   return p;
