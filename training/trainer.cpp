@@ -123,7 +123,7 @@ Trainer::Trainer(TrainerParts parts)
       first_step_(p_.train_state.step + 1),
       spikes_(p_.cfg.training.loss_spike_factor),
       last_step_(first_step_ - 1),
-      loss_sum_over_world_(sum_over(p_.par.dist ? p_.par.dist->world : nullptr, p_.par.world_nccl, "loss")) {
+      loss_sum_over_world_(sum_over_world(p_.par, "loss")) {
   maybe_enable_tensorboard(metrics_, p_.cfg, p_.par);
   train_start_ = Clock::now();
   window_start_ = Clock::now();
@@ -253,7 +253,7 @@ void Trainer::train_step(int64_t step) {
     p_.model.step.after_optimizer_step([this](torch::Tensor& t, const char* tag) {
       // Where t is: Gloo on the CPU, the world's NCCL group on GPUs (the family's state update
       // reads nothing back).
-      if (const SumOverRanks sum = sum_over(p_.par.dist ? p_.par.dist->world : nullptr, p_.par.world_nccl, tag)) sum(t);
+      if (const SumOverRanks sum = sum_over_world(p_.par, tag)) sum(t);
     });
   pending_.push_back(std::move(v));
 }

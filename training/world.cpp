@@ -50,6 +50,10 @@ SumOverRanks sum_over(std::shared_ptr<Comm> gloo, std::shared_ptr<Comm> nccl, st
   };
 }
 
+SumOverRanks sum_over_world(const Parallelism& par, std::string tag) {
+  return sum_over(par.dist ? par.dist->world : nullptr, par.world_nccl, std::move(tag));
+}
+
 StopRequest agree_on_stop(const Parallelism& par) {
   const int mine = stop_signal_received();
   if (!par.dist) return mine ? StopRequest{mine, 0} : StopRequest{};

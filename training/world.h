@@ -26,8 +26,9 @@ struct Parallelism {
   // Tensor parallelism (tp > 1): the tp group (its collectives: NCCL on GPUs, Gloo else), and the
   // ranks of one replicate index, dp_shard × tp, over which the gradient norm's squares add up.
   std::shared_ptr<Comm> tp, shard_tp;
-  // GPUs: NCCL groups of every rank and of shard_tp's ranks, for the step's device-side sums
-  // (the loss's world mean, the norm's squares with tp); null on the CPU.
+  // GPUs: NCCL groups of every rank (the shard group's when that group is every rank) and of
+  // shard_tp's ranks, for the step's device-side sums (the loss's world mean, a family's sums,
+  // the norm's squares with tp); null on the CPU.
   std::shared_ptr<Comm> world_nccl, shard_tp_nccl;
   int64_t dp_rank = 0;
 };
@@ -38,6 +39,8 @@ struct Parallelism {
 // host goes on queueing), else through the host (one read_to_host, counted). Null (nothing to
 // add) for a group of one or none.
 SumOverRanks sum_over(std::shared_ptr<Comm> gloo, std::shared_ptr<Comm> nccl, std::string tag);
+// sum_over every rank: the world group, and world_nccl on GPUs (null on one process).
+SumOverRanks sum_over_world(const Parallelism& par, std::string tag);
 
 // Mean over ranks (sum / world) of a scalar, or the value itself on one process.
 double world_mean(const Parallelism& par, double v, const char* tag);
