@@ -57,6 +57,7 @@
 #include "training/hooks.h"
 #include "kernels/device_route.h"
 #include "training/parallelize.h"
+#include "training/step_graph.h"
 #include "training/prefetcher.h"
 #include "training/trainer.h"
 #include "training/world.h"
@@ -543,13 +544,32 @@ void check_output_folders(const JobConfig& cfg, const CheckpointOptions& checkpo
   }
 }
 
+// training.cuda_graphs (training/step_graph.h): what the capture cannot take, refused with the
+// other start-up checks, before anything is written.
+void check_cuda_graphs(const JobConfig& cfg, const ModelArgs& margs, const LaunchEnv& launch,
+                       const DeviceChoice& device) {
+  if (!cfg.training.cuda_graphs) return;
+  CudaGraphsJob g;
+  g.gpu = device.cuda;
+  g.device = device.name() + (device.why.empty() ? "" : " (" + device.why + ")");
+  g.world_size = launch.world_size;
+  g.optimizer = cfg.optimizer.name;
+  g.family = cfg.model.name;
+  g.family_step_hooks = margs.spec->moe;
+  g.preserve_rng_state = cfg.activation_checkpoint.preserve_rng_state;
+  const std::string why = cuda_graphs_refusal(g);
+  if (!why.empty()) throw UserError(why);
+}
+
 // The start-up checks that need the launch, the device and the model's size, after the
-// config's own: a seed checkpoint on one process, the output folders, the memory estimate.
+// config's own: a seed checkpoint on one process, training.cuda_graphs's conditions, the output
+// folders, the memory estimate.
 // The run makes them before it writes anything and job.validate_only makes the same calls,
 // so both refuse with the same line (exit 2). Returns the estimate.
 MemoryEstimate check_start(const JobConfig& cfg, const CheckpointOptions& checkpoint, const ModelArgs& margs,
                            const LaunchEnv& launch, int64_t dp, bool sharded, const DeviceChoice& device) {
   check_seed_checkpoint_launch(cfg, launch.world_size);
+  check_cuda_graphs(cfg, margs, launch, device);
   check_output_folders(cfg, checkpoint);
   return check_memory_fits(cfg, margs, launch, dp, sharded, device);
 }
@@ -951,7 +971,8 @@ int train_job(Job& j, gemm::Backend matmuls) {
                                reference,
                                tp_gradient_sync(j),
                                j.par.dims.tp,
-                               given_tflops > 0 ? given_tflops * 1e12 : 0.0});
+                               given_tflops > 0 ? given_tflops * 1e12 : 0.0,
+                               j.cfg.training.cuda_graphs});
   return trainer.train();
 }
 

@@ -14,8 +14,9 @@
 #   CTITAN_BENCH_COMPILE=0 ...                             # no torch.compile column
 #   CTITAN_BENCH_VARIANTS="sdpa_flash sdpa_cudnn" ...     # more ctitan rows per shape, each with
 #       one setting changed (sdpa_<backend>: model.sdpa_backend <backend>; own_kernels:
-#       CTITAN_GPU_KERNELS=ctitan, ctitan's own SwiGLU, RoPE, cross-entropy and AdamW kernels), against the
-#       same eager and compile numbers
+#       CTITAN_GPU_KERNELS=ctitan, ctitan's own SwiGLU, RoPE, cross-entropy and AdamW kernels;
+#       cuda_graphs: training.cuda_graphs, the step captured at step 3 and replayed; graphs_own_kernels:
+#       both), against the same eager and compile numbers
 # ctitan runs 12 steps: tokens/s and memory are the log line of step 10 (steps 6-10); step 12 is
 # recorded by the profiler, and its summary (scripts/profile_summary.py: the ops, and on a GPU
 # the kernels and how busy the GPU was) goes to OUT_DIR/<shape>.<variant>.profile.txt. The
@@ -69,6 +70,8 @@ for shape in $SHAPES; do
       ctitan) ;;
       sdpa_*) extra=(--model.sdpa_backend "${variant#sdpa_}") ;;
       own_kernels) run_env+=(CTITAN_GPU_KERNELS=ctitan) ;;
+      cuda_graphs) extra=(--training.cuda_graphs true) ;;
+      graphs_own_kernels) run_env+=(CTITAN_GPU_KERNELS=ctitan) extra=(--training.cuda_graphs true) ;;
       *) log "unknown variant $variant"; exit 2 ;;
     esac
     log "$shape: $variant ($flavor, seq $seq, batch $batch)"
@@ -161,6 +164,10 @@ for row in sys.argv[3:]:
         label = f"{shape}, seq {seq}, batch {batch}"
         if variant == "own_kernels":
             label += " — ctitan with CTITAN_GPU_KERNELS=ctitan"
+        elif variant == "cuda_graphs":
+            label += " — ctitan with training.cuda_graphs"
+        elif variant == "graphs_own_kernels":
+            label += " — ctitan with training.cuda_graphs and CTITAN_GPU_KERNELS=ctitan"
         elif variant != "ctitan":
             label += f" — ctitan with model.sdpa_backend {variant[len('sdpa_'):]}"
         print(f"| {label} | {cell(tps[0], '{:,.0f}')} | {cell(tps[1], '{:,.0f}')} "

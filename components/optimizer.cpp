@@ -107,6 +107,24 @@ class FusedAdamW : public torch::optim::AdamW {
     }
   }
 
+  // training.cuda_graphs: GPU steps read the learning rate from `lr` (a float64 0-d tensor on the
+  // parameters' device that the caller fills before each step) with ctitan's AdamW kernel, so a
+  // captured step replays with each step's rate. Undefined: the rate is passed by value.
+  void read_lr_from(torch::Tensor lr) { lr_on_device_ = std::move(lr); }
+
+  // A replayed CUDA graph of a step ran the device step counts on by one without this object's
+  // host code: the host counts (what checkpoints store) follow, as step_on_gpu raises them.
+  void note_replayed_step() {
+    for (auto& group : param_groups_)
+      for (auto& p : group.params()) {
+        auto it = gpu_steps_.find(p.unsafeGetTensorImpl());
+        if (!on_gpu(p) || it == gpu_steps_.end() || !p.grad().defined()) continue;
+        auto& st = state_for(p);
+        st.step(st.step() + 1);
+        it->second.host_step = st.step();
+      }
+  }
+
   // `n` steps the GPU kernel skipped (found when the caller read the flags back): their host
   // step counts, raised by step_unless, go back down. CPU steps were skipped on the host.
   void note_skipped_on_gpu(int64_t n) {
@@ -156,9 +174,9 @@ class FusedAdamW : public torch::optim::AdamW {
     // and for bf16 gradients (FSDP over one rank keeps them then), which torch's kernel does not take.
     const bool bf16_grads =
         std::any_of(gs.begin(), gs.end(), [](const at::Tensor& g) { return g.scalar_type() != torch::kFloat; });
-    if (own_gpu_kernels() || bf16_grads) {
+    if (own_gpu_kernels() || bf16_grads || lr_on_device_.defined()) {
       adamw_cuda(ps, gs, ms, vs, /*param_copies=*/{}, steps, o.lr(), b1, b2, o.eps(), o.weight_decay(), scale,
-                 found_inf);
+                 found_inf, lr_on_device_.defined() ? std::optional<at::Tensor>(lr_on_device_) : std::nullopt);
     } else
 #endif
       at::_fused_adamw_(ps, gs, ms, vs, {}, steps, o.lr(), b1, b2, o.weight_decay(), o.eps(), /*amsgrad=*/false,
@@ -171,6 +189,7 @@ class FusedAdamW : public torch::optim::AdamW {
     int64_t host_step = 0;  // the host count it was last in step with
   };
   std::unordered_map<void*, DeviceStep> gpu_steps_;
+  torch::Tensor lr_on_device_;  // read_lr_from's
 
   torch::optim::AdamWParamState& state_for(const torch::Tensor& p) {
     void* const key = p.unsafeGetTensorImpl();  // the key LibTorch files state under
@@ -386,6 +405,16 @@ void step_unless(torch::optim::Optimizer& opt, const torch::Tensor& skip, const 
 
 void note_skipped_steps(torch::optim::Optimizer& opt, int64_t n) {
   if (auto* fused = dynamic_cast<FusedAdamW*>(&opt)) fused->note_skipped_on_gpu(n);
+}
+
+bool read_lr_from_device(torch::optim::Optimizer& opt, const torch::Tensor& lr) {
+  auto* fused = dynamic_cast<FusedAdamW*>(&opt);
+  if (fused) fused->read_lr_from(lr);
+  return fused != nullptr;
+}
+
+void note_replayed_step(torch::optim::Optimizer& opt) {
+  if (auto* fused = dynamic_cast<FusedAdamW*>(&opt)) fused->note_replayed_step();
 }
 
 }  // namespace ctitan

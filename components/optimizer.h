@@ -76,5 +76,13 @@ void step_unless(torch::optim::Optimizer& opt, const torch::Tensor& skip, const 
 // `n` steps that step_unless skipped, learnt by the caller later: the fused AdamW's host step
 // counts of GPU parameters go back down by n (on the CPU a skip is exact at once).
 void note_skipped_steps(torch::optim::Optimizer& opt, int64_t n);
+// training.cuda_graphs (training/step_graph.h): the fused AdamW's GPU steps read the learning
+// rate from `lr`, a float64 0-d tensor on the parameters' GPU that the caller fills before each
+// step, with ctitan's AdamW kernel (kernels/fused_cuda.h; ATen's fused AdamW takes a float32
+// rate there). False, and nothing changed, for another optimizer.
+bool read_lr_from_device(torch::optim::Optimizer& opt, const torch::Tensor& lr);
+// A replay of a captured step ran the fused AdamW's device step counts on by one: the host
+// counts (what checkpoints store) follow, as the step's own host code raises them.
+void note_replayed_step(torch::optim::Optimizer& opt);
 
 }  // namespace ctitan

@@ -388,6 +388,7 @@ struct Training {
   double loss_spike_factor;           // ctitan only
   BadDocumentPolicy on_bad_document;  // ctitan only
   int64_t prefetch_batches;           // ctitan only
+  bool cuda_graphs;                   // ctitan only
   DataLoader dataloader;
 
   template <class V>
@@ -430,6 +431,10 @@ struct Training {
       "memory on a GPU, copied there before use); 0 = each batch is read when the step asks for it. "
       "Checkpoints hold the data position of the batches trained on, whatever the depth",
       at_least(0));
+    v(cuda_graphs, "cuda_graphs", false,
+      "ctitan: on one GPU, capture the training step as a CUDA graph at the third step and replay it "
+      "from then on (no host launch work between kernels; for small models, where the host cannot keep "
+      "the GPU busy). One process, optimizer AdamW, Llama-family models");
     v.table(dataloader, "dataloader", "Data-loader settings");
   }
   CTITAN_CONFIG_DEFAULTS(Training)

@@ -70,10 +70,13 @@ struct AdamWHyper {
 //   p ← p − (lr / bc1) · m / (√v / √bc2 + eps);  copy ← bf16(p) (round to nearest even).
 // One launch covers up to 48 tensors (several launches for more); tensors of no elements are
 // skipped. grad_scale (nullable device float): gradients are divided by it as they are read.
-// found_inf (nullable device float): when it is nonzero the kernel changes nothing. Returns
-// cudaError_t as int (cudaErrorInvalidValue for a negative count or size, or no table).
+// found_inf (nullable device float): when it is nonzero the kernel changes nothing.
+// lr_on_device (nullable device double): the learning rate, read by the kernel in place of h.lr
+// (and the decay 1 − lr·wd computed from it with the same two roundings as the host's), so that
+// a captured CUDA graph replays each step with that step's rate; the same bits as h.lr = *it.
+// Returns cudaError_t as int (cudaErrorInvalidValue for a negative count or size, or no table).
 int adamw(Elem grad, const AdamWTensor* tensors, int64_t count, const AdamWHyper& h, const float* grad_scale,
-          const float* found_inf, void* stream);
+          const float* found_inf, void* stream, const double* lr_on_device = nullptr);
 
 }  // namespace ctitan::gpu
 
@@ -103,12 +106,15 @@ at::Tensor cross_entropy_cuda(const at::Tensor& logits, const at::Tensor& labels
 // (may differ between tensors: one launch per dtype); param_copies empty or one per param, each
 // undefined (no copy) or a contiguous bfloat16 tensor of the param's numel; steps: float32 0-d
 // tensors, this step already counted. grad_scale / found_inf: float32 0-d tensors or nullopt.
+// lr_on_device: a float64 0-d tensor on the params' device whose value the kernel reads as the
+// learning rate (lr is then unused; training.cuda_graphs replays the step with it), or nullopt.
 // Nothing is read back to the host; the step counts are read, never changed.
 void adamw_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                 const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                 const std::vector<at::Tensor>& param_copies, const std::vector<at::Tensor>& steps, double lr,
                 double beta1, double beta2, double eps, double weight_decay,
-                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf);
+                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                const std::optional<at::Tensor>& lr_on_device = std::nullopt);
 
 }  // namespace ctitan
 #endif

@@ -347,22 +347,25 @@ struct AdamWTable {
 // The step-independent coefficients, rounded to float32 as the CPU update rounds them, and what
 // the bias corrections need in float64.
 struct AdamWConstants {
-  double lr, beta1, beta2;
+  double lr, beta1, beta2, weight_decay;
   float decay, b1, b2, c1, c2, eps;
 };
 
 // A launch's arguments: at most 4 KiB (32 KiB only from CUDA 12.1 on, on Volta and later GPUs).
-static_assert(sizeof(AdamWTable) + sizeof(AdamWConstants) + 2 * sizeof(void*) <= 4096, "adamw's arguments");
+static_assert(sizeof(AdamWTable) + sizeof(AdamWConstants) + 3 * sizeof(void*) <= 4096, "adamw's arguments");
 
 // The block's tensor is found by a scan of the table (entries are read by value: taking the
 // address of a kernel argument would copy the whole table to each thread's local memory). Its
 // step's coefficients are computed by each thread before its elements, in float64 as the CPU
 // update computes them from the integer step count; then, per element, the CPU update's float32
-// operations in its order.
+// operations in its order. With lr_on_device (a float64 on the device, read when the kernel runs:
+// a captured CUDA graph replays with each step's rate) the rate and the decay 1 − lr·wd come from
+// it, the decay with the host's two roundings (no fused multiply-add), so both routes give the
+// same bits for the same rate.
 template <class G>
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(const AdamWTable table, const AdamWConstants k, const float* __restrict__ grad_scale,
-                 const float* __restrict__ found_inf) {
+                 const float* __restrict__ found_inf, const double* __restrict__ lr_on_device) {
   if (found_inf != nullptr && *found_inf != 0.0f) return;
   int e = 0;
   while (blockIdx.x >= table.first_block[e + 1]) ++e;
@@ -370,7 +373,10 @@ __global__ void __launch_bounds__(kThreads)
   const double s = static_cast<double>(*t.step);
   const double bc1 = 1.0 - pow(k.beta1, s), bc2 = 1.0 - pow(k.beta2, s);
   const float sqrt_bc2 = static_cast<float>(sqrt(bc2));
-  const float step_size = static_cast<float>(k.lr / bc1);
+  const double lr = lr_on_device != nullptr ? *lr_on_device : k.lr;
+  const float decay =
+      lr_on_device != nullptr ? static_cast<float>(__dsub_rn(1.0, __dmul_rn(lr, k.weight_decay))) : k.decay;
+  const float step_size = static_cast<float>(lr / bc1);
   const float scale = grad_scale != nullptr ? *grad_scale : 1.0f;
   float* __restrict__ P = t.param;
   const G* __restrict__ Gr = static_cast<const G*>(t.grad);
@@ -385,7 +391,7 @@ __global__ void __launch_bounds__(kThreads)
     if (i >= t.n) break;
     float g = widen(Gr[i]);
     if (grad_scale != nullptr) g = __fdiv_rn(g, scale);
-    const float p = __fmul_rn(P[i], k.decay);
+    const float p = __fmul_rn(P[i], decay);
     const float m = __fadd_rn(__fmul_rn(M[i], k.b1), __fmul_rn(g, k.c1));
     const float v = __fadd_rn(__fmul_rn(V[i], k.b2), __fmul_rn(__fmul_rn(g, g), k.c2));
     M[i] = m;
@@ -400,11 +406,11 @@ __global__ void __launch_bounds__(kThreads)
 // Fills tables of up to kAdamWTensors pieces and launches each when full, and the last.
 template <class G>
 int adamw_as(const AdamWTensor* tensors, int64_t count, const AdamWConstants& k, const float* grad_scale,
-             const float* found_inf, cudaStream_t s) {
+             const float* found_inf, const double* lr_on_device, cudaStream_t s) {
   AdamWTable table{};
   auto flush = [&]() -> int {
     if (table.count == 0) return 0;
-    adamw_kernel<G><<<table.first_block[table.count], kThreads, 0, s>>>(table, k, grad_scale, found_inf);
+    adamw_kernel<G><<<table.first_block[table.count], kThreads, 0, s>>>(table, k, grad_scale, found_inf, lr_on_device);
     table.count = 0;
     return static_cast<int>(cudaGetLastError());
   };
@@ -475,7 +481,7 @@ int cross_entropy_backward(Elem t, const void* logits, const int64_t* labels, co
 }
 
 int adamw(Elem grad, const AdamWTensor* tensors, int64_t count, const AdamWHyper& h, const float* grad_scale,
-          const float* found_inf, void* stream) {
+          const float* found_inf, void* stream, const double* lr_on_device) {
   const auto s = static_cast<cudaStream_t>(stream);
   if (count < 0 || (count > 0 && tensors == nullptr)) return static_cast<int>(cudaErrorInvalidValue);
   for (int64_t i = 0; i < count; ++i)
@@ -484,14 +490,15 @@ int adamw(Elem grad, const AdamWTensor* tensors, int64_t count, const AdamWHyper
   const AdamWConstants k{h.lr,
                          h.beta1,
                          h.beta2,
+                         h.weight_decay,
                          static_cast<float>(1.0 - h.lr * h.weight_decay),
                          static_cast<float>(h.beta1),
                          static_cast<float>(h.beta2),
                          static_cast<float>(1.0 - h.beta1),
                          static_cast<float>(1.0 - h.beta2),
                          static_cast<float>(h.eps)};
-  return grad == Elem::BFloat16 ? adamw_as<bf16>(tensors, count, k, grad_scale, found_inf, s)
-                                : adamw_as<float>(tensors, count, k, grad_scale, found_inf, s);
+  return grad == Elem::BFloat16 ? adamw_as<bf16>(tensors, count, k, grad_scale, found_inf, lr_on_device, s)
+                                : adamw_as<float>(tensors, count, k, grad_scale, found_inf, lr_on_device, s);
 }
 
 }  // namespace ctitan::gpu

@@ -178,7 +178,8 @@ void adamw_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Ten
                 const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                 const std::vector<at::Tensor>& param_copies, const std::vector<at::Tensor>& steps, double lr,
                 double beta1, double beta2, double eps, double weight_decay,
-                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                const std::optional<at::Tensor>& lr_on_device) {
   RECORD_FUNCTION("ctitan::adamw_cuda", std::vector<c10::IValue>());
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n &&
@@ -239,12 +240,19 @@ void adamw_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   }
   const float* scale = scalar(grad_scale, "grad_scale");
   const float* inf = scalar(found_inf, "found_inf");
+  const double* lr_ptr = nullptr;
+  if (lr_on_device) {
+    check(*lr_on_device, "lr_on_device", at::kDouble);
+    TORCH_CHECK(lr_on_device->dim() == 0, "[kernels] adamw_cuda: lr_on_device must be 0-d, got ",
+                lr_on_device->sizes());
+    lr_ptr = lr_on_device->data_ptr<double>();
+  }
   const DeviceGuard device_guard(device);
   const gpu::AdamWHyper h{lr, beta1, beta2, eps, weight_decay};
   for (const auto e : {gpu::Elem::Float32, gpu::Elem::BFloat16}) {
     const auto& list = by_dtype[e == gpu::Elem::BFloat16];
     if (list.empty()) continue;
-    launched(gpu::adamw(e, list.data(), static_cast<int64_t>(list.size()), h, scale, inf, stream_of(params[0])),
+    launched(gpu::adamw(e, list.data(), static_cast<int64_t>(list.size()), h, scale, inf, stream_of(params[0]), lr_ptr),
              "adamw");
   }
 }

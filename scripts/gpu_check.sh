@@ -45,11 +45,17 @@
 #   (h) Mixtral (the MoE debug flavor), float32: 20 steps on the GPU against the CPU within
 #       1e-4 relative, and AC full bitwise equal to AC none on the GPU (debug.deterministic);
 #       bf16 mixed precision within 5e-2 of that float32 run;
+#   (i) training.cuda_graphs (training/step_graph.h: the step captured at step 3, replayed from
+#       then on), debug.deterministic, 20 steps, ctitan's kernels on both sides
+#       (CTITAN_GPU_KERNELS=ctitan: the graph's AdamW is ctitan's kernel): float32 bitwise equal
+#       to the eager run, bf16 (FSDP over a group of one) with AC none and AC full bitwise equal
+#       to bf16 eager; ATen's other kernels with graphs within 1e-4 of (a); and (f)'s rule on
+#       the replayed steps (float32 and bf16, 12 steps logging every 6th);
 # Each part prints PASS or FAIL with its numbers, a failed run one line naming the part, the
 # run and its last log line; the last line sums up. The runs' folders and logs go to
-# outputs/gpu_check/ (git-ignored). Exit 0 only when (a)-(c), (e)-(h) pass and (d) ran.
+# outputs/gpu_check/ (git-ignored). Exit 0 only when (a)-(c), (e)-(i) pass and (d) ran.
 #   scripts/gpu_check.sh --prepare                # step 1, on the CPU machine
-#   scripts/gpu_check.sh                          # everything (parts a b c e f g h d)
+#   scripts/gpu_check.sh                          # everything (parts a b c e f g h i d)
 #   CTITAN_GPU_PARTS="a b" scripts/gpu_check.sh   # some parts
 #   CTITAN_GPU_CONFIGURE_ONLY=1 scripts/gpu_check.sh  # configure the build and stop (no GPU needed)
 set -uo pipefail
@@ -59,7 +65,7 @@ PY="${PYTHON:-python3}"
 DEPS="${CTITAN_BUILD_DEPS:-$ROOT/build-deps}"
 BUILD="${CTITAN_GPU_BUILD_DIR:-$ROOT/build-gpu}"
 OUT="${CTITAN_GPU_OUT:-$ROOT/outputs/gpu_check}"
-PARTS="${CTITAN_GPU_PARTS:-a b c e f g h d}"
+PARTS="${CTITAN_GPU_PARTS:-a b c e f g h i d}"
 log() { echo "[gpu_check] $*" >&2; }
 die() { log "$*"; exit 1; }
 
@@ -334,6 +340,53 @@ if part h; then
   # shellcheck disable=SC2046
   RUN_BASE=mixtral run_vs "$OUT/h_none.losses" 5e-2 "(h) Mixtral bf16 vs float32, 20 steps" h_bf16 -- \
     --training.steps 20 --debug.deterministic true --training.mixed_precision_param bfloat16 $(ac_args none)
+fi
+
+if part i; then
+  log "(i) training.cuda_graphs: the captured step replayed, against eager steps"
+  graphs=(--training.cuda_graphs true)
+  det=(--training.steps 20 --debug.deterministic true)
+  captured() {  # NAME: the run said it captured its step, else a FAIL line
+    grep -q "captured as a CUDA graph" "$OUT/$1.log" ||
+      { fail_line "(i) FAIL: $1 did not capture its step: $(grep -m1 -i 'cuda graph' "$OUT/$1.log")"; return 1; }
+  }
+  # shellcheck disable=SC2046
+  if run i_f32_eager CTITAN_GPU_KERNELS=ctitan -- "${det[@]}" &&
+    losses "$OUT/i_f32_eager/metrics.jsonl" >"$OUT/i_f32_eager.losses"; then
+    run_vs "$OUT/i_f32_eager.losses" 0 "(i) float32, graphs vs eager (ctitan's kernels)" i_f32_graphs \
+      CTITAN_GPU_KERNELS=ctitan -- "${det[@]}" "${graphs[@]}" && captured i_f32_graphs
+  else
+    status=1
+  fi
+  # shellcheck disable=SC2046
+  if run i_bf16_eager CTITAN_GPU_KERNELS=ctitan -- "${det[@]}" --training.mixed_precision_param bfloat16 \
+    $(ac_args none) && losses "$OUT/i_bf16_eager/metrics.jsonl" >"$OUT/i_bf16_eager.losses"; then
+    for mode in none full; do
+      # shellcheck disable=SC2046
+      run_vs "$OUT/i_bf16_eager.losses" 0 "(i) bf16, AC $mode, graphs vs eager AC none (ctitan's kernels)" \
+        "i_bf16_graphs_$mode" CTITAN_GPU_KERNELS=ctitan -- "${det[@]}" --training.mixed_precision_param bfloat16 \
+        $(ac_args "$mode") "${graphs[@]}" && captured "i_bf16_graphs_$mode"
+    done
+  else
+    status=1
+  fi
+  # ATen's SwiGLU, RoPE and loss with the graph (its AdamW is ctitan's), against (a)'s float32.
+  run_vs "$OUT/a_gpu.losses" 1e-4 "(i) float32, graphs with ATen's kernels vs (a)" i_aten_graphs -- \
+    --training.steps 20 "${graphs[@]}" && captured i_aten_graphs
+  for precision in float32 bfloat16; do
+    if run "i_sync_$precision" CTITAN_SYNC_CHECK=1 CTITAN_TRACE_HOST_READS="$OUT/i_sync_$precision.reads" -- \
+      --training.steps 12 --metrics.log_freq 6 --training.mixed_precision_param "$precision" "${graphs[@]}" &&
+      captured "i_sync_$precision"; then
+      quiet=$(awk '$1 != 1 && $1 % 6 != 0 && $1 != 3 && $2 != 0' "$OUT/i_sync_$precision.reads.rank0" | wc -l)
+      if ((quiet == 0)); then
+        echo "(i) $precision: PASS: replayed steps 4-5, 7-11 made no GPU synchronisation and read nothing back"
+      else
+        fail_line "(i) $precision FAIL: $quiet replayed steps read values back ($OUT/i_sync_$precision.reads.rank0)"
+      fi
+    else
+      status=1
+    fi
+  done
 fi
 
 if part d; then

@@ -625,6 +625,51 @@ TEST(CudaKernelsOnHost, AdamWRefusesWhatItCannotTake) {
       ctitan::adamw_cuda({}, {}, {}, {}, {}, {}, kLr, kBeta1, kBeta2, kEps, kWd, std::nullopt, std::nullopt));
 }
 
+// The learning rate read from the device (training.cuda_graphs replays the step with each step's
+// rate there): bit for bit the update with that rate passed by value, whatever the value passed
+// beside it, for rates whose lr · wd rounds differently; the kernel's float32 reference for kLr.
+TEST(CudaKernelsOnHost, AdamWLearningRateOnTheDeviceGivesTheBitsOfTheValue) {
+  torch::manual_seed(11);
+  for (const auto t : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(t == at::kBFloat16 ? "bf16 gradients" : "fp32 gradients");
+    const auto specs = odd_sizes(t);
+    const auto before = random_adamw(specs);
+    for (const double lr : {kLr, 1e-4 / 3, 7.77e-4, 0.0, 0.1}) {
+      SCOPED_TRACE("lr " + std::to_string(lr));
+      Arena by_value_arena, on_device_arena;
+      const auto by_value = guarded(by_value_arena, before, specs);
+      const auto on_device = guarded(on_device_arena, before, specs);
+      ctitan::adamw_cuda(by_value.params, by_value.grads, by_value.exp_avgs, by_value.exp_avg_sqs, by_value.copies,
+                         by_value.steps, lr, kBeta1, kBeta2, kEps, kWd, std::nullopt, std::nullopt);
+      // The value beside the tensor is a wrong one: it must not be read.
+      ctitan::adamw_cuda(on_device.params, on_device.grads, on_device.exp_avgs, on_device.exp_avg_sqs, on_device.copies,
+                         on_device.steps, 0.5, kBeta1, kBeta2, kEps, kWd, std::nullopt, std::nullopt,
+                         on_device_arena.copy_of(at::full({}, lr, at::kDouble)));
+      for (size_t i = 0; i < specs.size(); ++i) {
+        EXPECT_TRUE(same_bits(on_device.params[i], by_value.params[i])) << "param " << i;
+        EXPECT_TRUE(same_bits(on_device.exp_avgs[i], by_value.exp_avgs[i])) << "exp_avg " << i;
+        EXPECT_TRUE(same_bits(on_device.exp_avg_sqs[i], by_value.exp_avg_sqs[i])) << "exp_avg_sq " << i;
+        EXPECT_TRUE(same_bits(on_device.copies[i], by_value.copies[i])) << "copy " << i;
+      }
+      if (lr == kLr) expect_updated(before, on_device, 0);
+      EXPECT_TRUE(by_value_arena.intact() && on_device_arena.intact()) << "the kernel wrote outside its operands";
+    }
+  }
+  // A rate that is not a float64 0-d tensor is refused, naming it.
+  auto s = random_adamw({{5, at::kFloat, false, 1}});
+  for (const auto& [bad, message] : {std::pair{at::full({}, kLr, at::kFloat), "lr_on_device is Float, not Double"},
+                                     std::pair{at::full({1}, kLr, at::kDouble), "lr_on_device must be 0-d"}}) {
+    try {
+      ctitan::adamw_cuda(s.params, s.grads, s.exp_avgs, s.exp_avg_sqs, {}, s.steps, kLr, kBeta1, kBeta2, kEps, kWd,
+                         std::nullopt, std::nullopt, bad);
+      ADD_FAILURE() << "accepted: " << message;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("[kernels] adamw_cuda: ") + message), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 // The launcher itself: nothing to do launches nothing; what it cannot take is cudaErrorInvalidValue.
 TEST(CudaKernelsOnHost, AdamWLauncherEdgeCases) {
   Arena arena;

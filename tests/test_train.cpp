@@ -636,6 +636,48 @@ TEST_F(TrainE2E, BadConfigExitsTwoWithOneLineAndWritesNothing) {
   EXPECT_NE(help.out.find("--training.seq_len"), std::string::npos);
 }
 
+// training.cuda_graphs (training/step_graph.h) refuses, before anything is written, what its
+// capture cannot take, each with one line naming the key; job.validate_only says the same. The
+// device comes last, so that every other refusal shows on the CPU too.
+TEST_F(TrainE2E, CudaGraphsRefuseWhatTheCaptureCannotTake) {
+  const std::string dump = (root_ / "graphs").string();
+  const std::string head = "config error: training.cuda_graphs = true ";
+  struct Case {
+    std::string extra, expect;
+  };
+  const std::vector<Case> cases = {
+      {" --optimizer.name Adam", head + "needs optimizer.name = \"AdamW\" (its update skips a non-finite step on the "
+                                        "device); got \"Adam\""},
+      {" --model.name mixtral", head + "cannot capture model.name = \"mixtral\": its step reads values on the host "
+                                       "(Mixtral's routing copies each block's expert counts there)"},
+      {" --activation_checkpoint.mode full --activation_checkpoint.preserve_rng_state",
+       head + "cannot capture activation_checkpoint.preserve_rng_state = true (the recompute sets the GPU's "
+              "generator state on the host); set it to false"},
+      {"", head + "needs a GPU; this run is on cpu ("},
+  };
+  for (const auto& c : cases) {
+    for (const char* mode : {"", " --job.validate_only"}) {
+      auto r = sh(kTrain + args(dump, 5) + kFp32 + " --training.cuda_graphs" + c.extra + mode);
+      EXPECT_EQ(r.code, 2) << c.extra << mode << ": " << r.out;
+      EXPECT_EQ(r.out.rfind(c.expect, 0), 0u) << c.extra << mode << ": " << r.out;
+      EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << c.extra << mode << ": " << r.out;
+      EXPECT_FALSE(fs::exists(dump)) << c.extra << mode;
+    }
+  }
+  // Two ranks: every rank refuses with the same line.
+  const auto ranks = spawn_processes(train_argv(args(dump, 5) + kFp32 + " --training.cuda_graphs"), 2);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(ranks[r].exit_code, 2) << ranks[r].output;
+    EXPECT_EQ(last_line(ranks[r].output), head +
+                                              "runs one process on one GPU (the step's collectives are not "
+                                              "captured); this job has 2 ranks");
+  }
+  EXPECT_FALSE(fs::exists(dump));
+  // Off (the default), the same run trains.
+  auto off = sh(kTrain + args(dump, 2) + " --training.cuda_graphs false");
+  EXPECT_EQ(off.code, 0) << off.out;
+}
+
 TEST_F(TrainE2E, NonFiniteLossStopsNamingTheStep) {
   const std::string dump = (root_ / "nan").string();
   auto r = sh(kTrain + args(dump, 30) + " --optimizer.lr 1e9 --training.max_norm 0 --lr_scheduler.warmup_steps 0");

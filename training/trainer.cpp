@@ -131,6 +131,18 @@ Trainer::Trainer(TrainerParts parts)
   const int64_t dp_world = p_.par.dims.dp();
   spdlog::info("training {} steps: global batch {} × {} tokens ({} ranks × {} micro-batches of {})",
                p_.cfg.training.steps, B_ * dp_world * p_.accum, T_, dp_world, p_.accum, B_);
+  if (p_.cuda_graphs) {
+    lr_on_device_ = torch::zeros({}, torch::TensorOptions()
+                                         .dtype(torch::kFloat64)
+                                         .device(torch::kCUDA, static_cast<c10::DeviceIndex>(p_.device.index)));
+    if (!read_lr_from_device(p_.optimizer, lr_on_device_))
+      throw RuntimeFailure("training.cuda_graphs: the optimizer is not ctitan's fused AdamW");
+    graph_ = make_step_graph(static_cast<int>(p_.device.index));
+    spdlog::info(
+        "CUDA graphs (training.cuda_graphs): {} eager step{}, then the step is captured once and replayed; AdamW runs "
+        "ctitan's kernel, reading each step's learning rate on the device",
+        kEagerStepsBeforeCapture, kEagerStepsBeforeCapture == 1 ? "" : "s");
+  }
 }
 
 int Trainer::train() {
@@ -145,10 +157,13 @@ int Trainer::train() {
     const bool last = step == cfg.training.steps;
     const bool log = step == 1 || step % cfg.metrics.log_freq == 0 || last;
     const bool reads = log || p_.checkpoints.should_save(step, last);
-    // Test hook: in a step that reads nothing back, any GPU synchronisation is an error.
-    const bool sync_check = runtime_env().sync_check && p_.device.cuda && !reads;
+    // training.cuda_graphs: captured after the eager steps, in a step the profiler leaves alone.
+    const bool capture = graph_ && !captured_ && step >= first_step_ + kEagerStepsBeforeCapture && !profile;
+    // Test hook: in a step that reads nothing back, any GPU synchronisation is an error (but for
+    // the capture's own, once).
+    const bool sync_check = runtime_env().sync_check && p_.device.cuda && !reads && !capture;
     if (sync_check) set_sync_errors(true);
-    train_step(step);
+    train_step(step, capture);
     if (sync_check) set_sync_errors(false);
     if (step == first_step_) after_first_step();
     enter_phase(p_.at, step, "metrics");
@@ -220,14 +235,33 @@ void Trainer::forward_backward_step(int64_t step, int64_t micro, const torch::Te
   window_tokens_ += B_ * T_;
 }
 
-void Trainer::train_step(int64_t step) {
-  set_learning_rate(p_.optimizer, p_.lr.current_lr());
+void Trainer::train_step(int64_t step, bool capture) {
+  const double lr = p_.lr.current_lr();
+  set_learning_rate(p_.optimizer, lr);
+  if (lr_on_device_.defined()) lr_on_device_.fill_(lr);  // queued: read by the step's AdamW
+  StepValues v = graph_ && (capture || captured_)
+                     ? graph_step(step)
+                     : step_work(step, [this, step](int64_t micro, torch::Tensor& inputs, torch::Tensor& labels) {
+                         next_batch(step, micro, inputs, labels);
+                       });
+  v.step = step;
+  v.lr = lr;
+  p_.lr.step();
+  if (p_.model.step.after_optimizer_step)
+    p_.model.step.after_optimizer_step([this](torch::Tensor& t, const char* tag) {
+      // Where t is: Gloo on the CPU, the world's NCCL group on GPUs (the family's state update
+      // reads nothing back).
+      if (const SumOverRanks sum = sum_over_world(p_.par, tag)) sum(t);
+    });
+  pending_.push_back(std::move(v));
+}
+
+StepValues Trainer::step_work(int64_t step, const BatchFor& batch_for) {
   p_.optimizer.zero_grad();
   StepValues v;
-  v.step = step;
   for (int64_t micro = 0; micro < p_.accum; ++micro) {
     torch::Tensor inputs, labels;
-    next_batch(step, micro, inputs, labels);
+    batch_for(micro, inputs, labels);
     forward_backward_step(step, micro, inputs, labels, v);
   }
   if (p_.sync_gradients) p_.sync_gradients();
@@ -246,16 +280,48 @@ void Trainer::train_step(int64_t step) {
   const GradNorm g =
       grad_norm_for_step(p_.params, p_.cfg.training.max_norm, p_.grad_sq_all_reduce, p_.grad_counted_elsewhere);
   v.grad_norm = g.norm.to(v.loss_sum.device());
-  v.lr = p_.lr.current_lr();
   apply_update(v, g);
-  p_.lr.step();
-  if (p_.model.step.after_optimizer_step)
-    p_.model.step.after_optimizer_step([this](torch::Tensor& t, const char* tag) {
-      // Where t is: Gloo on the CPU, the world's NCCL group on GPUs (the family's state update
-      // reads nothing back).
-      if (const SumOverRanks sum = sum_over_world(p_.par, tag)) sum(t);
+  return v;
+}
+
+StepValues Trainer::graph_step(int64_t step) {
+  // The batches into the buffers the graph reads, made before the capture (outside its memory
+  // pool) and copied into on the step's stream, which the replay then runs on.
+  for (int64_t micro = 0; micro < p_.accum; ++micro) {
+    torch::Tensor inputs, labels;
+    next_batch(step, micro, inputs, labels);
+    if (!captured_) {
+      graph_inputs_.push_back(torch::empty_like(inputs));
+      graph_labels_.push_back(torch::empty_like(labels));
+    }
+    graph_inputs_[micro].copy_(inputs, /*non_blocking=*/true);
+    graph_labels_[micro].copy_(labels, /*non_blocking=*/true);
+  }
+  if (!captured_) {
+    enter_phase(p_.at, step, "CUDA graph capture");
+    const auto t0 = Clock::now();
+    graph_->capture([this, step] {
+      graph_values_ = step_work(step, [this](int64_t micro, torch::Tensor& inputs, torch::Tensor& labels) {
+        inputs = graph_inputs_[micro];
+        labels = graph_labels_[micro];
+      });
     });
-  pending_.push_back(std::move(v));
+    captured_ = true;
+    spdlog::info("step {}: the training step captured as a CUDA graph in {:.2f} s; each step replays it from here on",
+                 step, seconds_since(t0));
+  } else {
+    window_tokens_ += B_ * T_ * p_.accum;  // forward_backward_step's count, which a replay does not run
+    note_replayed_step(p_.optimizer);      // the host step counts the step's host code raises
+  }
+  enter_phase(p_.at, step, "CUDA graph replay");
+  graph_->replay();
+  // The next replay overwrites the graph's values: this step's are copies (queued after it).
+  StepValues v;
+  v.loss_sum = graph_values_.loss_sum.clone();
+  v.loss_mean = graph_values_.loss_mean.clone();
+  v.grad_norm = graph_values_.grad_norm.clone();
+  v.skipped = graph_values_.skipped.clone();
+  return v;
 }
 
 // The optimizer step, skipped on the device when the loss or the norm is not finite;

@@ -26,6 +26,7 @@
 #include "training/checkpointing.h"
 #include "training/hooks.h"
 #include "training/prefetcher.h"
+#include "training/step_graph.h"
 #include "training/world.h"
 
 namespace ctitan {
@@ -62,6 +63,9 @@ struct TrainerParts {
   // > 0: the MFU reference in FLOP/s given by the job (peak_reference says where from); nothing
   // is measured.
   double given_peak = 0;
+  // training.cuda_graphs: the step captured once and replayed (training/step_graph.h); train.cpp
+  // has refused what the capture cannot take.
+  bool cuda_graphs = false;
 };
 
 // What one step did, for the metrics (host values, read back by Trainer::settle).
@@ -95,7 +99,8 @@ class Trainer {
   // One optimizer step: every micro-batch's forward and backward, the clipping, the optimizer
   // (skipped on the device when the loss or the norm is not finite) and the LR schedule, the
   // family's after-step hook (models/train_model.h). Its values wait in pending_ for settle().
-  void train_step(int64_t step);
+  // capture (training.cuda_graphs): this step's work is captured as the graph later steps replay.
+  void train_step(int64_t step, bool capture = false);
   // One micro-batch's forward and backward ([B, T] tokens and labels on the compute device);
   // adds its share of the objective (with the family's extra term) to v.
   void forward_backward_step(int64_t step, int64_t micro, const torch::Tensor& inputs, const torch::Tensor& labels,
@@ -107,6 +112,13 @@ class Trainer {
 
  private:
   void next_batch(int64_t step, int64_t micro, torch::Tensor& inputs, torch::Tensor& labels);
+  // The step's work from zeroing the gradients to the optimizer's update, each micro-batch's
+  // tokens and labels given by batch_for; returns its values (loss, mean, norm, skip flag).
+  using BatchFor = std::function<void(int64_t micro, torch::Tensor& inputs, torch::Tensor& labels)>;
+  StepValues step_work(int64_t step, const BatchFor& batch_for);
+  // training.cuda_graphs: this step's batches copied into the graph's input buffers, then the
+  // step captured (the first time) and replayed; returns copies of the graph's values.
+  StepValues graph_step(int64_t step);
   void apply_update(StepValues& v, const GradNorm& clip);
   void settle_one(int64_t step, double loss_mean, double grad_norm, bool skipped);
   void after_first_step();
@@ -141,6 +153,14 @@ class Trainer {
   // The step's loss summed over every rank where it is (sum_over: NCCL on GPUs); empty on one
   // process.
   SumOverRanks loss_sum_over_world_;
+  // training.cuda_graphs: the graph (null without), whether it is captured yet, the learning rate
+  // the AdamW kernel reads on the device, the input buffers the graph reads (one per
+  // micro-batch) and the values it writes.
+  std::unique_ptr<StepGraph> graph_;
+  bool captured_ = false;
+  torch::Tensor lr_on_device_;
+  std::vector<torch::Tensor> graph_inputs_, graph_labels_;
+  StepValues graph_values_;
 };
 
 }  // namespace ctitan
