@@ -22,7 +22,8 @@
 //     upcast): within 1e-5 of the terms (ATen's float32 bias corrections and fused multiply-adds
 //     are the difference); the line also counts the elements that differ from the CPU's float32
 //     update (expected none: the same operations, each rounded to nearest). found_inf 1: nothing
-//     changes.
+//     changes. The learning rate read on the device (lr_on_device, training.cuda_graphs): bitwise
+//     the rate passed by value.
 // Timings: forward + backward (torch::autograd::grad, nothing accumulated), CUDA events, median
 // of 20 after 3 warm-ups, each route in turn; ratio = ATen's time / ctitan's. AdamW: one step
 // over the 150M and 8B_8L models' parameter lists, bf16 gradients for ctitan's kernel, float32
@@ -297,6 +298,26 @@ void check_adamw_found_inf() {
   report(same, "adamw found_inf 1", same ? "nothing changed" : "something changed");
 }
 
+// The learning rate read on the device (training.cuda_graphs): the bits of the rate passed by
+// value, with a wrong value passed beside it (0.0422164789…: a rate whose decay 1 − lr·wd in
+// float32 arithmetic would round differently from the float64 one).
+void check_adamw_lr_on_device() {
+  bool same = true;
+  for (const double lr : {kLr, 1e-4 / 3, 0.042216478926141915}) {
+    auto a = adamw_lists({1000, 4097, 3 * 4096 + 17}, at::kBFloat16, true);
+    AdamWLists b{clones(a.params),      clones(a.grads),  clones(a.exp_avgs),
+                 clones(a.exp_avg_sqs), clones(a.copies), clones(a.steps)};
+    ctitan::adamw_cuda(a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, a.copies, a.steps, lr, kBeta1, kBeta2, kEps, kWd,
+                       std::nullopt, std::nullopt);
+    ctitan::adamw_cuda(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.copies, b.steps, 0.5, kBeta1, kBeta2, kEps, kWd,
+                       std::nullopt, std::nullopt, at::full({}, lr, a.steps[0].options().dtype(at::kDouble)));
+    for (size_t i = 0; i < a.params.size(); ++i)
+      same = same && at::equal(a.params[i], b.params[i]) && at::equal(a.exp_avgs[i], b.exp_avgs[i]) &&
+             at::equal(a.exp_avg_sqs[i], b.exp_avg_sqs[i]) && at::equal(a.copies[i], b.copies[i]);
+  }
+  report(same, "adamw lr_on_device", same ? "bitwise the rate by value (3 rates)" : "differs from the rate by value");
+}
+
 // The parameters of a Llama model (as models/llama builds them): the embedding; per layer wq, wk,
 // wv, wo, w1, w2, w3 and the two norms; the final norm and the output projection.
 std::vector<int64_t> llama_param_sizes(int64_t dim, int64_t layers, int64_t kv_dim, int64_t hidden, int64_t vocab) {
@@ -382,6 +403,7 @@ int main() {
   check_adamw(at::kFloat);
   check_adamw(at::kBFloat16);
   check_adamw_found_inf();
+  check_adamw_lr_on_device();
 
   for (const auto& [rows, hidden, vocab, name] : std::vector<std::tuple<int64_t, int64_t, int64_t, std::string>>{
            {16384, 2816, 8192, "150M"}, {8192, 14336, 128256, "8B"}}) {

@@ -217,6 +217,22 @@ ac_part() {
     report "($p) $precision, AC $mode vs none" "$OUT/${p}_$mode.losses" "$OUT/${p}_none.losses" 0 || return 1
   done
 }
+# sync_rule PART PRECISION WHAT [args...]: 12 steps logging every 6th, with CUDA's sync debug mode
+# as errors (CTITAN_SYNC_CHECK=1) in the steps that log and save nothing (a synchronising
+# operation fails the run, naming it) and the host reads traced: those steps must read nothing.
+sync_rule() {
+  local p=$1 precision=$2 what=$3 name="${1}_sync_$2" quiet
+  shift 3
+  run "$name" CTITAN_SYNC_CHECK=1 CTITAN_TRACE_HOST_READS="$OUT/$name.reads" -- --training.steps 12 \
+    --metrics.log_freq 6 --training.mixed_precision_param "$precision" "$@" || return 1
+  quiet=$(awk '$1 != 1 && $1 % 6 != 0 && $2 != 0' "$OUT/$name.reads.rank0" | wc -l)
+  if ((quiet == 0)); then
+    echo "($p) $precision: PASS: $what made no GPU synchronisation and read nothing back"
+  else
+    fail_line "($p) $precision FAIL: $quiet quiet steps read values back ($OUT/$name.reads.rank0)"
+    return 1
+  fi
+}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 if part a; then
@@ -278,17 +294,7 @@ fi
 if part f; then
   log "(f) no host synchronisation inside a step: CUDA's sync debug mode as errors on steps that log and save nothing"
   for precision in float32 bfloat16; do
-    if run "f_$precision" CTITAN_SYNC_CHECK=1 CTITAN_TRACE_HOST_READS="$OUT/f_$precision.reads" -- --training.steps 12 \
-      --metrics.log_freq 6 --training.mixed_precision_param "$precision"; then
-      quiet=$(awk '$1 != 1 && $1 % 6 != 0 && $2 != 0' "$OUT/f_$precision.reads.rank0" | wc -l)
-      if ((quiet == 0)); then
-        echo "(f) $precision: PASS: steps 2-5, 7-11 made no GPU synchronisation and read nothing back"
-      else
-        fail_line "(f) $precision FAIL: $quiet quiet steps read values back ($OUT/f_$precision.reads.rank0)"
-      fi
-    else
-      status=1
-    fi
+    sync_rule f "$precision" "steps 2-5, 7-11" || status=1
   done
 fi
 
@@ -374,18 +380,7 @@ if part i; then
   run_vs "$OUT/a_gpu.losses" 1e-4 "(i) float32, graphs with ATen's kernels vs (a)" i_aten_graphs -- \
     --training.steps 20 "${graphs[@]}" && captured i_aten_graphs
   for precision in float32 bfloat16; do
-    if run "i_sync_$precision" CTITAN_SYNC_CHECK=1 CTITAN_TRACE_HOST_READS="$OUT/i_sync_$precision.reads" -- \
-      --training.steps 12 --metrics.log_freq 6 --training.mixed_precision_param "$precision" "${graphs[@]}" &&
-      captured "i_sync_$precision"; then
-      quiet=$(awk '$1 != 1 && $1 % 6 != 0 && $1 != 3 && $2 != 0' "$OUT/i_sync_$precision.reads.rank0" | wc -l)
-      if ((quiet == 0)); then
-        echo "(i) $precision: PASS: replayed steps 4-5, 7-11 made no GPU synchronisation and read nothing back"
-      else
-        fail_line "(i) $precision FAIL: $quiet replayed steps read values back ($OUT/i_sync_$precision.reads.rank0)"
-      fi
-    else
-      status=1
-    fi
+    sync_rule i "$precision" "replayed steps 4-5, 7-11" "${graphs[@]}" && captured "i_sync_$precision" || status=1
   done
 fi
 

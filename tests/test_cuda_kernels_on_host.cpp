@@ -627,14 +627,16 @@ TEST(CudaKernelsOnHost, AdamWRefusesWhatItCannotTake) {
 
 // The learning rate read from the device (training.cuda_graphs replays the step with each step's
 // rate there): bit for bit the update with that rate passed by value, whatever the value passed
-// beside it, for rates whose lr · wd rounds differently; the kernel's float32 reference for kLr.
+// beside it; 0.0422164789… and 0.0544747693… are rates whose decay 1 − lr·wd computed in float32
+// would round to another float than the host's float64 computation does. The kernel's float32
+// reference for kLr.
 TEST(CudaKernelsOnHost, AdamWLearningRateOnTheDeviceGivesTheBitsOfTheValue) {
   torch::manual_seed(11);
   for (const auto t : {at::kFloat, at::kBFloat16}) {
     SCOPED_TRACE(t == at::kBFloat16 ? "bf16 gradients" : "fp32 gradients");
     const auto specs = odd_sizes(t);
     const auto before = random_adamw(specs);
-    for (const double lr : {kLr, 1e-4 / 3, 7.77e-4, 0.0, 0.1}) {
+    for (const double lr : {kLr, 1e-4 / 3, 7.77e-4, 0.0, 0.1, 0.042216478926141915, 0.05447476933625466}) {
       SCOPED_TRACE("lr " + std::to_string(lr));
       Arena by_value_arena, on_device_arena;
       const auto by_value = guarded(by_value_arena, before, specs);

@@ -265,7 +265,9 @@ StepValues Trainer::step_work(int64_t step, const BatchFor& batch_for) {
     forward_backward_step(step, micro, inputs, labels, v);
   }
   if (p_.sync_gradients) p_.sync_gradients();
-  maybe_inject_fault(p_.par.env.rank, step, v.loss_sum, p_.params);
+  // The test hook's faults change tensors once, in eager steps only: captured, one would repeat
+  // in every replay.
+  if (!capturing_) maybe_inject_fault(p_.par.env.rank, step, v.loss_sum, p_.params);
   // Both values are the same on every rank (a world mean; a norm all-reduced over the
   // shards, whose replicas hold equal gradients), so every rank skips or updates alike.
   enter_phase(p_.at, step, "optimizer");
@@ -300,12 +302,14 @@ StepValues Trainer::graph_step(int64_t step) {
   if (!captured_) {
     enter_phase(p_.at, step, "CUDA graph capture");
     const auto t0 = Clock::now();
+    capturing_ = true;
     graph_->capture([this, step] {
       graph_values_ = step_work(step, [this](int64_t micro, torch::Tensor& inputs, torch::Tensor& labels) {
         inputs = graph_inputs_[micro];
         labels = graph_labels_[micro];
       });
     });
+    capturing_ = false;
     captured_ = true;
     spdlog::info("step {}: the training step captured as a CUDA graph in {:.2f} s; each step replays it from here on",
                  step, seconds_since(t0));

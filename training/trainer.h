@@ -157,7 +157,7 @@ class Trainer {
   // the AdamW kernel reads on the device, the input buffers the graph reads (one per
   // micro-batch) and the values it writes.
   std::unique_ptr<StepGraph> graph_;
-  bool captured_ = false;
+  bool captured_ = false, capturing_ = false;
   torch::Tensor lr_on_device_;
   std::vector<torch::Tensor> graph_inputs_, graph_labels_;
   StepValues graph_values_;
