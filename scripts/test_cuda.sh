@@ -25,8 +25,9 @@ CUDA_VENV="${CTITAN_CUDA_VENV:-$CTITAN_ROOT/.venv-cuda}"
 CUDA_BUILD="${CTITAN_CUDA_BUILD_DIR:-$CTITAN_ROOT/build-cuda}"
 TORCH_CUDA_VERSION="${CTITAN_TORCH_CUDA_VERSION:-2.11.0}"
 # What runs with the CUDA build's binaries by default (test_gpu_plan's suites, and TrainE2E's
-# runs of `train` on one and two ranks, through the launcher, resumed after a stop signal).
-CUDA_TESTS='^((DeviceChoice|FsdpStreamPlan|PinnedStaging|NcclGroups|CudaBuild)\.|TrainE2E\.(TwentyStepsLossFalls|SameSeedGivesBitwiseEqualLosses|BadConfigExitsTwoWithOneLineAndWritesNothing|TwoRanksThroughTheLauncher|StopSignalSavesAndTheRerunResumesExactly)$)'
+# runs of `train` on one and two ranks, through the launcher, resumed after a stop signal, and
+# training.cuda_graphs's refusals with the CUDA build's own graph code linked).
+CUDA_TESTS='^((DeviceChoice|FsdpStreamPlan|PinnedStaging|NcclGroups|CudaBuild)\.|TrainE2E\.(TwentyStepsLossFalls|SameSeedGivesBitwiseEqualLosses|BadConfigExitsTwoWithOneLineAndWritesNothing|TwoRanksThroughTheLauncher|StopSignalSavesAndTheRerunResumesExactly|CudaGraphsRefuseWhatTheCaptureCannotTake)$)'
 
 
 # Step 1: the venv, (re)installed when its torch is not $TORCH_CUDA_VERSION with CUDA or a
