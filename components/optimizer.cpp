@@ -171,7 +171,8 @@ class FusedAdamW : public torch::optim::AdamW {
     const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
 #ifdef CTITAN_WITH_CUDA
     // ctitan's AdamW kernel (the CPU's formula, kernels/fused_cuda.h): with CTITAN_GPU_KERNELS=ctitan,
-    // and for bf16 gradients (FSDP over one rank keeps them then), which torch's kernel does not take.
+    // for bf16 gradients (FSDP over one rank keeps them then), which torch's kernel does not take,
+    // and for a rate read on the device (training.cuda_graphs; torch's kernel reads a float32 one).
     const bool bf16_grads =
         std::any_of(gs.begin(), gs.end(), [](const at::Tensor& g) { return g.scalar_type() != torch::kFloat; });
     if (own_gpu_kernels() || bf16_grads || lr_on_device_.defined()) {
