@@ -804,13 +804,19 @@ TEST(Parallelize, OneRankKeepsBf16GradientsOnlyWhereTheOptimizerReadsThem) {
 TEST_F(TrainE2E, GpuBenchTableOnTheCpu) {
   const std::string out = (root_ / "gpu_bench").string();
   auto r = sh("TRAIN=" + kTrain + " CTITAN_BENCH_DEVICE=cpu CTITAN_BENCH_SHAPES=tiny CTITAN_BENCH_COMPILE=0 " +
-              "CTITAN_BENCH_VARIANTS=own_kernels CTITAN_PEAK_TFLOPS=0.001 " + kSrc + "/bench/gpu_bench.sh " + out +
-              " 2>/dev/null");
+              "CTITAN_BENCH_VARIANTS='own_kernels cuda_graphs' CTITAN_PEAK_TFLOPS=0.001 " + kSrc +
+              "/bench/gpu_bench.sh " + out + " 2>/dev/null");
   ASSERT_EQ(r.code, 0) << r.out;
-  // The variant's row (on the CPU the setting changes nothing; the row and its run are checked).
+  // The variants' rows: own_kernels runs (on the CPU the setting changes nothing; the row and its
+  // run are checked); cuda_graphs is refused on the CPU, so its row has no number, and its log
+  // says why.
   EXPECT_TRUE(std::regex_search(
       r.out, std::regex("\\| tiny, seq 64, batch 2 — ctitan with CTITAN_GPU_KERNELS=ctitan \\| [0-9,]+ \\|")))
       << r.out;
+  EXPECT_NE(r.out.find("| tiny, seq 64, batch 2 — ctitan with training.cuda_graphs | — |"), std::string::npos) << r.out;
+  std::ifstream graphs_log(out + "/tiny.cuda_graphs.log");
+  const std::string graphs_text((std::istreambuf_iterator<char>(graphs_log)), std::istreambuf_iterator<char>());
+  EXPECT_NE(graphs_text.find("training.cuda_graphs = true needs a GPU"), std::string::npos) << graphs_text;
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.out, m,
                                 std::regex("\\| tiny, seq 64, batch 2 \\| ([0-9,]+) \\| ([0-9,]+) \\| ([0-9.]+)× \\| — "
