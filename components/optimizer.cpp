@@ -113,30 +113,13 @@ class FusedAdamW : public torch::optim::AdamW {
   void read_lr_from(torch::Tensor lr) { lr_on_device_ = std::move(lr); }
 
   // A replayed CUDA graph of a step ran the device step counts on by one without this object's
-  // host code: the host counts (what checkpoints store) follow, as step_on_gpu raises them.
-  void note_replayed_step() {
-    for (auto& group : param_groups_)
-      for (auto& p : group.params()) {
-        auto it = gpu_steps_.find(p.unsafeGetTensorImpl());
-        if (!on_gpu(p) || it == gpu_steps_.end() || !p.grad().defined()) continue;
-        auto& st = state_for(p);
-        st.step(st.step() + 1);
-        it->second.host_step = st.step();
-      }
-  }
+  // host code: the host counts (what checkpoints store) follow, as step_on_gpu raises them (for
+  // the parameters with a gradient, the ones the captured step updates).
+  void note_replayed_step() { move_host_steps(+1, /*with_grads_only=*/true); }
 
   // `n` steps the GPU kernel skipped (found when the caller read the flags back): their host
   // step counts, raised by step_unless, go back down. CPU steps were skipped on the host.
-  void note_skipped_on_gpu(int64_t n) {
-    for (auto& group : param_groups_)
-      for (auto& p : group.params()) {
-        auto it = gpu_steps_.find(p.unsafeGetTensorImpl());
-        if (!on_gpu(p) || it == gpu_steps_.end()) continue;
-        auto& st = state_for(p);
-        st.step(st.step() - n);
-        it->second.host_step = st.step();
-      }
-  }
+  void note_skipped_on_gpu(int64_t n) { move_host_steps(-n, /*with_grads_only=*/false); }
 
  private:
   // Parameters on a GPU: torch's fused AdamW (one multi-tensor kernel over the group; its
@@ -191,6 +174,19 @@ class FusedAdamW : public torch::optim::AdamW {
   };
   std::unordered_map<void*, DeviceStep> gpu_steps_;
   torch::Tensor lr_on_device_;  // read_lr_from's
+
+  // The host step count of each GPU parameter that has a device count moved by `by`, and the
+  // device count's record of it kept in step (so step_on_gpu does not make the count anew).
+  void move_host_steps(int64_t by, bool with_grads_only) {
+    for (auto& group : param_groups_)
+      for (auto& p : group.params()) {
+        auto it = gpu_steps_.find(p.unsafeGetTensorImpl());
+        if (!on_gpu(p) || it == gpu_steps_.end() || (with_grads_only && !p.grad().defined())) continue;
+        auto& st = state_for(p);
+        st.step(st.step() + by);
+        it->second.host_step = st.step();
+      }
+  }
 
   torch::optim::AdamWParamState& state_for(const torch::Tensor& p) {
     void* const key = p.unsafeGetTensorImpl();  // the key LibTorch files state under

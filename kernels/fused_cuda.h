@@ -71,9 +71,9 @@ struct AdamWHyper {
 // One launch covers up to 48 tensors (several launches for more); tensors of no elements are
 // skipped. grad_scale (nullable device float): gradients are divided by it as they are read.
 // found_inf (nullable device float): when it is nonzero the kernel changes nothing.
-// lr_on_device (nullable device double): the learning rate, read by the kernel in place of h.lr
-// (and the decay 1 − lr·wd computed from it with the same two roundings as the host's), so that
-// a captured CUDA graph replays each step with that step's rate; the same bits as h.lr = *it.
+// lr_on_device (nullable device double): the learning rate, read by the kernel in place of h.lr,
+// so that a captured CUDA graph replays each step with that step's rate; the same bits as
+// h.lr = *it (the kernel computes the decay 1 − lr·wd from whichever rate it has).
 // Returns cudaError_t as int (cudaErrorInvalidValue for a negative count or size, or no table).
 int adamw(Elem grad, const AdamWTensor* tensors, int64_t count, const AdamWHyper& h, const float* grad_scale,
           const float* found_inf, void* stream, const double* lr_on_device = nullptr);

@@ -345,10 +345,10 @@ struct AdamWTable {
 };
 
 // The step-independent coefficients, rounded to float32 as the CPU update rounds them, and what
-// the bias corrections need in float64.
+// the bias corrections and the decay need in float64.
 struct AdamWConstants {
   double lr, beta1, beta2, weight_decay;
-  float decay, b1, b2, c1, c2, eps;
+  float b1, b2, c1, c2, eps;
 };
 
 // A launch's arguments: at most 4 KiB (32 KiB only from CUDA 12.1 on, on Volta and later GPUs).
@@ -358,9 +358,9 @@ static_assert(sizeof(AdamWTable) + sizeof(AdamWConstants) + 3 * sizeof(void*) <=
 // address of a kernel argument would copy the whole table to each thread's local memory). Its
 // step's coefficients are computed by each thread before its elements, in float64 as the CPU
 // update computes them from the integer step count; then, per element, the CPU update's float32
-// operations in its order. With lr_on_device (a float64 on the device, read when the kernel runs:
-// a captured CUDA graph replays with each step's rate) the rate and the decay 1 − lr·wd come from
-// it, the decay with the host's two roundings (no fused multiply-add), so both routes give the
+// operations in its order. The rate is k.lr, or the float64 at lr_on_device (read when the kernel
+// runs: a captured CUDA graph replays with each step's rate); the decay 1 − lr·wd is computed from
+// it with the CPU update's two float64 roundings (no fused multiply-add), so both routes give the
 // same bits for the same rate.
 template <class G>
 __global__ void __launch_bounds__(kThreads)
@@ -374,8 +374,7 @@ __global__ void __launch_bounds__(kThreads)
   const double bc1 = 1.0 - pow(k.beta1, s), bc2 = 1.0 - pow(k.beta2, s);
   const float sqrt_bc2 = static_cast<float>(sqrt(bc2));
   const double lr = lr_on_device != nullptr ? *lr_on_device : k.lr;
-  const float decay =
-      lr_on_device != nullptr ? static_cast<float>(__dsub_rn(1.0, __dmul_rn(lr, k.weight_decay))) : k.decay;
+  const float decay = static_cast<float>(__dsub_rn(1.0, __dmul_rn(lr, k.weight_decay)));
   const float step_size = static_cast<float>(lr / bc1);
   const float scale = grad_scale != nullptr ? *grad_scale : 1.0f;
   float* __restrict__ P = t.param;
@@ -491,7 +490,6 @@ int adamw(Elem grad, const AdamWTensor* tensors, int64_t count, const AdamWHyper
                          h.beta1,
                          h.beta2,
                          h.weight_decay,
-                         static_cast<float>(1.0 - h.lr * h.weight_decay),
                          static_cast<float>(h.beta1),
                          static_cast<float>(h.beta2),
                          static_cast<float>(1.0 - h.beta1),

@@ -428,10 +428,10 @@ double max_abs_diff(const Tensor& a, const Tensor& b) {
   return a.numel() == 0 ? 0.0 : (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
 }
 
-// `after` is `before` updated once (gradients divided by grad_scale; 0: none): bitwise the float32
+// `after` is `before` updated once at rate lr (gradients divided by grad_scale; 0: none): bitwise the float32
 // evaluation, within the bounds of the float64 one, each defined copy of `after` bf16(param)
 // exactly, the gradients and step counts untouched.
-void expect_updated(const AdamWState& before, const AdamWState& after, float grad_scale) {
+void expect_updated(const AdamWState& before, const AdamWState& after, float grad_scale, double lr = kLr) {
   const AdamWBounds bound;
   for (size_t i = 0; i < before.params.size(); ++i) {
     const int64_t n = before.params[i].numel();
@@ -439,7 +439,7 @@ void expect_updated(const AdamWState& before, const AdamWState& after, float gra
                  std::to_string(n) + " elements, " +
                  (before.grads[i].scalar_type() == at::kBFloat16 ? "bf16" : "fp32") + " gradient, step " +
                  std::to_string(before.steps[i].item<double>()));
-    const auto k = adamw_coefficients(kLr, kBeta1, kBeta2, kEps, kWd, before.steps[i].item<double>());
+    const auto k = adamw_coefficients(lr, kBeta1, kBeta2, kEps, kWd, before.steps[i].item<double>());
     auto p = before.params[i].clone(), m = before.exp_avgs[i].clone(), v = before.exp_avg_sqs[i].clone();
     const auto copy = adamw_float32(p, before.grads[i], m, v, k, grad_scale);
     EXPECT_TRUE(at::equal(after.params[i], p)) << "param: max |kernel − float32| " << max_abs_diff(after.params[i], p);
@@ -628,8 +628,8 @@ TEST(CudaKernelsOnHost, AdamWRefusesWhatItCannotTake) {
 // The learning rate read from the device (training.cuda_graphs replays the step with each step's
 // rate there): bit for bit the update with that rate passed by value, whatever the value passed
 // beside it; 0.0422164789… and 0.0544747693… are rates whose decay 1 − lr·wd computed in float32
-// would round to another float than the host's float64 computation does. The kernel's float32
-// reference for kLr.
+// would round to another float than the host's float64 computation does. Each rate's result is
+// also the float32 reference's.
 TEST(CudaKernelsOnHost, AdamWLearningRateOnTheDeviceGivesTheBitsOfTheValue) {
   torch::manual_seed(11);
   for (const auto t : {at::kFloat, at::kBFloat16}) {
@@ -653,7 +653,7 @@ TEST(CudaKernelsOnHost, AdamWLearningRateOnTheDeviceGivesTheBitsOfTheValue) {
         EXPECT_TRUE(same_bits(on_device.exp_avg_sqs[i], by_value.exp_avg_sqs[i])) << "exp_avg_sq " << i;
         EXPECT_TRUE(same_bits(on_device.copies[i], by_value.copies[i])) << "copy " << i;
       }
-      if (lr == kLr) expect_updated(before, on_device, 0);
+      expect_updated(before, on_device, 0, lr);
       EXPECT_TRUE(by_value_arena.intact() && on_device_arena.intact()) << "the kernel wrote outside its operands";
     }
   }
