@@ -576,15 +576,7 @@ int64_t working_set_bytes(int64_t head_dim, int64_t T) {
   return 4 * head_dim * round_up(T, kLineFloats) * static_cast<int64_t>(sizeof(float));
 }
 
-bool wide_vectors() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return yes;
-#else
-  return false;
-#endif
-}
+bool wide_vectors() { return kernel::wide_lanes(); }
 
 bool avx2_vectors() {
 #if defined(__x86_64__) && defined(__GNUC__)

@@ -58,6 +58,31 @@ using lanes8u = uint32_t __attribute__((vector_size(32)));
 struct Lanes {
   int64_t j;  // the first of 16 consecutive elements
 };
+// The same 16 lanes for the AVX-512 clone (select_less says why there are two forms): a
+// `WideLanes` index gives `Wide16` values, whose helpers compare whole vectors. The arithmetic
+// is lanes16f's, lane for lane.
+struct WideLanes {
+  int64_t j;
+};
+struct Wide16 {
+  lanes16f v;
+};
+#define CTITAN_WIDE16_OP(op)                                             \
+  inline Wide16 operator op(Wide16 a, Wide16 b) { return {a.v op b.v}; } \
+  inline Wide16 operator op(Wide16 a, float b) { return {a.v op b}; }    \
+  inline Wide16 operator op(float a, Wide16 b) { return {a op b.v}; }    \
+  inline Wide16& operator op##=(Wide16& a, Wide16 b) {                   \
+    a.v = a.v op b.v;                                                    \
+    return a;                                                            \
+  }
+CTITAN_WIDE16_OP(+)
+CTITAN_WIDE16_OP(-)
+CTITAN_WIDE16_OP(*)
+CTITAN_WIDE16_OP(/)
+#undef CTITAN_WIDE16_OP
+inline Wide16 operator-(Wide16 a) { return {-a.v}; }
+template <class T>
+inline constexpr bool is_lanes_v = std::is_same_v<T, Lanes> || std::is_same_v<T, WideLanes>;
 
 template <class V>
 struct HalfLanes {};
@@ -70,15 +95,21 @@ struct HalfLanes<lanes16u> {
   using type = lanes8u;
 };
 
-// a < b ? x : y, lane by lane (or for scalars). 16-lane vectors are compared as two 8-lane
-// halves: GCC 12 compiles a 64-byte comparison in the AVX2 clone (x86-64-v3, no 64-byte
-// registers) into 16 scalar compares and conditional moves through the stack, and so ran the
-// cross-entropy rows at a tenth of their speed on a Zen 3, while 32-byte halves compile to
-// vcmpps + vblendvps there (two ymm operations in the AVX-512 clone). The same lanes are
-// selected either way.
-template <class V, class W>
+// a < b ? x : y, lane by lane (or for scalars), in one of two forms for 16-lane vectors that
+// select the same lanes. GCC compiles each CTITAN_KERNEL twice for x86-64 vectors, and neither
+// form compiles well in both clones:
+// - halves (Whole false): two 8-lane compares. GCC 12 compiles a 64-byte comparison in the
+//   AVX2 clone (x86-64-v3, no 64-byte registers) into 16 scalar compares and conditional
+//   moves through the stack, and so ran the cross-entropy rows at a tenth of their speed on a
+//   Zen 3; 32-byte halves compile to vcmpps + vblendvps there.
+// - whole (Whole true): one 64-byte compare. In the AVX-512 clone the halves' results are
+//   joined back into one register through the stack (two 32-byte stores, then a 64-byte load
+//   that store forwarding cannot serve), which made bf16 attention's softmax 2.5x slower on an
+//   Intel Xeon (AMX) than whole compares (debug model, bf16: 9,701 -> 5,935 tokens/s).
+// The 16-lane loops below take the whole form where the AVX-512 clone runs (wide_lanes()).
+template <bool Whole = false, class V, class W>
 inline W select_less(V a, V b, W x, W y) {
-  if constexpr (std::is_same_v<V, lanes16f> || std::is_same_v<V, lanes16u>) {
+  if constexpr (!Whole && (std::is_same_v<V, lanes16f> || std::is_same_v<V, lanes16u>)) {
     using HV = typename HalfLanes<V>::type;
     using HW = typename HalfLanes<W>::type;
     HV a2[2], b2[2];
@@ -96,13 +127,25 @@ inline W select_less(V a, V b, W x, W y) {
   }
 }
 
+// True where the loader picks CTITAN_KERNEL's AVX-512 clone (x86-64-v4: AVX-512 F, BW, DQ and
+// VL among its features): there the 16-lane loops compare whole vectors. Read once.
+inline bool wide_lanes() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return yes;
+#else
+  return false;
+#endif
+}
+
 // The bf16 bits of float32 bits u, rounded to nearest even, NaN kept NaN (in the low 16 bits).
 // U: uint32_t, or a vector of them (kernel_math's 16-lane store uses the same rounding).
-template <class U>
+template <class U, bool Whole = false>
 inline U bf16_bits(U u) {
   const U rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   // NaN: the magnitude's bits above infinity's
-  return select_less(U{} + 0x7F800000u, u & 0x7FFFFFFFu, U{} + 0x7FC0u, rounded);
+  return select_less<Whole>(U{} + 0x7F800000u, u & 0x7FFFFFFFu, U{} + 0x7FC0u, rounded);
 }
 template <>
 inline c10::BFloat16 narrow_to<c10::BFloat16>(float f) {
@@ -142,15 +185,16 @@ inline V exp_held(V x) {
 
 // e^x in float32 within ~2 ulp, branch-free: exp_held's degree 7. Below -87 (e^x < 2^-125,
 // where the exponent trick stops working) the result is 0, as for the masked keys' -inf.
-// V, U: float and uint32_t, or lanes16f and lanes16u.
-template <class V, class U>
+// V, U: float and uint32_t, or lanes16f and lanes16u; Whole: select_less's form.
+template <class V, class U, bool Whole = false>
 inline V exp_fast_lanes(V x) {
   const V lo = splat<V>(-87.0f), hi = splat<V>(88.0f);
-  const V held = select_less(hi, x, hi, select_less(x, lo, lo, x));
-  return select_less(x, lo, splat<V>(0.0f), exp_held<7, V, U>(held));
+  const V held = select_less<Whole>(hi, x, hi, select_less<Whole>(x, lo, lo, x));
+  return select_less<Whole>(x, lo, splat<V>(0.0f), exp_held<7, V, U>(held));
 }
 inline float exp_fast(float x) { return exp_fast_lanes<float, uint32_t>(x); }
 inline lanes16f exp_fast(lanes16f x) { return exp_fast_lanes<lanes16f, lanes16u>(x); }
+inline Wide16 exp_fast(Wide16 x) { return {exp_fast_lanes<lanes16f, lanes16u, true>(x.v)}; }
 inline double exp_fast(double x) { return std::exp(x); }
 
 // Element j of a row, widened to the accumulator type (scalar), or elements j.j .. j.j + 15.
@@ -177,20 +221,35 @@ inline void st(T* p, int64_t j, A v) {
   p[j] = narrow_to<T>(v);
 }
 inline void st(float* p, Lanes j, lanes16f v) { std::memcpy(p + j.j, &v, sizeof v); }
-inline void st(c10::BFloat16* p, Lanes j, lanes16f v) {
+template <bool Whole = false>
+inline void st_bf16(c10::BFloat16* p, int64_t j, lanes16f v) {
   lanes16u u;
   std::memcpy(&u, &v, sizeof u);
-  const lanes16h h = __builtin_convertvector(bf16_bits(u), lanes16h);
-  std::memcpy(p + j.j, &h, sizeof h);
+  const lanes16h h = __builtin_convertvector((bf16_bits<lanes16u, Whole>(u)), lanes16h);
+  std::memcpy(p + j, &h, sizeof h);
 }
+inline void st(c10::BFloat16* p, Lanes j, lanes16f v) { st_bf16(p, j.j, v); }
+inline Wide16 ld(const float* p, WideLanes j) { return {ld(p, Lanes{j.j})}; }
+inline Wide16 ld(const c10::BFloat16* p, WideLanes j) { return {ld(p, Lanes{j.j})}; }
+inline void st(float* p, WideLanes j, Wide16 v) { st(p, Lanes{j.j}, v.v); }
+inline void st(c10::BFloat16* p, WideLanes j, Wide16 v) { st_bf16<true>(p, j.j, v.v); }
 
-// Acc float: f(Lanes{j}) for each full group of 16 elements of [0, n), f(j) for the rest;
-// Acc double: f(j) for every element.
+// Acc float: f(Lanes{j}) for each full group of 16 elements of [0, n) (f(WideLanes{j}) where
+// wide_lanes()), f(j) for the rest; Acc double: f(j) for every element. The groups' loops
+// below take the index form as Index; the public loops choose it once per call.
+inline lanes16f lanes_of(lanes16f v) { return v; }
+inline lanes16f lanes_of(Wide16 v) { return v.v; }
+
+template <class Index, class F>
+inline int64_t for_groups(int64_t n, F&& f) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) f(Index{j});
+  return j;
+}
 template <class Acc, class F>
 inline void for_lanes(int64_t n, F&& f) {
   int64_t j = 0;
-  if constexpr (std::is_same_v<Acc, float>)
-    for (; j + 16 <= n; j += 16) f(Lanes{j});
+  if constexpr (std::is_same_v<Acc, float>) j = wide_lanes() ? for_groups<WideLanes>(n, f) : for_groups<Lanes>(n, f);
   for (; j < n; ++j) f(j);
 }
 
@@ -198,14 +257,19 @@ inline void for_lanes(int64_t n, F&& f) {
 // -ffast-math GCC will not reorder a float sum or max into vector lanes itself, and a scalar
 // reduction is what made these loops slow. float: f(Lanes) gives 16 lanes at a time (see
 // above), f(int64_t) one tail element; double: 8 scalar lanes of f(int64_t). The order is
-// fixed, so results are reproducible.
+// fixed, so results are reproducible, and the same in either index form.
+template <class Index, class F>
+inline lanes16f sum_groups(int64_t n, int64_t& j, F&& f) {
+  lanes16f part = {};
+  for (; j + 16 <= n; j += 16) part += lanes_of(f(Index{j}));
+  return part;
+}
 template <class Acc, class F>
 inline Acc lane_sum(int64_t n, F&& f) {
   int64_t j = 0;
   Acc s = 0;
   if constexpr (std::is_same_v<Acc, float>) {
-    lanes16f part = {};
-    for (; j + 16 <= n; j += 16) part += f(Lanes{j});
+    const lanes16f part = wide_lanes() ? sum_groups<WideLanes>(n, j, f) : sum_groups<Lanes>(n, j, f);
     for (int k = 0; k < 16; ++k) s += part[k];
   } else {
     Acc part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -216,16 +280,21 @@ inline Acc lane_sum(int64_t n, F&& f) {
   for (; j < n; ++j) s += f(j);
   return s;
 }
+template <class Index, class F>
+inline lanes16f max_groups(int64_t n, int64_t& j, float init, F&& f) {
+  lanes16f part = splat<lanes16f>(init);
+  for (; j + 16 <= n; j += 16) {
+    const lanes16f v = lanes_of(f(Index{j}));
+    part = select_less<std::is_same_v<Index, WideLanes>>(part, v, v, part);
+  }
+  return part;
+}
 template <class Acc, class F>
 inline Acc lane_max(int64_t n, Acc init, F&& f) {
   int64_t j = 0;
   Acc m = init;
   if constexpr (std::is_same_v<Acc, float>) {
-    lanes16f part = splat<lanes16f>(init);
-    for (; j + 16 <= n; j += 16) {
-      const lanes16f v = f(Lanes{j});
-      part = select_less(part, v, v, part);
-    }
+    const lanes16f part = wide_lanes() ? max_groups<WideLanes>(n, j, init, f) : max_groups<Lanes>(n, j, init, f);
     for (int k = 0; k < 16; ++k) m = part[k] > m ? part[k] : m;
   } else {
     Acc part[8] = {init, init, init, init, init, init, init, init};

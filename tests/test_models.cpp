@@ -1004,13 +1004,69 @@ TEST(SdpaChoice, TimesWhatATenTakesAndLeavesItsOrder) {
 
 // ---- kernel_math.h: the 16-lane forms of the kernels' helpers -----------------------------
 // Each lane must compute exactly what the scalar helper computes for its element, so the
-// vectorised softmax / cross-entropy loops give the bits a scalar loop would.
+// vectorised softmax / cross-entropy loops give the bits a scalar loop would — in both index
+// forms: Lanes (compares in 8-lane halves, the AVX2 clone's) and WideLanes (whole 16-lane
+// compares, the AVX-512 clone's; select_less in kernel_math.h says why there are two).
+namespace {
+
+uint32_t float_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  return u;
+}
+
+template <class Index>
+void expect_lanes_as_scalars(const std::vector<float>& x) {
+  using namespace kernel;
+  SCOPED_TRACE((std::is_same_v<Index, WideLanes> ? "WideLanes" : "Lanes"));
+  std::vector<c10::BFloat16> h(x.size()), h_ref(x.size());
+  std::vector<float> e(x.size()), back(x.size());
+  for (size_t j = 0; j < x.size(); j += 16) {
+    const auto v = ld(x.data(), Index{static_cast<int64_t>(j)});
+    st(e.data(), Index{static_cast<int64_t>(j)}, exp_fast(v));
+    st(h.data(), Index{static_cast<int64_t>(j)}, v);
+  }
+  for (size_t j = 0; j < x.size(); j += 16)
+    st(back.data(), Index{static_cast<int64_t>(j)}, ld(h.data(), Index{static_cast<int64_t>(j)}));
+  int exp_mismatch = 0, bf16_mismatch = 0, widen_mismatch = 0;
+  for (size_t j = 0; j < x.size(); ++j) {
+    const float want = exp_fast(x[j]);
+    exp_mismatch += !(float_bits(e[j]) == float_bits(want) || (std::isnan(e[j]) && std::isnan(want)));
+    st(h_ref.data(), static_cast<int64_t>(j), x[j]);
+    bf16_mismatch += h[j].x != h_ref[j].x;
+    widen_mismatch += float_bits(back[j]) != float_bits(widen(h_ref[j]));
+  }
+  EXPECT_EQ(exp_mismatch, 0);
+  EXPECT_EQ(bf16_mismatch, 0);
+  EXPECT_EQ(widen_mismatch, 0);
+  // The groups' max against a scalar loop with the same rule (a NaN never replaces the
+  // maximum), lane by lane; the groups' sum against the lanes' own float sums.
+  const auto load = [&](auto j) { return ld(x.data(), j); };
+  int64_t j = 0;
+  const int64_t n = static_cast<int64_t>(x.size());
+  const lanes16f mx = max_groups<Index>(n, j, -std::numeric_limits<float>::infinity(), load);
+  EXPECT_EQ(j, n);
+  // (the sum over the sweep alone, elements 32 to 415: finite, so every lane's bits count)
+  const int64_t sum_from = 32, sum_n = 384;
+  j = 0;
+  const lanes16f sm = sum_groups<Index>(sum_n, j, [&](auto i) { return ld(x.data() + sum_from, i); });
+  for (int k = 0; k < 16; ++k) {
+    float want_max = -std::numeric_limits<float>::infinity(), want_sum = 0.0f;
+    for (int64_t i = k; i < n; i += 16) want_max = x[i] > want_max ? x[i] : want_max;
+    for (int64_t i = k; i < sum_n; i += 16) want_sum += x[sum_from + i];
+    EXPECT_EQ(float_bits(mx[k]), float_bits(want_max)) << "lane " << k;
+    EXPECT_EQ(float_bits(sm[k]), float_bits(want_sum)) << "lane " << k;
+  }
+}
+
+}  // namespace
+
 TEST(KernelMath, LanesComputeExactlyWhatTheScalarHelpersDo) {
   using namespace kernel;
   std::vector<float> x;  // the exp's special ranges, a sweep, then random bit patterns
   for (float v : {-std::numeric_limits<float>::infinity(), std::numeric_limits<float>::infinity(),
-                  std::numeric_limits<float>::quiet_NaN(), -87.5f, -87.0f, -86.99f, 0.0f, -0.0f, 1e-30f, 87.9f, 88.0f,
-                  88.5f, 0.5f, -0.5f, 0.34657359f, 1.0f})
+                  std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(), -87.5f, -87.0f,
+                  -86.99f, 0.0f, -0.0f, 1e-30f, 87.9f, 88.0f, 88.5f, 0.5f, -0.5f, 0.34657359f, 1.0f})
     x.push_back(v);
   for (int i = 0; i < 400; ++i) x.push_back(-100.0f + 0.47f * static_cast<float>(i));
   uint32_t state = 12345u;
@@ -1021,39 +1077,16 @@ TEST(KernelMath, LanesComputeExactlyWhatTheScalarHelpersDo) {
     x.push_back(v);
   }
   x.resize(x.size() / 16 * 16);
-  auto bits = [](float v) {
-    uint32_t u;
-    std::memcpy(&u, &v, sizeof u);
-    return u;
-  };
-  std::vector<c10::BFloat16> h(x.size()), h_ref(x.size());
-  std::vector<float> e(x.size()), back(x.size());
-  for (size_t j = 0; j < x.size(); j += 16) {
-    const lanes16f v = ld(x.data(), Lanes{static_cast<int64_t>(j)});
-    st(e.data(), Lanes{static_cast<int64_t>(j)}, exp_fast(v));
-    st(h.data(), Lanes{static_cast<int64_t>(j)}, v);
-  }
-  for (size_t j = 0; j < x.size(); j += 16)
-    st(back.data(), Lanes{static_cast<int64_t>(j)}, ld(h.data(), Lanes{static_cast<int64_t>(j)}));
-  int exp_mismatch = 0, bf16_mismatch = 0, widen_mismatch = 0;
-  for (size_t j = 0; j < x.size(); ++j) {
-    const float want = exp_fast(x[j]);
-    exp_mismatch += !(bits(e[j]) == bits(want) || (std::isnan(e[j]) && std::isnan(want)));
-    st(h_ref.data(), static_cast<int64_t>(j), x[j]);
-    bf16_mismatch += h[j].x != h_ref[j].x;
-    widen_mismatch += bits(back[j]) != bits(widen(h_ref[j]));
-  }
-  EXPECT_EQ(exp_mismatch, 0);
-  EXPECT_EQ(bf16_mismatch, 0);
-  EXPECT_EQ(widen_mismatch, 0);
-  // lane_max against a scalar loop with the same rule (a NaN never replaces the maximum), on
-  // the whole sweep and on a tail that is not a whole number of 16-lane groups.
+  expect_lanes_as_scalars<Lanes>(x);
+  expect_lanes_as_scalars<WideLanes>(x);
+  // lane_max (the form wide_lanes() picks) against a scalar loop, on the whole sweep and on a
+  // tail that is not a whole number of 16-lane groups.
   for (const int64_t n : {static_cast<int64_t>(x.size()), int64_t{37}}) {
     float want = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) want = x[j] > want ? x[j] : want;
     const float got =
         lane_max<float>(n, -std::numeric_limits<float>::infinity(), [&](auto j) { return ld(x.data(), j); });
-    EXPECT_EQ(bits(got), bits(want)) << "n " << n;
+    EXPECT_EQ(float_bits(got), float_bits(want)) << "n " << n;
   }
   // The scalar helpers themselves: e^x within a few ulp where it is representable, 0 below
   // the cut-off, bf16 rounding to nearest even, NaN kept NaN.
@@ -1079,7 +1112,7 @@ TEST(KernelMath, LanesComputeExactlyWhatTheScalarHelpersDo) {
   EXPECT_NEAR(sm, sm_ref, 1e-5 * std::abs(sm_ref) + 1e-4);
   int visited = 0;
   for_lanes<float>(n, [&](auto j) {
-    if constexpr (std::is_same_v<decltype(j), Lanes>)
+    if constexpr (is_lanes_v<decltype(j)>)
       visited += 16;
     else
       visited += 1;
