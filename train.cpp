@@ -725,7 +725,7 @@ void log_cpu_attention(const Job& j, const ModelArgs& margs) {
   const int64_t hd = margs.sizes.head_dim, T = j.cfg.training.seq_len;
   const int64_t set_kib = attention_direct::working_set_bytes(hd, T) / 1024;
   const int64_t l2_kib = attention_direct::l2_bytes() / 1024;
-  const int64_t limit_kib = attention_direct::working_set_limit_bytes() / 1024;
+  const int64_t limit_kib = attention_direct::working_set_limit_bytes(hd) / 1024;
   // The limit's share of the L2, from the two numbers (the factor lives in the rule alone).
   const std::string vectors =
       fmt::format("{}: {}", attention_direct::wide_vectors() ? "AVX-512" : "AVX2",

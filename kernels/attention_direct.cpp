@@ -587,14 +587,14 @@ bool avx2_vectors() {
 #endif
 }
 
-int64_t working_set_limit_bytes() {
-  if (wide_vectors()) return l2_bytes() / 2;
+int64_t working_set_limit_bytes(int64_t head_dim) {
+  if (wide_vectors()) return l2_bytes() * 32 / std::max<int64_t>(head_dim, 1);
   if (avx2_vectors()) return 8 * l2_bytes();
   return 0;
 }
 
 bool preferred(int64_t head_dim, int64_t T) {
-  return takes(head_dim) && working_set_bytes(head_dim, T) <= working_set_limit_bytes();
+  return takes(head_dim) && working_set_bytes(head_dim, T) <= working_set_limit_bytes(head_dim);
 }
 
 void forward(const Shape& s, double scale, const float* q, const float* k, const float* v, float* out, float* lse,

@@ -26,7 +26,10 @@ bool takes(int64_t head_dim);
 // bench/kernel_bench.cpp's second table, docs/performance.md:
 // - AVX-512 (16-float vectors, eight query rows per register block), the Intel Xeon (2 MiB
 //   L2): direct 1.06-1.5x faster up to 1 MiB (head dim 16 at 512-4096 positions, 32 at
-//   512-2048, 64 at 512), 0.84-0.9x at 2 MiB (head dim 64 at 2048). Limit: half the L2.
+//   512-2048, 64 at 512), and the wider the head, the sooner the tiles win beyond: at 2 MiB
+//   1.40-1.44x (16 at 8192), 1.09x (32 at 4096), 0.84-0.96x (64 at 2048); at 4 MiB 1.26-1.29x
+//   (16 at 16384), 0.94-0.95x (32 at 8192), 0.76-0.81x (64 at 4096). Limit: L2 · 32 / hd (two
+//   L2s for head dim 16, one for 32, half for 64; half for all until 2026-12-08).
 // - AVX2 (8-float vectors), an AMD EPYC of the Zen 3 generation (512 KiB L2), since the
 //   eight-row backward (7352b4c): direct 1.04-2.8x faster up to 2 MiB; at 4 MiB 2.4-2.6x (head
 //   dim 16 at 16384), 1.4-1.5x (32 at 8192), 0.95-1.09x (64 at 4096); at 8 MiB 0.6x (32 at
@@ -37,7 +40,7 @@ int64_t l2_bytes();
 int64_t working_set_bytes(int64_t head_dim, int64_t T);
 bool wide_vectors();  // AVX-512 F/BW/DQ/VL: CTITAN_KERNEL's x86-64-v4 clone
 bool avx2_vectors();  // AVX2 + FMA: its x86-64-v3 clone
-int64_t working_set_limit_bytes();
+int64_t working_set_limit_bytes(int64_t head_dim);
 bool preferred(int64_t head_dim, int64_t T);
 
 struct Shape {

@@ -716,8 +716,8 @@ TEST(FlashAttention, DirectKernelsDoNotDependOnTheThreadCount) {
 }
 
 // The rule takes the direct kernels while a backward task's working set (4 · hd · T floats)
-// is within the limit of the CPU's vectors (half the L2 with AVX-512, eight times it with AVX2,
-// never with neither), and never for a head size they are not built for.
+// is within the limit of the CPU's vectors (L2 · 32 / hd with AVX-512, eight times the L2 with
+// AVX2, never with neither), and never for a head size they are not built for.
 TEST(FlashAttention, DirectKernelsRuleFollowsTheVectorsAndTheL2) {
   const int64_t l2 = attention_direct::l2_bytes();
   ASSERT_GT(l2 / 2, 4 * 64 * 16 * 4) << "an L2 smaller than the smallest working set";
@@ -733,11 +733,12 @@ TEST(FlashAttention, DirectKernelsRuleFollowsTheVectorsAndTheL2) {
   const bool avx2 = flags.count("avx2") && flags.count("fma");
   EXPECT_EQ(attention_direct::wide_vectors(), avx512) << "cpuinfo flags: " << line;
   EXPECT_EQ(attention_direct::avx2_vectors(), avx2) << "cpuinfo flags: " << line;
-  const int64_t limit = avx512 ? l2 / 2 : avx2 ? 8 * l2 : 0;
-  EXPECT_EQ(attention_direct::working_set_limit_bytes(), limit);
-  for (const int64_t hd : {16, 32, 64})
-    for (const int64_t T : {16, 512, 2048, 4096, 16384})
+  for (const int64_t hd : {16, 32, 64}) {
+    const int64_t limit = avx512 ? l2 * 32 / hd : avx2 ? 8 * l2 : 0;
+    EXPECT_EQ(attention_direct::working_set_limit_bytes(hd), limit) << "hd " << hd;
+    for (const int64_t T : {16, 512, 2048, 4096, 8192, 16384, 32768})
       EXPECT_EQ(attention_direct::preferred(hd, T), 16 * hd * T <= limit) << "hd " << hd << " T " << T;
+  }
   EXPECT_FALSE(attention_direct::takes(8));
   EXPECT_FALSE(attention_direct::preferred(8, 16));
   EXPECT_FALSE(attention_direct::preferred(128, 16));
