@@ -44,9 +44,9 @@ inline T narrow_to(float f) {
   return static_cast<T>(f);
 }
 // 16 float32 lanes in a GCC vector (one AVX-512 register, two AVX2 or four SSE ones), and
-// the same lanes as raw bits / as bf16 bits. Loops over a row hand their body a `Lanes`
-// index for each full group of 16 elements and a plain int64_t for the tail; the helpers
-// below (ld, st, exp_fast) take either, so one generic lambda serves both. (GCC does not
+// the same lanes as raw bits / as bf16 bits. Loops over a row hand their body a `Lanes` (or
+// `WideLanes`) index for each full group of 16 elements and a plain int64_t for the tail; the
+// helpers below (ld, st, exp_fast) take any, so one generic lambda serves all. (GCC does not
 // vectorise a per-element body with exp's bit tricks and bf16 rounding by itself: it built
 // each vector from 16 scalar broadcasts, which made the softmax loops the slowest part of
 // attention.) Each lane computes exactly what the scalar code computes for its element.
